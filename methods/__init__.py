@@ -1,0 +1,57 @@
+"""Context-parallel attention methods behind one interface.
+
+    spec  = AttnSpec(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, causal=True)
+    block = methods.build("upipe", spec, group=pg, chunk_heads=8)
+    y_loc = block(block.shard(x, dim=1), positions=block.shard(torch.arange(S), dim=0))
+
+Importing the package imports every module in it, so each method's ``@register``
+decorator runs: adding a method is adding one file here.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .registry import MethodInfo, all_infos, get_info, register, unregister
+from .spec import AttnSpec
+
+_INFRA = {"base", "comm", "kernels", "reference", "registry", "rope", "spec"}
+for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name not in _INFRA and not _mod.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_mod.name}")
+
+
+def available(detail: bool = False) -> list[str] | list[MethodInfo]:
+    """Names of the methods usable here; ``detail=True``: every registered method's info."""
+    if detail:
+        return all_infos()
+    return [info.name for info in all_infos() if info.usable]
+
+
+def validate(name: str, spec: AttnSpec, world_size: int, **options) -> None:
+    """Every check ``build`` makes, without a process group: unknown method, missing optional
+    library, unknown option, violated constraint. Raises ``ValueError`` saying how to fix it.
+    """
+    info = get_info(name)
+    missing = info.missing()
+    if missing:
+        hint = info.install_hint or f"pip install {' '.join(missing)}"
+        raise ValueError(
+            f"method {name!r} needs {', '.join(missing)}, which is not importable here; "
+            f"install it ({hint}) or choose one of {available()}"
+        )
+    info.cls.validate(spec, world_size, info.cls.parse_options(**options))
+
+
+def build(name: str, spec: AttnSpec, group=None, **options):
+    """Build method ``name`` for ``spec`` on ``group`` (None: one device) with typed options.
+
+    All checks of ``validate`` run first, before any communication.
+    """
+    from .comm import world
+
+    validate(name, spec, world(group)[0], **options)
+    return get_info(name).cls(spec, group, **options)
+
+
+__all__ = ["AttnSpec", "MethodInfo", "available", "build", "get_info", "validate", "register", "unregister"]

@@ -1,0 +1,185 @@
+"""What every method shares: the parameters, option parsing, layout and constraints.
+
+``AttentionParams`` owns the block's weights with the names every method and the
+reference use (``wq, wk, wv, wo`` and ``q_norm, k_norm`` with QK-norm), so a single
+``state_dict`` loads into all of them. ``AttentionMethod`` adds the distributed part:
+the process group, typed options (a dataclass per method), ``validate`` (raising a
+``ValueError`` that names the constraint and the fix before any communication) and the
+sequence layout (``shard``/``unshard``), contiguous unless a method overrides it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .kernels import get_kernel, softmax_scale
+from .rope import apply_rope, rope_cos_sin
+from .spec import AttnSpec
+
+NORM_EPS = 1e-6
+
+
+def head_rows(weight: torch.Tensor, heads: list[int], head_dim: int) -> torch.Tensor:
+    """Rows of a projection weight for the given heads, in that order.
+
+    A contiguous ascending run of heads is a view (no copy); anything else (a GQA stage's
+    strided heads, replicated KV heads) is gathered, and autograd sums the gradient of
+    repeated rows back into the original ones (how replicated KV weights are reduced).
+    """
+    if heads == list(range(heads[0], heads[0] + len(heads))):
+        return weight[heads[0] * head_dim : (heads[0] + len(heads)) * head_dim]
+    return weight.view(-1, head_dim, weight.shape[-1])[torch.tensor(heads, device=weight.device)].reshape(
+        len(heads) * head_dim, weight.shape[-1]
+    )
+
+
+def project(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    head_dim: int,
+    norm_weight: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T`` split into heads, then optional per-head RMSNorm, then optional RoPE."""
+    t = F.linear(x, weight).unflatten(-1, (-1, head_dim))
+    if norm_weight is not None:
+        t = F.rms_norm(t, (head_dim,), norm_weight, NORM_EPS)
+    if cos is not None:
+        t = apply_rope(t, cos, sin)
+    return t
+
+
+class AttentionParams(nn.Module):
+    """The weights of one attention block (shared names across all methods)."""
+
+    def __init__(self, spec: AttnSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        h, g, d, dim = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.dim
+        self.wq = nn.Linear(dim, h * d, bias=False)
+        self.wk = nn.Linear(dim, g * d, bias=False)
+        self.wv = nn.Linear(dim, g * d, bias=False)
+        self.wo = nn.Linear(h * d, dim, bias=False)
+        if spec.qk_norm:
+            self.q_norm = nn.RMSNorm(d, eps=NORM_EPS)
+            self.k_norm = nn.RMSNorm(d, eps=NORM_EPS)
+        else:
+            self.q_norm = self.k_norm = None
+
+    @property
+    def q_norm_weight(self) -> torch.Tensor | None:
+        return None if self.q_norm is None else self.q_norm.weight
+
+    @property
+    def k_norm_weight(self) -> torch.Tensor | None:
+        return None if self.k_norm is None else self.k_norm.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """Options every method accepts. Subclass (as a frozen dataclass) to add a method's own."""
+
+    kernel: str | None = None  # attention kernel (methods/kernels.py); None: process default
+
+
+class AttentionMethod(AttentionParams):
+    """Base of every context-parallel method: sequence-sharded ``[B, S/C, dim]`` in and out."""
+
+    method_name: ClassVar[str] = "?"
+    Options: ClassVar[type] = MethodOptions
+
+    def __init__(self, spec: AttnSpec, group=None, **options) -> None:
+        super().__init__(spec)
+        self.group = group
+        self.world_size, self.rank = comm.world(group)
+        self.options = self.parse_options(**options)
+        self.validate(spec, self.world_size, self.options)
+        self.kernel = get_kernel(self.options.kernel)
+        self.scale = softmax_scale(spec.head_dim)
+
+    # ------------------------------------------------------------------ options and checks
+    @classmethod
+    def parse_options(cls, **options) -> MethodOptions:
+        """Typed options; an unknown name is refused with the list of valid ones."""
+        valid = [f.name for f in dataclasses.fields(cls.Options)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {unknown} for method {cls.method_name!r}; valid options: {valid}"
+            )
+        return cls.Options(**options)
+
+    @classmethod
+    def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
+        """Raise ``ValueError`` naming the violated constraint and the fix. Override and extend."""
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        if options.kernel is not None:
+            get_kernel(options.kernel)
+
+    @classmethod
+    def seq_multiple(cls, world_size: int, options: MethodOptions) -> int:
+        """The global sequence length must be a multiple of this (the layout's granularity)."""
+        return world_size
+
+    @classmethod
+    def check_seq_len(cls, seq_len: int, world_size: int, options: MethodOptions) -> None:
+        multiple = cls.seq_multiple(world_size, options)
+        if seq_len % multiple:
+            lower = seq_len - seq_len % multiple
+            raise ValueError(
+                f"sequence length {seq_len} is not divisible by {multiple}, which method "
+                f"{cls.method_name!r} needs at world size {world_size} (its sequence layout); "
+                f"pad or trim the sequence to a multiple of {multiple}, e.g. {lower or multiple}"
+            )
+
+    # ------------------------------------------------------------------ sequence layout
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of a full-sequence tensor (contiguous chunk by default)."""
+        self.check_seq_len(x.shape[dim], self.world_size, self.options)
+        return x.chunk(self.world_size, dim=dim)[self.rank].contiguous()
+
+    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Inverse of ``shard``: the full sequence on every rank (all-gather; no autograd)."""
+        return comm.all_gather_cat(x, self.group, dim)
+
+    def default_positions(self, local_len: int, device) -> torch.Tensor:
+        return self.shard(torch.arange(local_len * self.world_size, device=device), dim=0)
+
+    def rope_for(self, x: torch.Tensor, positions: torch.Tensor | None):
+        """RoPE tables for the local tokens (global positions; default: this layout's)."""
+        if positions is None:
+            positions = self.default_positions(x.shape[1], x.device)
+        if positions.shape != (x.shape[1],):
+            raise ValueError(
+                f"positions must be 1-D with one entry per local token ({x.shape[1]}), "
+                f"got shape {tuple(positions.shape)}"
+            )
+        return self.rope(positions, x.dtype)
+
+    # ------------------------------------------------------------------ shared constraints
+    @staticmethod
+    def check_head_split(spec: AttnSpec, world_size: int, who: str) -> int:
+        """Head-sharded (Ulysses-style) constraints; returns the KV replication factor."""
+        h, g, c = spec.n_heads, spec.n_kv_heads, world_size
+        if h % c:
+            raise ValueError(
+                f"{who}: n_heads={h} is not divisible by the world size {c}; each rank attends "
+                f"H/C heads, so use a head-parallel degree that divides {h} (or a ring-based method)"
+            )
+        if g % c and c % g:
+            raise ValueError(
+                f"{who}: n_kv_heads={g} and world size {c} do not divide one another; KV heads are "
+                f"split across ranks (C | G) or replicated C/G times (G | C): choose such a world size"
+            )
+        return c // g if g < c else 1

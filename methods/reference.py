@@ -1,0 +1,31 @@
+"""The single-device attention block: the ground truth every method is checked against.
+
+Plain autograd, whole sequence on one device, RoPE with the given positions, GQA through
+the kernel's native head mapping (query head ``i`` uses KV head ``i // (H/G)``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionParams, project
+from .kernels import Kernel, attention, get_kernel
+from .spec import AttnSpec
+
+
+class AttentionBlock(AttentionParams):
+    """Reference attention block, ``[B, S, dim] -> [B, S, dim]``."""
+
+    def __init__(self, spec: AttnSpec, kernel: str | None = "math") -> None:
+        super().__init__(spec)
+        self.kernel: Kernel = get_kernel(kernel)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        cos, sin = self.rope(positions, x.dtype)
+        d = self.spec.head_dim
+        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
+        k = project(x, self.wk.weight, d, self.k_norm_weight, cos, sin)
+        v = project(x, self.wv.weight, d)
+        out = attention(q, k, v, self.spec.causal, self.kernel)
+        return self.wo(out.flatten(2))

@@ -1,0 +1,81 @@
+"""Method registry: methods register themselves by decorator in their own module.
+
+Adding a method means adding one file in ``methods/`` that uses ``@register``;
+``methods/__init__.py`` imports every module of the package, so the registry is
+complete as soon as ``methods`` is imported. A method whose optional library is
+missing still registers (so ``python -m methods`` can say what it needs) but is
+marked unusable and ``build`` refuses it with the install command.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+T = TypeVar("T", bound=type)
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """One registered method: its class, a one-line description and what it needs."""
+
+    name: str
+    cls: type
+    description: str
+    requires: tuple[str, ...] = field(default=())
+    install_hint: str = ""
+
+    def missing(self) -> list[str]:
+        """The optional modules this method needs that cannot be imported here."""
+        return [mod for mod in self.requires if not _importable(mod)]
+
+    @property
+    def usable(self) -> bool:
+        return not self.missing()
+
+    @property
+    def status(self) -> str:
+        missing = self.missing()
+        return "ok" if not missing else "needs " + ", ".join(missing)
+
+
+_REGISTRY: dict[str, MethodInfo] = {}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def register(
+    name: str, description: str, requires: tuple[str, ...] = (), install_hint: str = ""
+) -> Callable[[T], T]:
+    """Class decorator adding a method to the registry under ``name``."""
+
+    def deco(cls: T) -> T:
+        if name in _REGISTRY and _REGISTRY[name].cls is not cls:
+            raise ValueError(f"method name {name!r} is already registered by {_REGISTRY[name].cls}")
+        cls.method_name = name
+        _REGISTRY[name] = MethodInfo(name, cls, description, tuple(requires), install_hint)
+        return cls
+
+    return deco
+
+
+def unregister(name: str) -> None:
+    """Remove a method (tests register throw-away methods and clean up after)."""
+    _REGISTRY.pop(name, None)
+
+
+def get_info(name: str) -> MethodInfo:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY)) or "(none)"
+        raise ValueError(f"unknown method {name!r}; available methods: {known}") from None
+
+
+def all_infos() -> list[MethodInfo]:
+    return [_REGISTRY[n] for n in sorted(_REGISTRY)]

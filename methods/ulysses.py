@@ -1,0 +1,44 @@
+"""DeepSpeed-Ulysses: sequence parallelism by two all-to-alls around full-sequence attention.
+
+Each of C ranks projects Q/K/V for its S/C tokens and all heads, the sequence->head
+all-to-all gives every rank all S tokens of H/C query heads (and G/C KV heads, or one
+replica when G < C), local attention runs there, and the head->sequence all-to-all
+brings the output back before the output projection. Plain autograd throughout.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .base import AttentionMethod, MethodOptions, head_rows, project
+from .kernels import attention
+from .registry import register
+from .spec import AttnSpec
+
+
+def replicated_kv_heads(spec: AttnSpec, replication: int) -> list[int]:
+    """KV head index of each effective head when every KV head is replicated ``replication`` times."""
+    return [j // replication for j in range(spec.n_kv_heads * replication)]
+
+
+@register("ulysses", "DeepSpeed-Ulysses: all-to-all seq->heads, attention on H/C heads, all-to-all back")
+class Ulysses(AttentionMethod):
+    @classmethod
+    def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
+        super().validate(spec, world_size, options)
+        cls.check_head_split(spec, world_size, "ulysses")
+
+    def __init__(self, spec: AttnSpec, group=None, **options) -> None:
+        super().__init__(spec, group, **options)
+        self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, self.world_size, "ulysses"))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self.rope_for(x, positions)
+        d = self.spec.head_dim
+        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
+        k = project(x, head_rows(self.wk.weight, self.kv_heads, d), d, self.k_norm_weight, cos, sin)
+        v = project(x, head_rows(self.wv.weight, self.kv_heads, d), d)
+        q, k, v = (comm.seq_to_head(t, self.group) for t in (q, k, v))
+        out = attention(q, k, v, self.spec.causal, self.kernel, self.scale)
+        out = comm.head_to_seq(out, self.group)
+        return self.wo(out.flatten(2))

@@ -1,0 +1,117 @@
+"""A persistent pool of gloo ranks shared by many checks (spawning costs ~1 s per rank).
+
+``RankPool(4)`` spawns 4 CPU ranks once, each with the world group and subgroups of the
+first 1, 2 and 4 ranks. ``pool.run(fn, *args, world_size=2)`` runs ``fn(group, *args)``
+on ranks 0..1 with the 2-rank group (the others idle) and returns each rank's result.
+``fn`` must be a module-level function (it is pickled by reference). An exception on a
+rank is re-raised here with the remote traceback; a hang (one rank raised while its
+peers wait in a collective) ends at the gloo timeout and the pool is restarted.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+GLOO_TIMEOUT_S = 30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, tasks, results, setup: Callable | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if setup is not None:
+        setup()
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S)
+    )
+    groups = {n: dist.new_group(list(range(n))) for n in (1, 2, 4, 8) if n < size}
+    groups[size] = dist.group.WORLD
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs, n = task
+        if rank >= n:
+            continue
+        try:
+            results.put((rank, True, fn(groups[n], *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RemoteError(AssertionError):
+    """A check raised on a rank; the message holds that rank's traceback."""
+
+
+class RankPool:
+    def __init__(self, size: int = 4, setup: Callable | None = None, task_timeout: float = 120) -> None:
+        self.size, self.setup, self.task_timeout = size, setup, task_timeout
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.tasks = [ctx.Queue() for _ in range(self.size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.size, port, self.tasks[r], self.results, self.setup),
+                daemon=True,
+            )
+            for r in range(self.size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, world_size: int | None = None, **kwargs: Any) -> list:
+        """Run ``fn(group, *args, **kwargs)`` on the first ``world_size`` ranks; results by rank."""
+        n = self.size if world_size is None else world_size
+        if n not in (1, 2, 4, 8) and n != self.size or n > self.size:
+            raise ValueError(f"world_size {n} not available in a pool of {self.size}")
+        for q in self.tasks:
+            q.put((fn, args, kwargs, n))
+        got: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(got) < n:
+                rank, ok, value = self.results.get(timeout=self.task_timeout)
+                got[rank] = (ok, value)
+        except queue.Empty:
+            self.restart()
+            raise RemoteError(f"{fn.__name__} timed out after {self.task_timeout}s; ranks done: {sorted(got)}")
+        failures = [(r, v) for r, (ok, v) in sorted(got.items()) if not ok]
+        if failures:
+            # a failed rank may have left its peers' gloo state broken: start clean for the next check
+            self.restart()
+            raise RemoteError(f"rank {failures[0][0]} raised:\n{failures[0][1]}")
+        return [got[r][1] for r in range(n)]
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()

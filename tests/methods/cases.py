@@ -1,0 +1,102 @@
+"""The correctness matrix and the worker-side check every method goes through.
+
+Driven by ``methods.available()``: a method joins the matrix by registering. Extra option
+variants per method live in ``VARIANTS``; a method not listed there runs with defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import methods
+from methods.comm import all_reduce_sum_
+from methods.reference import AttentionBlock
+
+SEQ_LEN = 64  # divisible by 2*C*chunks for every layout at C <= 4
+BATCH = 2
+WORLD_SIZES = (1, 2, 4)
+
+# name -> AttnSpec kwargs. "gqa-kv2" has fewer KV heads than ranks at C = 4 (replication).
+SPECS = {
+    "mha": dict(dim=64, n_heads=8, n_kv_heads=8, head_dim=16),
+    "gqa": dict(dim=64, n_heads=8, n_kv_heads=4, head_dim=16),
+    "gqa-kv2": dict(dim=64, n_heads=8, n_kv_heads=2, head_dim=16),
+    "gqa-qknorm": dict(dim=48, n_heads=8, n_kv_heads=2, head_dim=8, qk_norm=True, rope_theta=1e6),
+}
+
+# Tolerances on max|a - b| / max|b| against the fp32 reference (TransformerEngine uses
+# about 2.5e-2 for bf16 and 3.5e-2 with GQA; fp32 paths differ only by summation order).
+TOLERANCE = {"float32": 2e-5, "bfloat16": 3.5e-2}
+
+
+def variants(method: str, world_size: int, spec: dict) -> list[dict]:
+    """Option sets to test for a method at a world size (deduplicated, defaults first)."""
+    h = spec["n_heads"]
+    table = {
+        "upipe": [{}, {"chunk_heads": 2 * world_size}, {"chunk_heads": h}],
+    }
+    out: list[dict] = []
+    for v in table.get(method, [{}]):
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
+
+
+def check_against_reference(group, method: str, spec_kwargs: dict, options: dict, dtype: str) -> dict:
+    """Run ``method`` and the reference on equal weights and inputs; relative errors by tensor.
+
+    Weight gradients are per-rank partial sums (each rank sees its own tokens); they are
+    summed over the group here, as FSDP/DDP would, before comparison.
+    """
+    torch.manual_seed(1234)
+    dt = getattr(torch, dtype)
+    spec = methods.AttnSpec(**spec_kwargs)
+    block = methods.build(method, spec, group=group, **options)
+    ref = AttentionBlock(spec, kernel="math")
+    ref.load_state_dict(block.state_dict())
+    block.to(dt)
+    ref.load_state_dict({k: v.float() for k, v in block.state_dict().items()})  # same rounded weights
+
+    x = torch.randn(BATCH, SEQ_LEN, spec.dim).to(dt)
+    dy = torch.randn(BATCH, SEQ_LEN, spec.dim).to(dt)
+    x_ref = x.float().clone().requires_grad_()
+    y_ref = ref(x_ref)
+    y_ref.backward(dy.float())
+
+    x_loc = block.shard(x, dim=1).detach().clone().requires_grad_()
+    pos = block.shard(torch.arange(SEQ_LEN), dim=0)
+    y_loc = block(x_loc, positions=pos)
+    assert y_loc.dtype == dt and y_loc.shape == x_loc.shape, (y_loc.dtype, y_loc.shape)
+    y_loc.backward(block.shard(dy, dim=1))
+
+    errors = {
+        "out": rel_err(block.unshard(y_loc.detach(), dim=1), y_ref),
+        "dx": rel_err(block.unshard(x_loc.grad, dim=1), x_ref.grad),
+    }
+    ref_grads = dict(ref.named_parameters())
+    for name, p in block.named_parameters():
+        assert p.grad is not None, f"no gradient for {name}"
+        errors["d_" + name] = rel_err(all_reduce_sum_(p.grad.detach().float().clone(), group), ref_grads[name].grad)
+    return errors
+
+
+def cases(methods_list: list[str]):
+    """Every (method, ws, spec, causal, dtype, options) in the matrix, with a readable id."""
+    import pytest
+
+    for method in methods_list:
+        for ws in WORLD_SIZES:
+            for spec_name, spec in SPECS.items():
+                for causal in (True, False):
+                    for dtype in ("float32", "bfloat16"):
+                        for opts in variants(method, ws, spec):
+                            opt_id = ",".join(f"{k}={v}" for k, v in opts.items()) or "default"
+                            yield pytest.param(
+                                method, ws, dict(spec, causal=causal), opts, dtype,
+                                id=f"{method}-ws{ws}-{spec_name}-{'causal' if causal else 'full'}-{dtype}-{opt_id}",
+                            )
