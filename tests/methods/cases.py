@@ -35,6 +35,10 @@ def variants(method: str, world_size: int, spec: dict) -> list[dict]:
     h = spec["n_heads"]
     table = {
         "upipe": [{}, {"chunk_heads": 2 * world_size}, {"chunk_heads": h}],
+        "ring": [{}],
+        "usp": [{}],
+        "fpdt": [{}],
+        "offload": [{}],
     }
     out: list[dict] = []
     for v in table.get(method, [{}]):
