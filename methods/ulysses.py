@@ -32,6 +32,21 @@ class Ulysses(AttentionMethod):
         super().__init__(spec, group, **options)
         self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, self.world_size, "ulysses"))
 
+    @classmethod
+    def activation_bytes(
+        cls, spec: AttnSpec, seq_len: int, world_size: int, options: MethodOptions,
+        batch: int = 1, dtype_bytes: int = 2,
+    ) -> int:
+        """Peak activation bytes per rank, ``M_ulysses = (5H/C + 2G_e/C) * b*B*S*d``.
+
+        Derivation in methods/upipe.py's docstring (peak while exchanging dout: saved q, k, v,
+        out in head layout plus dout with its send and receive buffers).
+        """
+        c = world_size
+        g_eff = spec.n_kv_heads * cls.check_head_split(spec, c, "ulysses")
+        unit = dtype_bytes * batch * seq_len * spec.head_dim
+        return (5 * spec.n_heads // c + 2 * g_eff // c) * unit
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
         d = self.spec.head_dim

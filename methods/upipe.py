@@ -29,33 +29,40 @@ kernel backward, accumulates dK/dV over the group's stages, returns dQ (and dK/d
 group's end) with the head->sequence all-to-all and back-propagates them into dx and
 the weight rows.
 
-Activation memory of the attention block (per rank, batch B, bytes per element b, local
-tokens n = S/C, full sequence S, head dim d, dim D; fp32 LSE; what a caching allocator
-holds at the peak of forward+backward, x and dy excluded). Ulysses keeps Q/K/V/O and the
-all-to-all copies of all heads alive:
+Activation memory (per rank; bf16 b = 2 bytes; batch B, sequence S, C ranks, n = S/C
+local tokens, head dim d, model dim D, G_e KV heads after replication). Counted: every
+tensor the block allocates during forward+backward, at its peak; not counted: weights,
+their gradients, the block input x, its output y and the incoming gradient dy (they
+belong to the surrounding model). Unit u = b*B*S*d, one head of the full sequence, so a
+rank's share of H heads in sequence layout, b*B*n*H*d, is (H/C)*u.
 
-    M_ulysses ~ b*B*n*d*(2*H + 2*G_e)            saved: q, k, v (head layout), out
-              + b*B*n*d*(H + 2*G_e) + ...         the seq-layout copies alive while exchanging
-    (peak in backward: saved q, k, v, out + dout, dq, dk, dv in head layout + exchange buffers)
+Ulysses peaks while exchanging dout: saved q, k, v and the attention output in head
+layout (2H/C + 2G_e/C)*u, plus dout, its send buffer and receive buffer 3*(H/C)*u:
 
-UPipe keeps the pre-``wo`` output (``b*B*n*H*d``) plus one stage's buffers:
+    M_ulysses = (5*H/C + 2*G_e/C) * u
 
-    M_upipe  ~ b*B*n*H*d                                  out (saved, sequence layout)
-             + b*B*S*d*(q_r + ... )                       one stage's q/o/do/dq, head layout
-             + (b + 4)*B*S*k_r*d * 2                      the group's k/v and fp32 dk/dv sums
+UPipe peaks in a stage's kernel backward: the saved pre-wo output (H/C)*u, dx b*B*n*D,
+and one stage: the group's k, v, their dK/dV sums and the kernel's dk, dv (6*k_r*u),
+and the stage's q, o, do, dq (4*q_r*u), with fp32 LSEs of all stages (4*B*S*H/C bytes):
 
-The exact per-term accounting used by the memory test is ``activation_bytes`` below;
-the per-stage intermediate reduction of the paper is 1 - U/H (75% for H=32, 87.5% for
-H=64 at U = C = 8).
+    M_upipe = (H/C)*u + b*B*n*D + (6*k_r + 4*q_r)*u + 4*B*S*H/C
+
+With U = C (q_r = k_r = 1) the head-dependent part no longer grows with H: only the
+persistent output does. ``activation_bytes`` evaluates both; tests/methods/test_memory.py
+checks them against the simulated peak (FakeTensorMode + fake process group + MemTracker).
+The paper's per-stage reduction of attention intermediates is 1 - U/H: 75% for H = 32
+and 87.5% for H = 64 at U = C = 8.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import comm
-from .base import AttentionMethod, MethodOptions, head_rows, project
+from .base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, project
+from .rope import apply_rope
 from .registry import register
 from .spec import AttnSpec
 
@@ -97,9 +104,23 @@ def _rows(heads: list[int], head_dim: int, device) -> torch.Tensor:
     return idx.reshape(-1)
 
 
+def _post(t: torch.Tensor, head_dim: int, norm_weight, cos, sin) -> torch.Tensor:
+    """Everything ``project`` does after the GEMM (head split, QK-norm, RoPE)."""
+    t = t.unflatten(-1, (-1, head_dim))
+    if norm_weight is not None:
+        t = F.rms_norm(t, (head_dim,), norm_weight, NORM_EPS)
+    return apply_rope(t, cos, sin) if cos is not None else t
+
+
 class _UPipeFunction(torch.autograd.Function):
+    """Forward and backward of the whole block (projections, stages, ``wo``) in one function.
+
+    Backward never holds a full-head gradient of the pre-``wo`` output: each stage derives
+    its own slice ``dy @ wo[:, stage]``; dx is accumulated in place with ``addmm_``.
+    """
+
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, qn, kn, cos, sin, block):
+    def forward(ctx, x, wq, wk, wv, wo, qn, kn, cos, sin, block):
         spec, group, kernel = block.spec, block.group, block.kernel
         b, n, _ = x.shape
         d, h = spec.head_dim, spec.n_heads
@@ -121,72 +142,70 @@ class _UPipeFunction(torch.autograd.Function):
             lses.append(lse)
         del k, v
         ctx.block = block
-        ctx.has_qn, ctx.has_kn = qn is not None, kn is not None
-        ctx.save_for_backward(x, out, wq, wk, wv, qn, kn, cos, sin, *lses)
-        return out
+        ctx.save_for_backward(x, out, wq, wk, wv, wo, qn, kn, cos, sin, *lses)
+        return F.linear(out, wo)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dy):
         block = ctx.block
         spec, group, kernel = block.spec, block.group, block.kernel
-        x, out, wq, wk, wv, qn, kn, cos, sin, *lses = ctx.saved_tensors
+        x, out, wq, wk, wv, wo, qn, kn, cos, sin, *lses = ctx.saved_tensors
         d = spec.head_dim
-        b, n, _ = x.shape
+        b, n, dim = x.shape
+        x2, dy2 = x.reshape(-1, dim), dy.reshape(-1, dim)
         out_heads = out.view(b, n, spec.n_heads, d)
-        dout_heads = dout.reshape(b, n, spec.n_heads, d)
         dx = torch.zeros_like(x)
+        dx2 = dx.view(-1, dim)
         dwq, dwk, dwv = torch.zeros_like(wq), torch.zeros_like(wk), torch.zeros_like(wv)
+        dwo = torch.mm(dy2.t(), out.reshape(-1, out.shape[-1]))
         dqn = torch.zeros_like(qn) if qn is not None else None
         dkn = torch.zeros_like(kn) if kn is not None else None
 
-        def leaf(t):
-            return None if t is None else t.detach().requires_grad_()
-
-        def accumulate(outputs, grads, weight_leaf, heads, dweight, norm_leaf, dnorm):
-            inputs = [x_leaf, weight_leaf] + ([norm_leaf] if norm_leaf is not None else [])
-            got = torch.autograd.grad(outputs, inputs, grads)
-            dx.add_(got[0])
-            dweight.index_add_(0, _rows(heads, d, x.device), got[1])
-            if norm_leaf is not None:
-                dnorm.add_(got[2])
+        def backprop(weight_rows, heads, dweight, norm, dnorm, rope, grad_pre):
+            """Recompute ``post(x @ w.T)`` under autograd, push ``grad_pre`` through it, and
+            accumulate the GEMM's gradients by hand (``addmm_`` into dx: no dx-sized temporary)."""
+            t = F.linear(x, weight_rows).requires_grad_()
+            norm_leaf = None if norm is None else norm.detach().requires_grad_()
+            with torch.enable_grad():
+                pre = _post(t, d, norm_leaf, *(rope if rope else (None, None)))
+            grads = torch.autograd.grad(pre, [t] + ([norm_leaf] if norm_leaf is not None else []), grad_pre)
+            dt = grads[0].reshape(-1, weight_rows.shape[0])
+            dx2.addmm_(dt, weight_rows)
+            dweight.index_add_(0, _rows(heads, d, x.device), torch.mm(dt.t(), x2))
+            if dnorm is not None:
+                dnorm.add_(grads[1])
 
         stages = block.stages
         for s, stage in enumerate(stages):
-            x_leaf = leaf(x) if stage.kv_heads is not None else x_leaf
             if stage.kv_heads is not None:
                 kv_heads = stage.kv_heads
-                wk_leaf, wv_leaf, kn_leaf = leaf(head_rows(wk, kv_heads, d)), leaf(head_rows(wv, kv_heads, d)), leaf(kn)
-                with torch.enable_grad():
-                    k_pre = project(x_leaf, wk_leaf, d, kn_leaf, cos, sin)
-                    v_pre = project(x_leaf, wv_leaf, d)
-                k = comm.seq_to_head_(k_pre.detach(), group)
-                v = comm.seq_to_head_(v_pre.detach(), group)
-                dk = torch.zeros_like(k, dtype=torch.float32)
-                dv = torch.zeros_like(v, dtype=torch.float32)
+                wk_rows, wv_rows = head_rows(wk, kv_heads, d), head_rows(wv, kv_heads, d)
+                k = comm.seq_to_head_(project(x, wk_rows, d, kn, cos, sin), group)
+                v = comm.seq_to_head_(project(x, wv_rows, d), group)
+                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
             heads = torch.tensor(stage.q_heads, device=x.device)
-            wq_leaf, qn_leaf = leaf(head_rows(wq, stage.q_heads, d)), leaf(qn)
-            with torch.enable_grad():
-                q_pre = project(x_leaf, wq_leaf, d, qn_leaf, cos, sin)
-            q = comm.seq_to_head_(q_pre.detach(), group)
+            wq_rows = head_rows(wq, stage.q_heads, d)
+            q = comm.seq_to_head_(project(x, wq_rows, d, qn, cos, sin), group)
             o = comm.seq_to_head_(out_heads.index_select(2, heads), group)
-            do = comm.seq_to_head_(dout_heads.index_select(2, heads), group)
+            wo_cols = wo[:, _rows(stage.q_heads, d, x.device)]
+            do = comm.seq_to_head_(torch.mm(dy2, wo_cols).view(b, n, -1, d), group)
             dq, dk_s, dv_s = kernel.backward(do, q, k, v, o, lses[s], spec.causal, block.scale)
             del q, o, do
             dk.add_(dk_s)
             dv.add_(dv_s)
             del dk_s, dv_s
-            dq = comm.head_to_seq_(dq, group)
-            accumulate(q_pre, dq, wq_leaf, stage.q_heads, dwq, qn_leaf, dqn)
-            del dq, q_pre
-            last_of_group = s + 1 == len(stages) or stages[s + 1].kv_heads is not None
-            if last_of_group:
-                dk_pre = comm.head_to_seq_(dk.to(k.dtype), group)
-                dv_pre = comm.head_to_seq_(dv.to(v.dtype), group)
-                del k, v, dk, dv
-                accumulate(k_pre, dk_pre, wk_leaf, kv_heads, dwk, kn_leaf, dkn)
-                accumulate(v_pre, dv_pre, wv_leaf, kv_heads, dwv, None, None)
-                del dk_pre, dv_pre, k_pre, v_pre
-        return dx, dwq, dwk, dwv, dqn, dkn, None, None, None
+            dq = comm.head_to_seq_(dq, group)  # rebinding drops the head-layout copy first
+            backprop(wq_rows, stage.q_heads, dwq, qn, dqn, (cos, sin), dq)
+            del dq
+            if s + 1 == len(stages) or stages[s + 1].kv_heads is not None:  # end of a KV group
+                del k, v
+                dk = comm.head_to_seq_(dk, group)
+                backprop(wk_rows, kv_heads, dwk, kn, dkn, (cos, sin), dk)
+                del dk
+                dv = comm.head_to_seq_(dv, group)
+                backprop(wv_rows, kv_heads, dwv, None, None, None, dv)
+                del dv
+        return dx, dwq, dwk, dwv, dwo, dqn, dkn, None, None, None
 
 
 @register(
@@ -231,10 +250,25 @@ class UPipe(AttentionMethod):
         self.chunk_heads = self.chunk_heads_for(spec, self.world_size, self.options)
         self.stages = plan_stages(spec, self.world_size, self.chunk_heads)
 
+    @classmethod
+    def activation_bytes(
+        cls, spec: AttnSpec, seq_len: int, world_size: int, options: UPipeOptions,
+        batch: int = 1, dtype_bytes: int = 2,
+    ) -> int:
+        """``M_upipe`` of the module docstring (the memory model the simulation is checked against)."""
+        c, h = world_size, spec.n_heads
+        u = cls.chunk_heads_for(spec, c, options)
+        ge = h // (spec.n_kv_heads * (c // spec.n_kv_heads if spec.n_kv_heads < c else 1))
+        qr = u // c
+        kr = 1 if qr <= ge else qr // ge
+        unit = dtype_bytes * batch * seq_len * spec.head_dim
+        local_x = dtype_bytes * batch * (seq_len // c) * spec.dim
+        return (h // c) * unit + local_x + (6 * kr + 4 * qr) * unit + 4 * batch * seq_len * h // c
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
         out = _UPipeFunction.apply(
-            x, self.wq.weight, self.wk.weight, self.wv.weight,
+            x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
             self.q_norm_weight, self.k_norm_weight, cos, sin, self,
         )
-        return self.wo(out)
+        return out
