@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 demo: $(STAMP)
-	$(VPY) -m bench.demo
+	$(VPY) -m sweeps.demo
 
 figs: $(STAMP)
 	$(VPY) -m analysis figs

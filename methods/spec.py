@@ -32,6 +32,10 @@ class AttnSpec:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
+        for name in ("dim", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"AttnSpec.{name} must be a positive int, got {value!r}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.head_dim is None:
