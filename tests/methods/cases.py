@@ -36,7 +36,7 @@ def variants(method: str, world_size: int, spec: dict) -> list[dict]:
     table = {
         "upipe": [{}, {"chunk_heads": 2 * world_size}, {"chunk_heads": h}],
         "ring": [{}],
-        "usp": [{}],
+        "usp": [{"ulysses_degree": u} for u in (world_size, 2, 1) if world_size % u == 0],
         "fpdt": [{}],
         "offload": [{}],
     }

@@ -1,0 +1,162 @@
+"""USP hybrid (unified sequence parallelism): Ulysses inside groups, Ring across them.
+
+The C ranks of the group form a ``ulysses_degree`` x ``ring_degree`` mesh (u x R = C).
+Ulysses groups are contiguous group ranks [i*u, (i+1)*u); ring groups are strided,
+{t, u+t, 2u+t, ...}. A rank projects Q/K/V for its tokens (RoPE at their global positions),
+the sequence->head all-to-all inside its Ulysses group gives it all tokens of its Ulysses
+group for H/u query heads (and G/u KV heads, or a replica when G < u, as in Ulysses), ring
+attention runs across its ring group on those heads, and the head->sequence all-to-all
+returns the output. Built on the Ulysses pieces (``comm.seq_to_head/head_to_seq``,
+``ulysses.replicated_kv_heads``) and on ``ring.ring_attention`` unchanged.
+
+Layout. The sequence is put in the zigzag order of ``ring_degree`` (2R chunks; ring rank j
+gets chunks j and 2R-1-j) and that order is split contiguously into C parts, part j*u+t
+going to group rank j*u+t. After the all-to-all, which concatenates in Ulysses-rank order,
+ring rank j holds exactly chunks j and 2R-1-j: the zigzag layout ring attention's causal
+blocks assume. u = C (R = 1) is Ulysses' contiguous layout; u = 1 is Ring's zigzag layout.
+The sequence must be a multiple of lcm(2R, C) (of C when R = 1).
+
+Subgroups. Created once per (group ranks, u) and cached. On a group spanning every rank,
+every rank creates every subgroup in one order with ``new_group`` (all ranks must call it).
+On a smaller group only its members build the method, so each creates just its own
+subgroups with ``use_local_synchronization=True``; torch names those groups by hashing the
+ranks *and the number of groups the process already has*, so this needs every member to
+have created the same number of groups before (true of SPMD programs). Subgroups of one
+rank are ``None``, and a subgroup equal to the whole group is the group itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .base import AttentionMethod, MethodOptions, head_rows, project
+from .registry import register
+from .ring import ring_attention, zigzag_shard, zigzag_unshard
+from .spec import AttnSpec
+from .ulysses import replicated_kv_heads
+
+
+@dataclass(frozen=True)
+class USPOptions(MethodOptions):
+    ulysses_degree: int | None = None  # u, ranks per Ulysses group; None: largest that fits
+
+
+_MESHES: dict[tuple, tuple] = {}
+
+
+def mesh_groups(group, ulysses_degree: int):
+    """``(ulysses_group, ring_group)`` of this rank (see "Subgroups" above)."""
+    size, _ = comm.world(group)
+    if size == 1:
+        return None, None
+    ranks = dist.get_process_group_ranks(group)  # global ranks, in group-rank order
+    key = (tuple(ranks), ulysses_degree)
+    if key not in _MESHES:
+        u = ulysses_degree
+        ulysses = [ranks[i * u : (i + 1) * u] for i in range(size // u)]
+        rings = [ranks[t::u] for t in range(u)]
+        _MESHES[key] = (_my_group(group, ranks, ulysses), _my_group(group, ranks, rings))
+    return _MESHES[key]
+
+
+def _my_group(parent, parent_ranks: list[int], candidates: list[list[int]]):
+    me, everyone = dist.get_rank(), len(parent_ranks) == dist.get_world_size()
+    mine = None
+    for ranks in candidates:
+        if len(ranks) == 1 or len(ranks) == len(parent_ranks):
+            sub = None if len(ranks) == 1 else parent
+        elif everyone:
+            sub = dist.new_group(ranks)
+        elif me in ranks:
+            sub = dist.new_group(ranks, use_local_synchronization=True)
+        else:
+            continue
+        if me in ranks:
+            mine = sub
+    return mine
+
+
+@register("usp", "USP hybrid: Ulysses all-to-all within groups of ulysses_degree ranks, zigzag Ring across")
+class USP(AttentionMethod):
+    Options = USPOptions
+
+    # ------------------------------------------------------------------ degrees and checks
+    @classmethod
+    def fits(cls, spec: AttnSpec, ulysses_degree: int) -> bool:
+        """Whether Ulysses' head constraints hold at this degree."""
+        try:
+            cls.check_head_split(spec, ulysses_degree, "usp")
+        except ValueError:
+            return False
+        return True
+
+    @classmethod
+    def default_ulysses_degree(cls, spec: AttnSpec, world_size: int) -> int:
+        """The largest divisor of the world size that satisfies the head constraints."""
+        return max(u for u in range(1, world_size + 1) if world_size % u == 0 and cls.fits(spec, u))
+
+    @classmethod
+    def degrees(cls, spec: AttnSpec, world_size: int, options: USPOptions) -> tuple[int, int]:
+        u = options.ulysses_degree
+        u = cls.default_ulysses_degree(spec, world_size) if u is None else u
+        return u, world_size // u
+
+    @classmethod
+    def validate(cls, spec: AttnSpec, world_size: int, options: USPOptions) -> None:
+        super().validate(spec, world_size, options)
+        u, c = options.ulysses_degree, world_size
+        if u is None:
+            return
+        divisors = [d for d in range(1, c + 1) if c % d == 0]
+        if not isinstance(u, int) or u < 1 or c % u:
+            raise ValueError(
+                f"usp: ulysses_degree={u} does not divide the world size {c} (the ranks form a "
+                f"ulysses_degree x ring_degree mesh); use one of {divisors}"
+            )
+        if not cls.fits(spec, u):
+            valid = [d for d in divisors if cls.fits(spec, d)]
+            raise ValueError(
+                f"usp: ulysses_degree={u} does not fit the heads: a Ulysses group of {u} ranks splits "
+                f"n_heads={spec.n_heads} (which it must divide) and n_kv_heads={spec.n_kv_heads} "
+                f"(which must divide it or be divisible by it); use ulysses_degree in {valid}"
+            )
+
+    @classmethod
+    def seq_multiple(cls, world_size: int, options: USPOptions) -> int:
+        u = options.ulysses_degree
+        if u is None:  # degree not resolved yet (it depends on the spec): every layout divides 2C
+            return 2 * world_size
+        r = world_size // u
+        return world_size if r == 1 else math.lcm(2 * r, world_size)
+
+    # ------------------------------------------------------------------ layout and forward
+    def __init__(self, spec: AttnSpec, group=None, **options) -> None:
+        super().__init__(spec, group, **options)
+        u, r = self.degrees(spec, self.world_size, self.options)
+        self.options = dataclasses.replace(self.options, ulysses_degree=u)
+        self.ulysses_degree, self.ring_degree = u, r
+        self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, u, "usp"))
+        self.ulysses_group, self.ring_group = mesh_groups(group, u)
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self.check_seq_len(x.shape[dim], self.world_size, self.options)
+        return zigzag_shard(x, dim, self.ring_degree, self.world_size, self.rank)
+
+    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return zigzag_unshard(x, dim, self.ring_degree, self.group)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self.rope_for(x, positions)
+        d = self.spec.head_dim
+        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
+        k = project(x, head_rows(self.wk.weight, self.kv_heads, d), d, self.k_norm_weight, cos, sin)
+        v = project(x, head_rows(self.wv.weight, self.kv_heads, d), d)
+        q, k, v = (comm.seq_to_head(t, self.ulysses_group) for t in (q, k, v))
+        out = ring_attention(q, k, v, self.spec.causal, self.kernel, self.scale, self.ring_group)
+        out = comm.head_to_seq(out, self.ulysses_group)
+        return self.wo(out.flatten(2))
