@@ -132,7 +132,7 @@ class RingComm:
         """Send ``tensors`` to the next rank; return buffers that will hold the previous rank's."""
         if self._reqs:
             raise RuntimeError("RingComm.exchange called again before wait()")
-        recv = [torch.empty_like(t) for t in tensors]
+        recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = []
         for send_t, recv_t in zip(tensors, recv):
             ops.append(dist.P2POp(dist.isend, send_t.contiguous(), self.next, self.group))
