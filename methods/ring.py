@@ -74,27 +74,66 @@ def zigzag_block(step: int, rank: int, local_len: int, causal: bool):
 
 
 # ----------------------------------------------------------------------- the ring
+def ring_forward(q, k, v, causal: bool, scale: float, kernel, group):
+    """Ring attention forward on BSHD tensors in the zigzag layout: ``(out, lse)``."""
+    size, rank = comm.world(group)
+    ring = comm.RingComm(group)
+    out = lse = None
+    kb, vb = k, v
+    for step in range(size):
+        if step + 1 < size:
+            next_kv = ring.exchange([kb, vb])  # posted before this block's attention
+        rows, cols, blk_causal = zigzag_block(step, rank, q.shape[1], causal)
+        blk_out, blk_lse = kernel.forward(q[:, rows], kb[:, cols], vb[:, cols], blk_causal, scale)
+        if out is None:  # step 0 covers every local query
+            out, lse = merge_partials(None, None, blk_out, blk_lse)
+        else:
+            merged = merge_partials(out[:, rows], lse[:, :, rows], blk_out, blk_lse)
+            out[:, rows], lse[:, :, rows] = merged
+        if step + 1 < size:
+            ring.wait()
+            kb, vb = next_kv
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel, group):
+    """Ring attention backward: ``(dq, dk, dv)``; dK/dV travel with their blocks."""
+    size, rank = comm.world(group)
+    kv_ring, dkv_ring = comm.RingComm(group), comm.RingComm(group)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kb, vb = k, v
+    for step in range(size):
+        if step + 1 < size:
+            next_kv = kv_ring.exchange([kb, vb])
+        rows, cols, blk_causal = zigzag_block(step, rank, q.shape[1], causal)
+        dq_b, dk_b, dv_b = kernel.backward(
+            dout[:, rows], q[:, rows], kb[:, cols], vb[:, cols], out[:, rows],
+            lse[:, :, rows].contiguous(), blk_causal, scale,
+        )
+        dq[:, rows] += dq_b
+        if step == 0:
+            dk, dv = dk_b.float().contiguous(), dv_b.float().contiguous()  # p2p needs contiguous
+        else:  # the accumulators of the block we hold arrive from the previous rank
+            dkv_ring.wait()
+            dk, dv = next_dkv
+            dk[:, cols] += dk_b
+            dv[:, cols] += dv_b
+        del dq_b, dk_b, dv_b
+        if size > 1:  # after the last step this send brings each block's grads home
+            next_dkv = dkv_ring.exchange([dk, dv])
+        if step + 1 < size:
+            kv_ring.wait()
+            kb, vb = next_kv
+    if size > 1:
+        dkv_ring.wait()
+        dk, dv = next_dkv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, kernel, group):
-        size, rank = comm.world(group)
-        ring = comm.RingComm(group)
-        out = lse = None
-        kb, vb = k, v
-        for step in range(size):
-            if step + 1 < size:
-                next_kv = ring.exchange([kb, vb])  # posted before this block's attention
-            rows, cols, blk_causal = zigzag_block(step, rank, q.shape[1], causal)
-            blk_out, blk_lse = kernel.forward(q[:, rows], kb[:, cols], vb[:, cols], blk_causal, scale)
-            if out is None:  # step 0 covers every local query
-                out, lse = merge_partials(None, None, blk_out, blk_lse)
-            else:
-                merged = merge_partials(out[:, rows], lse[:, :, rows], blk_out, blk_lse)
-                out[:, rows], lse[:, :, rows] = merged
-            if step + 1 < size:
-                ring.wait()
-                kb, vb = next_kv
-        out = out.to(q.dtype)
+        out, lse = ring_forward(q, k, v, causal, scale, kernel, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.kernel, ctx.group = causal, scale, kernel, group
         return out
@@ -102,36 +141,27 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        size, rank = comm.world(ctx.group)
-        kv_ring, dkv_ring = comm.RingComm(ctx.group), comm.RingComm(ctx.group)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kb, vb = k, v
-        for step in range(size):
-            if step + 1 < size:
-                next_kv = kv_ring.exchange([kb, vb])
-            rows, cols, blk_causal = zigzag_block(step, rank, q.shape[1], ctx.causal)
-            dq_b, dk_b, dv_b = ctx.kernel.backward(
-                dout[:, rows], q[:, rows], kb[:, cols], vb[:, cols], out[:, rows],
-                lse[:, :, rows].contiguous(), blk_causal, ctx.scale,
-            )
-            dq[:, rows] += dq_b
-            if step == 0:
-                dk, dv = dk_b.float().contiguous(), dv_b.float().contiguous()  # p2p needs contiguous
-            else:  # the accumulators of the block we hold arrive from the previous rank
-                dkv_ring.wait()
-                dk, dv = next_dkv
-                dk[:, cols] += dk_b
-                dv[:, cols] += dv_b
-            del dq_b, dk_b, dv_b
-            if size > 1:  # after the last step this send brings each block's grads home
-                next_dkv = dkv_ring.exchange([dk, dv])
-            if step + 1 < size:
-                kv_ring.wait()
-                kb, vb = next_kv
-        if size > 1:
-            dkv_ring.wait()
-            dk, dv = next_dkv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        grads = ring_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.kernel, ctx.group)
+        return (*grads, None, None, None, None)
+
+
+class RingKernel:
+    """A ring over ``group`` presented as a local attention kernel (``kernels.Kernel``).
+
+    Lets a method that calls ``kernel.forward/backward`` per stage (UPipe) attend across a
+    ring dimension: the paper's multi-node UPipe is exactly this, Ulysses stages in the
+    node and a zigzag ring across nodes (``usp-upipe``).
+    """
+
+    def __init__(self, inner, group) -> None:
+        self.inner, self.group = inner, group
+        self.name = inner.name if comm.world(group)[0] == 1 else f"ring/{inner.name}"
+
+    def forward(self, q, k, v, causal, scale):
+        return ring_forward(q, k, v, causal, scale, self.inner, self.group)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        return ring_backward(dout, q, k, v, out, lse, causal, scale, self.inner, self.group)
 
 
 def ring_attention(q, k, v, causal: bool, kernel, scale: float, group) -> torch.Tensor:

@@ -267,8 +267,14 @@ class UPipe(AttentionMethod):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
-        out = _UPipeFunction.apply(
-            x, self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight,
-            self.q_norm_weight, self.k_norm_weight, cos, sin, self,
-        )
-        return out
+        return upipe_block(self, x, cos, sin, self)
+
+
+def upipe_block(params, x: torch.Tensor, cos, sin, schedule) -> torch.Tensor:
+    """The whole UPipe block with ``params``' weights. ``schedule`` supplies ``spec``, ``group``
+    (the head all-to-all group), ``kernel`` (any ``kernels.Kernel``, e.g. a ring), ``scale``
+    and ``stages``: a ``UPipe`` module is its own schedule; ``usp-upipe`` passes its own."""
+    return _UPipeFunction.apply(
+        x, params.wq.weight, params.wk.weight, params.wv.weight, params.wo.weight,
+        params.q_norm_weight, params.k_norm_weight, cos, sin, schedule,
+    )

@@ -1,0 +1,55 @@
+"""UPipe inside USP: headwise stages on the Ulysses dimension, a zigzag ring across the other.
+
+The paper's multi-node configuration (UPipe 8x2 on 16 GPUs): the C ranks form USP's
+``ulysses_degree`` x ``ring_degree`` mesh and layout (``usp.USP``); UPipe's stage schedule
+runs over the Ulysses group (chunk_heads U a multiple of the Ulysses degree u), and each
+stage's attention is ring attention over the ring group, through ``ring.RingKernel``. So
+the per-stage buffers stay U/H of Ulysses' while the sequence spans nodes. With
+``ulysses_degree = C`` it is UPipe; with ``chunk_heads = H`` it is USP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import torch
+
+from .registry import register
+from .ring import RingKernel
+from .spec import AttnSpec
+from .upipe import UPipe, UPipeOptions, plan_stages, upipe_block
+from .usp import USP, USPOptions
+
+
+@dataclass(frozen=True)
+class USPUPipeOptions(USPOptions):
+    chunk_heads: int | None = None  # U, query heads per stage (multiple of ulysses_degree); None: U = u
+
+
+@register("usp-upipe", "UPipe on the Ulysses dimension of a USP mesh, zigzag Ring across (multi-node UPipe)")
+class USPUPipe(USP):
+    Options = USPUPipeOptions
+
+    @classmethod
+    def validate(cls, spec: AttnSpec, world_size: int, options: USPUPipeOptions) -> None:
+        super().validate(spec, world_size, options)
+        u, _ = cls.degrees(spec, world_size, options)
+        try:
+            UPipe.validate(spec, u, UPipeOptions(kernel=options.kernel, chunk_heads=options.chunk_heads))
+        except ValueError as err:
+            raise ValueError(f"usp-upipe (stages run over the Ulysses degree {u}, so read 'world size' "
+                             f"as {u}): {err}") from None
+
+    def __init__(self, spec: AttnSpec, group=None, **options) -> None:
+        super().__init__(spec, group, **options)
+        u = self.ulysses_degree
+        chunk = u if self.options.chunk_heads is None else self.options.chunk_heads
+        self.options = replace(self.options, chunk_heads=chunk)
+        self.schedule = SimpleNamespace(
+            spec=spec, group=self.ulysses_group, kernel=RingKernel(self.kernel, self.ring_group),
+            scale=self.scale, stages=plan_stages(spec, u, chunk),
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self.rope_for(x, positions)
+        return upipe_block(self, x, cos, sin, self.schedule)
