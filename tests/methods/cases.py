@@ -37,8 +37,8 @@ def variants(method: str, world_size: int, spec: dict) -> list[dict]:
         "upipe": [{}, {"chunk_heads": 2 * world_size}, {"chunk_heads": h}],
         "ring": [{}],
         "usp": [{"ulysses_degree": u} for u in (world_size, 2, 1) if world_size % u == 0],
-        "fpdt": [{}],
-        "offload": [{}],
+        "fpdt": [{}, {"num_chunks": 1}, {"num_chunks": 4}, {"offload": False}],  # defaults: 2 chunks, offload
+        "offload": [{"what": "all"}, {"what": "attention"}],
     }
     out: list[dict] = []
     for v in table.get(method, [{}]):

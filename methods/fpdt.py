@@ -1,0 +1,367 @@
+"""FPDT-style attention: Ulysses over a pipeline of sequence chunks with K/V in host memory.
+
+After "Fully Pipelined Distributed Transformer" (FPDT, Yao et al. 2024). Ulysses gives each of
+C ranks all S tokens of H/C heads; FPDT does the same, but one sequence chunk at a time, so
+that only a chunk's Q/K/V/O are on the device at once and the rest wait in host memory.
+
+Token layout (``shard``/``unshard``, FPDT's own). The sequence is cut into C*K chunks of
+``S/(C*K)`` tokens (K = ``num_chunks``); global chunk ``c`` lives on rank ``c % C``, so rank r
+holds chunks ``r, r+C, ..., r+(K-1)C`` (K non-contiguous pieces, in that order). The
+sequence->head all-to-all of every rank's local chunk i then yields the *contiguous* global
+segment i (chunks ``iC .. iC+C-1``) for H/C heads. That is what makes the pipeline work:
+segment i attends causally to itself and fully to segments < i, so it can be computed as
+soon as segments 0..i are projected, and the K(K-1)/2 blocks above the diagonal are skipped.
+(With Ulysses' contiguous layout the i-th local chunks of all ranks would form a scattered
+set of tokens that needs every other segment under a token-level mask.) Work is balanced
+as in Ulysses: after the all-to-all every rank attends all tokens of its H/C heads, and
+each pipeline step is the same work on every rank.
+
+Forward, per segment i (causal): project chunk i's K/V, exchange them and put them in the
+store (host memory when ``offload``: pinned, copied on a side stream on CUDA); project and
+exchange chunk i's Q; attend it to K/V segments 0..i (the older ones fetched back from the
+store, the next one prefetched while the current one is used), merging the partial results
+with online softmax in fp32 (``kernels.merge_partials``); exchange the output back. Without
+causality every segment's K/V is produced first, then each Q segment attends to all.
+
+Backward (custom autograd function). Saved: the block input, and in the store each
+segment's Q, K, V, output, LSE and (at the start of backward) output gradient. For each
+K/V segment j: reload it, and for every Q segment i that attended to it, reload
+``q_i, o_i, do_i, lse_i``, run the kernel backward of the (i, j) block (the final ``o_i``
+and ``lse_i`` make each block's partial gradients exact), accumulate dK/dV of segment j
+in fp32 and dQ of segment i in an fp32 accumulator kept in the store. When segment j's
+dK/dV (or segment i's dQ) is complete it is exchanged back and pushed through a
+recomputed projection of that chunk only (so RoPE and QK-norm are differentiated exactly).
+Attention is only ever materialised for one (i, j) block.
+
+On CPU, host memory is where tensors already live: offloading keeps them as they are and
+the side stream is a no-op context; the code path (and the store's bookkeeping, which the
+tests read) is the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import comm
+from .base import AttentionMethod, MethodOptions, head_rows, project
+from .kernels import merge_partials
+from .registry import register
+from .spec import AttnSpec
+from .ulysses import replicated_kv_heads
+
+
+@dataclass(frozen=True)
+class FPDTOptions(MethodOptions):
+    num_chunks: int = 2  # K: chunks per rank (the pipeline's depth)
+    offload: bool = True  # keep Q/K/V/O/LSE chunks in host memory between uses
+
+
+# ----------------------------------------------------------------------- layout
+def fpdt_shard(x: torch.Tensor, dim: int, rank: int, world_size: int, num_chunks: int) -> torch.Tensor:
+    """Rank ``rank``'s chunks ``rank, rank+C, ...`` of ``x`` along ``dim``, in that order."""
+    cs = x.shape[dim] // (world_size * num_chunks)
+    parts = x.unflatten(dim, (num_chunks, world_size, cs)).select(dim + 1, rank)
+    return parts.flatten(dim, dim + 1).contiguous()
+
+
+def fpdt_unshard_gathered(x: torch.Tensor, dim: int, world_size: int, num_chunks: int) -> torch.Tensor:
+    """Global order from the rank-major concatenation of every rank's ``fpdt_shard``."""
+    cs = x.shape[dim] // (world_size * num_chunks)
+    return x.unflatten(dim, (world_size, num_chunks, cs)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+# ----------------------------------------------------------------------- host store
+class ChunkStore:
+    """Named tensors kept on the device, or in host memory with prefetch back.
+
+    With ``offload`` on CUDA, ``put`` copies to pinned host memory on a side stream (after
+    the compute stream's work that produced the tensor), ``prefetch`` starts the copy back on
+    that stream and ``get`` makes the compute stream wait for it. On CPU the tensor already
+    is in host memory: it is kept as is and the streams are no-op contexts.
+    """
+
+    def __init__(self, device: torch.device, offload: bool) -> None:
+        self.device = torch.device(device)
+        self.offload = offload
+        cuda = offload and self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self._items: dict = {}
+        self._ready: dict = {}
+
+    def _side(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def put(self, key, t: torch.Tensor) -> None:
+        self._ready.pop(key, None)
+        if self.stream is None:
+            self._items[key] = t
+            return
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._side():
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
+        self._items[key] = host
+
+    def prefetch(self, key) -> None:
+        if self.stream is None or key in self._ready or key not in self._items:
+            return
+        with self._side():
+            dev = self._items[key].to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._ready[key] = (dev, done)
+
+    def get(self, key) -> torch.Tensor:
+        if self.stream is None:
+            return self._items[key]
+        self.prefetch(key)
+        dev, done = self._ready.pop(key)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        dev.record_stream(current)
+        return dev
+
+    def pop(self, key) -> None:
+        self._items.pop(key, None)
+        self._ready.pop(key, None)
+
+    def __contains__(self, key) -> bool:
+        return key in self._items
+
+    # -- bookkeeping read by tests and reports
+    def in_host_memory(self, key) -> bool:
+        """Whether ``key`` is held as an offloaded copy in host memory."""
+        return self.offload and self._items[key].device.type == "cpu"
+
+    def location(self, key) -> torch.device:
+        return self._items[key].device
+
+    def is_pinned(self, key) -> bool:
+        return self._items[key].is_pinned()
+
+    def keys(self) -> list:
+        return list(self._items)
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for k, t in self._items.items() if self.in_host_memory(k))
+
+
+def _no_store() -> None:
+    return None
+
+
+# ----------------------------------------------------------------------- autograd function
+class _FPDTFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, qn, kn, cos, sin, block):
+        spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
+        causal, chunks = spec.causal, block.options.num_chunks
+        b, n, _ = x.shape
+        d, cs = spec.head_dim, n // chunks
+        rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
+        wk_e, wv_e = head_rows(wk, block.kv_heads, d), head_rows(wv, block.kv_heads, d)
+        store = ChunkStore(x.device, block.options.offload)
+        keep = any(ctx.needs_input_grad)
+        out = x.new_empty(b, n, spec.n_heads, d)
+        live: dict = {}  # the K/V segment just produced: used from the device, not re-fetched
+
+        def produce_kv(i):
+            sl = rows[i]
+            k = comm.seq_to_head_(project(x[:, sl], wk_e, d, kn, cos[sl], sin[sl]), group)
+            v = comm.seq_to_head_(project(x[:, sl], wv_e, d), group)
+            store.put(("k", i), k)
+            store.put(("v", i), v)
+            live.clear()
+            live[("k", i)], live[("v", i)] = k, v
+
+        def fetch(key):
+            return live[key] if key in live else store.get(key)
+
+        def attend(i, kv_segments):
+            sl = rows[i]
+            q = comm.seq_to_head_(project(x[:, sl], wq, d, qn, cos[sl], sin[sl]), group)
+            acc = lse = None
+            for pos, j in enumerate(kv_segments):
+                if pos + 1 < len(kv_segments):  # the next K/V segment travels while this one is used
+                    for name in ("k", "v"):
+                        if (name, kv_segments[pos + 1]) not in live:
+                            store.prefetch((name, kv_segments[pos + 1]))
+                o, l = kernel.forward(q, fetch(("k", j)), fetch(("v", j)), causal and i == j, scale)
+                acc, lse = merge_partials(acc, lse, o, l)
+                del o, l
+            o = acc.to(x.dtype)
+            del acc
+            out[:, sl] = comm.head_to_seq_(o, group)
+            if keep:
+                store.put(("q", i), q)
+                store.put(("o", i), o)
+                store.put(("lse", i), lse)
+
+        if causal:
+            for i in range(chunks):
+                produce_kv(i)
+                attend(i, list(range(i + 1)))
+        else:
+            for i in range(chunks):
+                produce_kv(i)
+            live.clear()
+            for i in range(chunks):
+                attend(i, list(range(chunks)))
+        live.clear()
+
+        block._last_store = weakref.ref(store)
+        ctx.store, ctx.block = store, block
+        ctx.save_for_backward(x, wq, wk, wv, qn, kn, cos, sin)
+        return out.flatten(2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        block, store = ctx.block, ctx.store
+        spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
+        causal, chunks = spec.causal, block.options.num_chunks
+        x, wq, wk, wv, qn, kn, cos, sin = ctx.saved_tensors
+        b, n, _ = x.shape
+        d, cs = spec.head_dim, n // chunks
+        rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
+        dout = dout.reshape(b, n, spec.n_heads, d)
+        for i in range(chunks):
+            store.put(("do", i), comm.seq_to_head_(dout[:, rows[i]].contiguous(), group))
+        del dout
+
+        def leaf(t):
+            return None if t is None else t.detach().requires_grad_()
+
+        wq_l, wk_l, wv_l, qn_l, kn_l = leaf(wq), leaf(wk), leaf(wv), leaf(qn), leaf(kn)
+        dx = torch.zeros_like(x)
+        grads = {name: torch.zeros_like(t, dtype=torch.float32) for name, t in
+                 (("wq", wq), ("wk", wk), ("wv", wv), ("qn", qn), ("kn", kn)) if t is not None}
+
+        def through_projection(i, outputs, out_grads, leaves):
+            """Push gradients of chunk i's projections (recomputed) into dx and the weights."""
+            sl = rows[i]
+            x_l = x[:, sl].detach().requires_grad_()
+            with torch.enable_grad():
+                made = [f(x_l, cos[sl], sin[sl]) for f in outputs]
+            named = [(name, t) for name, t in leaves if t is not None]
+            got = torch.autograd.grad(made, [x_l] + [t for _, t in named], out_grads)
+            dx[:, sl] += got[0]
+            for (name, _), g in zip(named, got[1:]):
+                grads[name] += g
+
+        def q_proj(x_l, c, s):
+            return project(x_l, wq_l, d, qn_l, c, s)
+
+        def k_proj(x_l, c, s):
+            return project(x_l, head_rows(wk_l, block.kv_heads, d), d, kn_l, c, s)
+
+        def v_proj(x_l, c, s):
+            return project(x_l, head_rows(wv_l, block.kv_heads, d), d)
+
+        for j in range(chunks):
+            k, v = store.get(("k", j)), store.get(("v", j))
+            dk = torch.zeros_like(k, dtype=torch.float32)
+            dv = torch.zeros_like(v, dtype=torch.float32)
+            q_segments = list(range(j, chunks)) if causal else list(range(chunks))
+            for pos, i in enumerate(q_segments):
+                if pos + 1 < len(q_segments):
+                    for name in ("q", "o", "do", "lse", "dq"):
+                        store.prefetch((name, q_segments[pos + 1]))
+                q, o, do, lse = (store.get((name, i)) for name in ("q", "o", "do", "lse"))
+                dq_ij, dk_ij, dv_ij = kernel.backward(do, q, k, v, o, lse, causal and i == j, scale)
+                del q, o, do, lse
+                dk += dk_ij
+                dv += dv_ij
+                dq = store.get(("dq", i)) + dq_ij if ("dq", i) in store else dq_ij.float()
+                del dk_ij, dv_ij, dq_ij
+                last_kv = i if causal else chunks - 1
+                if j == last_kv:  # segment i's dQ is complete: exchange it back and project
+                    for name in ("q", "o", "do", "lse", "dq"):
+                        store.pop((name, i))
+                    dq = comm.head_to_seq_(dq.to(x.dtype), group)
+                    through_projection(i, [q_proj], [dq], [("wq", wq_l), ("qn", qn_l)])
+                else:
+                    store.put(("dq", i), dq)
+                del dq
+            store.pop(("k", j))
+            store.pop(("v", j))
+            del k, v
+            dk = comm.head_to_seq_(dk.to(x.dtype), group)
+            dv = comm.head_to_seq_(dv.to(x.dtype), group)
+            through_projection(j, [k_proj, v_proj], [dk, dv], [("wk", wk_l), ("wv", wv_l), ("kn", kn_l)])
+            del dk, dv
+
+        ctx.store = None
+
+        def cast(name, like):
+            return None if like is None else grads[name].to(like.dtype)
+
+        return (dx, cast("wq", wq), cast("wk", wk), cast("wv", wv), cast("qn", qn), cast("kn", kn),
+                None, None, None)
+
+
+@register(
+    "fpdt",
+    "FPDT-style: Ulysses over a pipeline of sequence chunks, online softmax, K/V in host memory",
+)
+class FPDT(AttentionMethod):
+    Options = FPDTOptions
+
+    @classmethod
+    def validate(cls, spec: AttnSpec, world_size: int, options: FPDTOptions) -> None:
+        super().validate(spec, world_size, options)
+        cls.check_head_split(spec, world_size, cls.method_name)
+        cls.check_num_chunks(options.num_chunks)
+        if not isinstance(options.offload, bool):
+            raise ValueError(f"{cls.method_name}: offload={options.offload!r} must be True or False")
+
+    @classmethod
+    def check_num_chunks(cls, k) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"{cls.method_name}: num_chunks={k!r} must be an int >= 1 (chunks per rank; "
+                "1 is plain Ulysses, more chunks keep less of the sequence on the device)"
+            )
+
+    @classmethod
+    def seq_multiple(cls, world_size: int, options: FPDTOptions) -> int:
+        return world_size * options.num_chunks
+
+    def __init__(self, spec: AttnSpec, group=None, **options) -> None:
+        super().__init__(spec, group, **options)
+        self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, self.world_size, self.method_name))
+        self._last_store = _no_store
+
+    # -- layout: global chunk c on rank c % C
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self.check_seq_len(x.shape[dim], self.world_size, self.options)
+        return fpdt_shard(x, dim, self.rank, self.world_size, self.options.num_chunks)
+
+    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        gathered = comm.all_gather_cat(x, self.group, dim)
+        return fpdt_unshard_gathered(gathered, dim, self.world_size, self.options.num_chunks)
+
+    @property
+    def last_store(self) -> ChunkStore | None:
+        """The chunk store of the latest forward while its autograd graph is alive (for tests)."""
+        return self._last_store()
+
+    def check_local_len(self, n: int) -> None:
+        if n % self.options.num_chunks:
+            raise ValueError(
+                f"{self.method_name}: local sequence length {n} is not divisible by num_chunks="
+                f"{self.options.num_chunks}; shard a sequence whose length is a multiple of "
+                f"{self.seq_multiple(self.world_size, self.options)}"
+            )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_local_len(x.shape[1])
+        cos, sin = self.rope_for(x, positions)
+        out = _FPDTFunction.apply(
+            x, self.wq.weight, self.wk.weight, self.wv.weight,
+            self.q_norm_weight, self.k_norm_weight, cos, sin, self,
+        )
+        return self.wo(out)

@@ -1,0 +1,137 @@
+"""ring-flash-attention's zigzag ring (``zigzag_ring_flash_attn_func``) as a method.
+
+A baseline and an external check of ``ring``: projections, RoPE and QK-norm are ours, the
+ring (K/V passed around with p2p, blockwise flash-attn calls merged by log-sum-exp, zigzag
+schedule) is the library's. GQA goes through as is: the ring carries the real KV heads.
+
+Layout (``shard``/``unshard``): zigzag, the library's. The sequence is cut into 2C chunks
+and rank r holds chunks r and 2C-1-r, which balances causal work across ranks.
+
+Constraints and decisions (``validate`` and ``forward``):
+
+* causal only: the library asserts ``causal=True`` for zigzag (a non-causal ring needs no
+  load balancing; use ``ring``);
+* the attention kernel is flash-attn, called by the library: ``kernel`` may only be left
+  unset or be ``"flash-attn"``;
+* the global sequence length must be a multiple of 2C;
+* dtypes: flash-attn computes in fp16/bf16 only, so fp32 on CUDA is refused with a
+  ``ValueError``. On CPU flash_attn can only be a plain-torch implementation (a test
+  stand-in); there fp32 inputs are run through the library in fp64 because ring-flash-attn
+  0.1.8's backward is wrong for fp32: ``dq = dq_buffer.to(torch.float32)`` is then the
+  buffer itself, which the next block's kernel call overwrites (real flash-attn never gets
+  there since it rejects fp32). The library still accumulates outputs in fp32, so results
+  have fp32 accuracy;
+* a process group is required (the library's ring needs one, also for one rank). With one
+  rank the ring is a single causal flash-attn call, made directly (``kernels.attention``
+  with the flash-attn kernel): the library's backward always posts a send of dK/dV to the
+  next rank, i.e. to itself, which gloo refuses ("Pair is not connected").
+
+``import ring_flash_attn`` also imports its Hugging Face adapters, which need
+``transformers``; the zigzag function does not. When transformers is missing, the
+package's ``__init__`` is bypassed: the package is registered bare and only the zigzag
+submodule is imported. The library is imported lazily (in ``__init__``).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import torch
+
+from . import comm
+from .base import AttentionMethod, MethodOptions, project
+from .ds_ulysses import require_group
+from .kernels import attention, get_kernel
+from .registry import register
+from .spec import AttnSpec
+
+
+def load_zigzag_func():
+    """``ring_flash_attn.zigzag_ring_flash_attn.zigzag_ring_flash_attn_func``, without needing
+    transformers (see the module docstring)."""
+    name = "ring_flash_attn.zigzag_ring_flash_attn"
+    if "ring_flash_attn" not in sys.modules and importlib.util.find_spec("transformers") is None:
+        spec = importlib.util.find_spec("ring_flash_attn")
+        if spec is None:
+            raise ValueError("rfa-zigzag needs ring_flash_attn: pip install ring-flash-attn")
+        sys.modules["ring_flash_attn"] = importlib.util.module_from_spec(spec)  # __init__ not run
+    return importlib.import_module(name).zigzag_ring_flash_attn_func
+
+
+def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    chunks = x.chunk(2 * world_size, dim=dim)
+    return torch.cat((chunks[rank], chunks[2 * world_size - 1 - rank]), dim=dim).contiguous()
+
+
+def zigzag_unshard_gathered(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
+    """Global order from the rank-major concatenation of every rank's ``zigzag_shard``."""
+    c = world_size
+    order = [2 * r for r in range(c)] + [2 * r + 1 for r in reversed(range(c))]
+    parts = x.unflatten(dim, (2 * c, x.shape[dim] // (2 * c)))
+    return parts.index_select(dim, torch.tensor(order, device=x.device)).flatten(dim, dim + 1)
+
+
+@register(
+    "rfa-zigzag",
+    "ring-flash-attention's zigzag ring attention (flash-attn kernels, causal only)",
+    requires=("ring_flash_attn", "flash_attn"),
+    install_hint="pip install ring-flash-attn flash-attn --no-build-isolation (CUDA only)",
+)
+class RingFlashAttnZigzag(AttentionMethod):
+    @classmethod
+    def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
+        if options.kernel not in (None, "flash-attn"):
+            raise ValueError(
+                f"rfa-zigzag: kernel={options.kernel!r} cannot be used: ring_flash_attn calls "
+                "flash-attn itself; leave kernel unset (or 'flash-attn')"
+            )
+        super().validate(spec, world_size, options)
+        if not spec.causal:
+            raise ValueError(
+                "rfa-zigzag: ring_flash_attn's zigzag ring is causal only (it asserts causal=True); "
+                "use 'ring' for non-causal attention"
+            )
+
+    @classmethod
+    def seq_multiple(cls, world_size: int, options: MethodOptions) -> int:
+        return 2 * world_size
+
+    def __init__(self, spec: AttnSpec, group=None, **options) -> None:
+        super().__init__(spec, group, **options)
+        require_group(group, "rfa-zigzag", "ring_flash_attn's zigzag ring")
+        self.kernel = get_kernel("flash-attn")  # what the library calls (recorded in result rows)
+        self._zigzag = load_zigzag_func()
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self.check_seq_len(x.shape[dim], self.world_size, self.options)
+        return zigzag_shard(x, dim, self.rank, self.world_size)
+
+    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return zigzag_unshard_gathered(comm.all_gather_cat(x, self.group, dim), dim, self.world_size)
+
+    @staticmethod
+    def compute_dtype(x: torch.Tensor) -> torch.dtype:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return x.dtype
+        if x.device.type == "cuda":
+            raise ValueError(
+                f"rfa-zigzag: flash-attn computes in float16/bfloat16 only, got {x.dtype}; "
+                "cast the block and its input to bfloat16"
+            )
+        return torch.float64  # CPU stand-in: avoids ring_flash_attn's fp32 backward buffer alias
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[1] % 2:
+            raise ValueError(f"rfa-zigzag: local sequence length {x.shape[1]} must be even (two zigzag chunks)")
+        cos, sin = self.rope_for(x, positions)
+        d, dt = self.spec.head_dim, self.compute_dtype(x)
+        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
+        k = project(x, self.wk.weight, d, self.k_norm_weight, cos, sin)
+        v = project(x, self.wv.weight, d)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        if self.world_size == 1:  # see the module docstring: no self-send on gloo
+            out = attention(q, k, v, True, self.kernel, self.scale)
+        else:
+            out = self._zigzag(q, k, v, dropout_p=0.0, softmax_scale=self.scale, causal=True, group=self.group)
+        return self.wo(out.to(x.dtype).flatten(2))

@@ -1,0 +1,194 @@
+"""The library wrappers against our own implementation of the same method, on equal weights.
+
+``ds-ulysses`` vs ``ulysses``, ``rfa-zigzag`` vs ``ring``, ``ds-fpdt`` vs ``fpdt`` (offload off,
+same chunk count): outputs, dx and every weight gradient, gathered to global order with
+each method's own ``unshard`` (so layouts may differ), within the matrix tolerances. On a
+CPU machine the flash-attn based wrappers run on the plain-torch stand-in (tests/conftest.py).
+Also: the wrappers' layouts, their refusals (with reasons) and what ``python -m methods``
+says about them without the stand-in.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import methods
+from methods.comm import all_reduce_sum_
+from tests.flash_attn_standin import real_flash_attn_available
+from tests.methods.cases import BATCH, SEQ_LEN, SPECS, TOLERANCE, rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WRAPPERS = ("ds-ulysses", "rfa-zigzag", "ds-fpdt")
+
+
+def compare_methods(group, a: str, opts_a: dict, b: str, opts_b: dict, spec_kwargs: dict, dtype: str,
+                    pos_offset: int = 0) -> dict:
+    """Relative differences of method ``a`` from method ``b`` (fwd and all grads, global order)."""
+    torch.manual_seed(4321)
+    dt = getattr(torch, dtype)
+    spec = methods.AttnSpec(**spec_kwargs)
+    blocks = {a: methods.build(a, spec, group=group, **opts_a)}
+    blocks[b] = methods.build(b, spec, group=group, **opts_b)
+    blocks[b].load_state_dict(blocks[a].state_dict())
+    x = torch.randn(BATCH, SEQ_LEN, spec.dim).to(dt)
+    dy = torch.randn(BATCH, SEQ_LEN, spec.dim).to(dt)
+    pos = torch.arange(SEQ_LEN) + pos_offset
+    got = {}
+    for name, block in blocks.items():
+        block.to(dt)
+        x_loc = block.shard(x, dim=1).requires_grad_()
+        y = block(x_loc, positions=block.shard(pos, dim=0))
+        y.backward(block.shard(dy, dim=1))
+        got[name] = {"out": block.unshard(y.detach(), dim=1), "dx": block.unshard(x_loc.grad, dim=1)}
+        for pname, p in block.named_parameters():
+            got[name]["d_" + pname] = all_reduce_sum_(p.grad.detach().float().clone(), group)
+    assert got[a].keys() == got[b].keys(), (got[a].keys(), got[b].keys())
+    return {k: rel_err(got[a][k], got[b][k]) for k in got[b]}
+
+
+# the matrix already checks every wrapper against the reference in every case it accepts;
+# these add a direct comparison on the cases that stress the layouts and head handling
+CASES = [
+    pytest.param("ds-ulysses", {}, "ulysses", {}, spec, causal,
+                 id=f"ds-ulysses-vs-ulysses-{spec}-{'causal' if causal else 'full'}")
+    for spec, causal in (("gqa-kv2", True), ("gqa-qknorm", False))
+] + [
+    pytest.param("rfa-zigzag", {}, "ring", {}, spec, True, id=f"rfa-zigzag-vs-ring-{spec}")
+    for spec in ("gqa", "gqa-kv2", "gqa-qknorm")
+] + [
+    pytest.param("ds-fpdt", {"num_chunks": k}, "fpdt", {"num_chunks": k, "offload": False}, spec, True,
+                 id=f"ds-fpdt-vs-fpdt-{spec}-chunks{k}")
+    for spec, k in (("mha", 1), ("mha", 2), ("mha", 4), ("gqa-kv2", 2))
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("a,opts_a,b,opts_b,spec,causal", CASES)
+def test_wrapper_matches_our_implementation(pool, a, opts_a, b, opts_b, spec, causal, ws, dtype):
+    if b not in methods.available():
+        pytest.skip(f"methods/{b}.py not present")  # our counterpart is written separately
+    spec_kwargs = dict(SPECS[spec], causal=causal)
+    for name, opts in ((a, opts_a), (b, opts_b)):
+        methods.validate(name, methods.AttnSpec(**spec_kwargs), ws, **opts)
+    per_rank = pool.run(compare_methods, a, opts_a, b, opts_b, spec_kwargs, dtype, world_size=ws)
+    tol = TOLERANCE[dtype]
+    for rank, errors in enumerate(per_rank):
+        bad = {k: v for k, v in errors.items() if not v <= tol}
+        assert not bad, f"rank {rank}: {a} differs from {b} by more than {tol}: {bad}"
+
+
+def test_ds_fpdt_rope_follows_given_positions(pool):
+    """Positions other than 0..S-1 reach DeepSpeed's RoPE tables in its segment order."""
+    spec_kwargs = dict(SPECS["gqa"], causal=True)
+    per_rank = pool.run(compare_methods, "ds-fpdt", {"num_chunks": 2}, "fpdt", {"num_chunks": 2, "offload": False},
+                        spec_kwargs, "float32", pos_offset=1000, world_size=4)
+    for errors in per_rank:
+        assert max(errors.values()) <= TOLERANCE["float32"], errors
+
+
+# ----------------------------------------------------------------------- layouts
+def _layouts(group, seq_len: int) -> dict:
+    spec = methods.AttnSpec(**dict(SPECS["gqa"], causal=True))
+    out = {}
+    for name, opts in (("rfa-zigzag", {}), ("ring", {}), ("ds-fpdt", {"num_chunks": 2}), ("fpdt", {"num_chunks": 2}),
+                       ("ds-ulysses", {}), ("ulysses", {})):
+        if name not in methods.available():
+            continue
+        block = methods.build(name, spec, group=group, **opts)
+        pos = torch.arange(seq_len)
+        local = block.shard(pos, dim=0)
+        out[name] = (local.tolist(), torch.equal(block.unshard(local, dim=0), pos))
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_wrapper_layouts_are_their_counterparts(pool, ws):
+    for rank, layouts in enumerate(pool.run(_layouts, 32, world_size=ws)):
+        for name, (_, roundtrip) in layouts.items():
+            assert roundtrip, f"{name} rank {rank}: unshard(shard(x)) != x"
+        for wrapper, ours in (("rfa-zigzag", "ring"), ("ds-fpdt", "fpdt"), ("ds-ulysses", "ulysses")):
+            if ours in layouts:
+                assert layouts[wrapper][0] == layouts[ours][0], (wrapper, ours, rank)
+        chunks = torch.arange(32).chunk(2 * ws)
+        want = torch.cat([chunks[rank], chunks[2 * ws - 1 - rank]]).tolist()
+        assert layouts["rfa-zigzag"][0] == want, f"rfa-zigzag rank {rank} must hold chunks {rank}, {2 * ws - 1 - rank}"
+
+
+# ----------------------------------------------------------------------- refusals
+GQA = methods.AttnSpec(**SPECS["gqa"])
+
+
+@pytest.mark.parametrize(
+    "name,spec,ws,options,match",
+    [
+        ("rfa-zigzag", methods.AttnSpec(**SPECS["gqa"], causal=False), 2, {},
+         r"zigzag ring is causal only.*use 'ring'"),
+        ("rfa-zigzag", GQA, 2, {"kernel": "torch"}, r"kernel='torch' cannot be used: ring_flash_attn calls flash-attn"),
+        ("ds-fpdt", methods.AttnSpec(**SPECS["gqa"], causal=False), 2, {}, r"FPDT_Attention is causal only"),
+        ("ds-fpdt", methods.AttnSpec(**SPECS["gqa-qknorm"]), 2, {}, r"FPDT_Attention has no QK-norm"),
+        ("ds-fpdt", GQA, 2, {"num_chunks": 0}, r"num_chunks=0 must be an int >= 1"),
+        ("ds-fpdt", GQA, 2, {"offload": "yes"}, r"offload='yes' must be None \(auto\), True or False"),
+        ("ds-fpdt", GQA, 3, {}, r"ds-fpdt: n_heads=8 is not divisible by the world size 3"),
+        ("ds-ulysses", GQA, 3, {}, r"ds-ulysses: n_heads=8 is not divisible by the world size 3"),
+    ],
+)
+def test_wrapper_refusals_say_why(name, spec, ws, options, match):
+    with pytest.raises(ValueError, match=match):
+        methods.validate(name, spec, ws, **options)
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_wrappers_need_a_process_group(name):
+    with pytest.raises(ValueError, match=r"always communicates through a process group.*1-rank group"):
+        methods.build(name, GQA)
+
+
+def _ds_fpdt_offload_on_cpu(group):
+    block = methods.build("ds-fpdt", GQA, group=group, offload=True)
+    x = block.shard(torch.randn(1, SEQ_LEN, GQA.dim), dim=1).requires_grad_()
+    try:
+        block(x)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ds_fpdt_offload_refused_on_cpu(pool):
+    (msg,) = pool.run(_ds_fpdt_offload_on_cpu, world_size=1)
+    assert "offload=True needs a CUDA input" in msg and "Stream is None" in msg, msg
+
+
+# ----------------------------------------------------------------------- registry and CLI
+def test_wrappers_usable_with_the_standin():
+    for name in WRAPPERS:
+        info = methods.get_info(name)
+        assert info.usable, (name, info.status)
+    assert set(WRAPPERS) <= set(methods.available())
+
+
+def test_cli_lists_every_method_with_its_status_without_the_standin():
+    """``python -m methods`` in a fresh process (no stand-in): every method is listed, the
+    flash-attn wrappers say what they need, and no optional library was imported
+    (``-X importtime`` lists every module the process imported on stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "methods"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    for lib in ("deepspeed", "ring_flash_attn", "flash_attn"):
+        assert lib not in imported, f"`import methods` imported {lib}: wrappers must import their library lazily"
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.strip()}
+    for info in methods.available(detail=True):
+        assert info.name in lines, f"{info.name} missing from `python -m methods`"
+    for name in ("fpdt", "offload", "ulysses"):
+        assert " ok " in lines[name], lines[name]
+    if not real_flash_attn_available():
+        for name in ("ds-fpdt", "rfa-zigzag"):
+            assert "needs flash_attn" in lines[name], lines[name]
+    else:
+        assert "needs flash_attn" not in lines["ds-fpdt"]
