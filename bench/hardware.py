@@ -1,0 +1,219 @@
+"""Device presets (memory capacity) and link models (communication time), both named.
+
+A result row names its device preset and, where communication time is modelled
+(``emulated`` mode, and the modelled figure in ``simulated`` rows), the link model with its
+parameters, so every figure says what it assumed.
+
+**Device presets.** ``capacity_bytes`` is the device memory as ``nvidia-smi`` reports it;
+``usable_fraction`` is the share a run may fill. The simulation counts live tensors only:
+the CUDA context, NCCL buffers, kernel workspaces and the caching allocator's fragmentation
+are not modelled, so a simulated trial "fits" when its peak is at most
+``usable_fraction * capacity``. 0.90 leaves about 8 GiB on an H100 for all of that (the
+paper ran with ``expandable_segments:True``, which keeps fragmentation low). The fraction was
+fixed before any max-context search was run, not fitted to the paper's results.
+
+**Link models.** Time of one collective on C ranks, for ``B`` bytes per rank (the input of
+an all-to-all or reduce-scatter, the output of an all-gather, the buffer of an all-reduce):
+
+    all-to-all:      max(B*(c_in-1)/C / bw_intra, B*(C-c_in)/C / bw_inter) + latency
+    all-gather,
+    reduce-scatter:  B*(C-1)/C / bw + latency       (ring; bw = bw_intra if C <= ranks_per_node else bw_inter)
+    all-reduce:      2 * B*(C-1)/C / bw + latency
+    send/recv:       B / bw + latency
+
+with ``c_in = min(C, ranks_per_node)`` ranks in a node. Bandwidths are per rank per
+direction. The step's modelled communication time is the sum over its collectives, with
+**no overlap** with compute assumed (an upper bound for methods that overlap, e.g. Ring).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    name: str
+    kind: str  # "cuda" or "cpu": what a real/emulated run needs, and the host of offloads
+    capacity_bytes: int  # 0: the host's memory, read at run time (cpu)
+    usable_fraction: float
+    link: str  # default link model
+    description: str
+
+    def capacity(self, world_size: int = 1) -> int:
+        """Bytes of one rank's device. ``cpu``: the host's memory shared by ``world_size`` ranks."""
+        if self.capacity_bytes:
+            return self.capacity_bytes
+        return host_memory_bytes() // max(1, world_size)
+
+    def usable(self, world_size: int = 1) -> int:
+        return int(self.capacity(world_size) * self.usable_fraction)
+
+
+def host_memory_bytes() -> int:
+    """Total host memory (``/proc/meminfo`` MemTotal, else sysconf)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+DEVICES: dict[str, DevicePreset] = {
+    d.name: d
+    for d in (
+        DevicePreset("h100-80g", "cuda", 81559 * MiB, 0.90, "nvlink-h100",
+                     "NVIDIA H100 SXM 80 GB HBM3 (81559 MiB as nvidia-smi reports it); 90% usable"),
+        DevicePreset("h200-141g", "cuda", 143771 * MiB, 0.90, "nvlink-h200",
+                     "NVIDIA H200 141 GB HBM3e (143771 MiB as nvidia-smi reports it); 90% usable"),
+        DevicePreset("a100-80g", "cuda", 81920 * MiB, 0.90, "nvlink-a100",
+                     "NVIDIA A100 SXM 80 GB HBM2e (81920 MiB); 90% usable"),
+        DevicePreset("cpu", "cpu", 0, 0.80, "cpu-shm",
+                     "this host's CPU; capacity = host memory / ranks on it (read at run time); 80% usable"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    name: str
+    intra_Bps: float  # bytes/s per rank per direction inside a node
+    inter_Bps: float  # bytes/s per rank per direction between nodes
+    latency_s: float  # per collective
+    ranks_per_node: int
+    description: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def time(self, op: str, nbytes: int, size: int) -> float:
+        """Modelled seconds for one collective (see the module docstring)."""
+        if size <= 1:
+            return 0.0
+        in_node = min(size, self.ranks_per_node)
+        ring_bw = self.intra_Bps if size <= self.ranks_per_node else self.inter_Bps
+        if op == "all_to_all":
+            intra = nbytes * (in_node - 1) / size / self.intra_Bps
+            inter = nbytes * (size - in_node) / size / self.inter_Bps
+            return max(intra, inter) + self.latency_s
+        if op in ("all_gather", "reduce_scatter"):
+            return nbytes * (size - 1) / size / ring_bw + self.latency_s
+        if op == "all_reduce":
+            return 2 * nbytes * (size - 1) / size / ring_bw + self.latency_s
+        if op in ("send", "recv", "broadcast"):
+            return nbytes / ring_bw + self.latency_s
+        return self.latency_s
+
+
+LINKS: dict[str, LinkModel] = {
+    m.name: m
+    for m in (
+        LinkModel("nvlink-h100", 450e9, 50e9, 10e-6, 8,
+                  "H100 SXM node: NVLink 4 (900 GB/s bidirectional = 450 GB/s per direction per GPU) "
+                  "inside 8-GPU nodes, one 400 Gb/s (50 GB/s) InfiniBand NDR NIC per GPU between nodes"),
+        LinkModel("nvlink-h200", 450e9, 50e9, 10e-6, 8,
+                  "H200 SXM node: same NVLink 4 and 400 Gb/s NIC per GPU as nvlink-h100"),
+        LinkModel("nvlink-a100", 300e9, 25e9, 10e-6, 8,
+                  "A100 SXM node: NVLink 3 (600 GB/s bidirectional), 200 Gb/s HDR NIC per GPU"),
+        LinkModel("cpu-shm", 5e9, 5e9, 50e-6, 1 << 30,
+                  "processes on one host through gloo over loopback TCP: a rough 5 GB/s, 50 us"),
+    )
+}
+
+
+def get_device(name: str) -> DevicePreset:
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise ValueError(f"unknown device preset {name!r}; choose one of {sorted(DEVICES)}") from None
+
+
+def get_link(name: str) -> LinkModel:
+    try:
+        return LINKS[name]
+    except KeyError:
+        raise ValueError(f"unknown link model {name!r}; choose one of {sorted(LINKS)}") from None
+
+
+# --------------------------------------------------------------------------- counting collectives
+
+# c10d op -> (our collective name, index of the tensor whose bytes count)
+_C10D_OPS = {
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+    "barrier": ("barrier", None),
+}
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+def _group_size(args) -> int:
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            return torch.distributed.ProcessGroup.unbox(a).size()
+    return 1
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every c10d collective issued while active: ``(op, bytes per rank, group size)``.
+
+    Works on real, fake-backend and fake-tensor runs alike (collectives pass through the
+    dispatcher as ``c10d::*`` ops). ``time(link)`` sums the link model over them.
+    Receives are not counted separately from sends (a ring step is one send + one recv).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::", 1)[-1]
+            kind = _C10D_OPS.get(name)
+            if kind is not None and kind[0] != "recv":
+                op, idx = kind
+                nbytes = 0 if idx is None else _nbytes(args[idx])
+                self.calls.append((op, nbytes, _group_size(args)))
+        return func(*args, **kwargs)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b, size in self.calls if size > 1)
+
+    def by_op(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for op, b, size in self.calls:
+            if size > 1:
+                out[op] = out.get(op, 0) + b
+        return out
+
+    def time(self, link: LinkModel) -> float:
+        return sum(link.time(op, b, size) for op, b, size in self.calls)

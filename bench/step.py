@@ -1,0 +1,352 @@
+"""One training step with the paper's memory levers, on any process group.
+
+``StepConfig`` holds the levers (defaults = the paper's setup, PAPER.md section 2):
+
+* ``fsdp``: FSDP2 (``fully_shard``) over the context-parallel ranks, one unit per block plus
+  the root (embedding, final norm, LM head). With ``dtype="bf16"`` the sharded parameters
+  are fp32 master weights and compute runs in bf16 (``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)``); AdamW states are fp32. Without FSDP the model is replicated in the
+  compute dtype (no fp32 master copy) and gradients are averaged with an all-reduce.
+* ``ac``: activation checkpointing per block (``torch.utils.checkpoint``, non-reentrant):
+  only each block's input is saved, the block is recomputed in backward.
+* ``ac_offload``: those saved block inputs go to host memory through saved-tensor hooks
+  (``torch.autograd.graph.save_on_cpu``'s mechanism; pinned on CUDA when
+  ``offload_pin``), for all blocks but the first and the last, as in the paper's code.
+  A tensor already on the host stays where it is, so the lever does nothing on a CPU device.
+* ``tiled_mlp``: RMSNorm + SwiGLU run over sequence tiles, recomputed in backward
+  (``mlp_tiles=0``: the paper's ``ceil(local tokens / dim)`` tiles). ``tiled_norm``: the
+  attention's RMSNorm and the final one tiled the same way (the paper's tiled RMSNorm).
+* ``chunked_loss``: cross-entropy over chunks of ``loss_chunk`` tokens; the
+  ``[tokens, vocab]`` logits never exist.
+* AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1).
+
+Two scopes: ``model`` (embedding -> blocks -> loss, backward, optimizer step) and
+``attention`` (one attention block forward + backward on random input, weights in the
+compute dtype, no optimizer).
+
+Everything here takes an explicit device and group, so the same code runs on real ranks,
+on one rank with a fake process group (emulated) and under FakeTensorMode (simulated).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import methods
+from methods import comm
+
+from .models import Decoder, ModelConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SCOPES = ("model", "attention")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What one step does. Defaults are the paper's settings (batch 1, every lever on)."""
+
+    scope: str = "model"
+    batch: int = 1
+    dtype: str = "bf16"
+    fsdp: bool = True
+    ac: bool = True
+    ac_offload: bool = True
+    offload_pin: bool = True
+    tiled_mlp: bool = True
+    tiled_norm: bool = True
+    mlp_tiles: int = 0  # tiles of the tiled MLP and norms; 0: ceil(local tokens / dim), the paper's rule
+    chunked_loss: bool = True
+    loss_chunk: int = 2048
+    lr: float = 3e-4
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {list(SCOPES)}, got {self.scope!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
+        if self.mlp_tiles < 0:
+            raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
+        if self.loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be >= 1 token, got {self.loss_chunk}")
+        if self.ac_offload and not self.ac:
+            raise ValueError("ac_offload offloads activation checkpoints: it needs ac=True")
+
+    @classmethod
+    def plain(cls, **overrides) -> "StepConfig":
+        """No memory lever at all (replicated model, no AC, plain MLP, full logits)."""
+        base = dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False,
+                    chunked_loss=False)
+        return cls(**{**base, **overrides})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def levers(self) -> dict[str, Any]:
+        """The levers as recorded in a result row (everything but scope, batch and dtype,
+        which are trial keys of their own)."""
+        d = dataclasses.asdict(self)
+        for k in ("scope", "batch", "dtype"):
+            d.pop(k)
+        return d
+
+    @classmethod
+    def from_levers(cls, scope: str, batch: int, dtype: str, levers: dict[str, Any]) -> "StepConfig":
+        return cls(scope=scope, batch=batch, dtype=dtype, **levers)
+
+
+# --------------------------------------------------------------------------- offload
+
+
+class HostOffload:
+    """Saved-tensor hooks that keep saved tensors in host memory until backward needs them.
+
+    ``host`` is ``"cpu"`` on real devices. Under simulation the accelerator itself is a fake
+    CPU device, so the host is modelled by the ``meta`` device: the tracker then counts
+    offloaded bytes under ``meta`` (host memory) instead of the device.
+    """
+
+    def __init__(self, host: str = "cpu", pin: bool = False) -> None:
+        self.host, self.pin = torch.device(host), pin
+
+    def pack(self, t: torch.Tensor):
+        if t.device == self.host or (self.host.type == "cpu" and t.device.type == "cpu"):
+            return t
+        if self.pin:
+            packed = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+            packed.copy_(t, non_blocking=True)
+        else:
+            packed = t.to(self.host)
+        return (t.device, packed)
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, t = packed
+        if t.device.type == "meta":  # simulation: the bytes come back, the values do not matter
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return t.to(device, non_blocking=self.pin)
+
+    def __call__(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class CheckpointedBlock(nn.Module):
+    """A block run under non-reentrant activation checkpointing; its saved input (the only
+    tensor a checkpoint keeps) optionally offloaded to the host."""
+
+    def __init__(self, block: nn.Module, offload: HostOffload | None = None) -> None:
+        super().__init__()
+        self.block = block
+        self.offload = offload
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.block(x, positions)
+        ctx = self.offload() if self.offload is not None else contextlib.nullcontext()
+        with ctx:
+            return checkpoint(self.block, x, positions, use_reentrant=False)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def world_size_of(group) -> int:
+    return comm.world(group)[0]
+
+
+def build_model(
+    cfg: ModelConfig,
+    method: str,
+    options: dict[str, Any],
+    group,
+    step: StepConfig,
+    device: torch.device | str,
+    host: str = "cpu",
+    seed: int | None = 0,
+) -> tuple[Decoder, torch.optim.Optimizer]:
+    """The decoder with every lever of ``step`` applied, and its AdamW.
+
+    Parameters are created on ``device`` in fp32 when FSDP keeps fp32 masters (bf16 compute)
+    and in the compute dtype otherwise, then initialised from ``seed`` (identical on every
+    rank). Under FakeTensorMode pass ``seed=None`` and call inside
+    ``bench.simulate.no_param_init()`` (random init is not possible on fake tensors).
+    """
+    device = torch.device(device)
+    master = torch.float32 if step.fsdp else step.torch_dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(master)
+    try:
+        with torch.device(device):
+            model = Decoder(cfg, method, group=group, **options)
+    finally:
+        torch.set_default_dtype(previous)
+    if seed is not None:
+        init_weights(model, seed)
+    model.set_mlp_tiles(step.mlp_tiles if step.tiled_mlp else None)
+    model.set_norm_tiles(step.mlp_tiles if step.tiled_norm else None)
+    model.set_loss_chunk(step.loss_chunk if step.chunked_loss else None)
+    if step.ac:
+        offload = HostOffload(host, pin=step.offload_pin and device.type == "cuda") if step.ac_offload else None
+        n = len(model.layers)
+        for i in range(n):
+            # the paper's code offloads every block's checkpoint but the first and the last
+            use = offload if (offload is not None and (n <= 2 or 0 < i < n - 1)) else None
+            model.layers[i] = CheckpointedBlock(model.layers[i], use)
+    if step.fsdp:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if group is None:
+            raise ValueError("fsdp=True needs a process group (use fsdp=False on one device)")
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the mesh holds real rank ids, even under simulation
+            mesh = DeviceMesh.from_group(group, device_type=device.type)
+        mp = MixedPrecisionPolicy(param_dtype=step.torch_dtype, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    # foreach: what torch picks by default on CUDA (one fused op per step over all tensors)
+    opt = torch.optim.AdamW(model.parameters(), lr=step.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    return model, opt
+
+
+def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights, identical on every rank for the same seed: each tensor
+    is drawn on the CPU from one generator in parameter order, normal(0, std) for matrices
+    and ones for norm weights. Call before sharding or wrapping."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            full = torch.ones(p.shape) if p.dim() == 1 else torch.randn(p.shape, generator=gen) * std
+            p.copy_(full.to(p.dtype))
+
+
+def maybe_prime_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Run one optimizer step with zero gradients, learning rate and weight decay, so that
+    the optimizer state exists (as in every step after the first) and weights are unchanged.
+
+    A real step, not hand-made state: under simulation the first AdamW step over DTensors
+    also runs DTensor's sharding propagation on global-shaped fake tensors, which torch's
+    MemTracker would count as optimizer memory; after this step that propagation is cached.
+    """
+    saved = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for g, (lr, wd) in zip(opt.param_groups, saved):
+        g["lr"], g["weight_decay"] = lr, wd
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S/C] in the method's layout
+    labels: torch.Tensor
+    positions: torch.Tensor  # [S/C] global positions of the local tokens
+
+
+def make_batch(model: Decoder, seq_len: int, batch: int, device, seed: int = 1, fake: bool = False) -> Batch:
+    """Random tokens for the full sequence (same on every rank for a seed), next-token labels,
+    and this rank's part of all three in the method's layout."""
+    vocab = model.cfg.vocab_size
+    attn = model.attention_module()
+    attn.check_seq_len(seq_len, attn.world_size, attn.options)
+    if fake:  # simulated: the values do not matter; avoid a data-dependent generator
+        n = seq_len // attn.world_size
+        tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+        return Batch(tokens, tokens.clone(), torch.zeros(n, dtype=torch.long, device=device))
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+    tokens, labels = full[:, :-1], full[:, 1:]
+    positions = torch.arange(seq_len)
+    return Batch(
+        attn.shard(tokens, dim=1).to(device),
+        attn.shard(labels, dim=1).to(device),
+        attn.shard(positions, dim=0).to(device),
+    )
+
+
+def model_step(model: Decoder, opt: torch.optim.Optimizer, batch: Batch, step: StepConfig, group) -> torch.Tensor:
+    """Forward, backward and optimizer step; returns the local loss (detached)."""
+    loss = model(batch.tokens, batch.positions, batch.labels)
+    loss.backward()
+    if not step.fsdp and world_size_of(group) > 1:
+        size = world_size_of(group)
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(size)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+# --------------------------------------------------------------------------- attention scope
+
+
+@dataclass
+class AttentionCase:
+    block: nn.Module
+    x: torch.Tensor
+    dy: torch.Tensor
+    positions: torch.Tensor
+
+
+def build_attention(cfg: ModelConfig, method: str, options: dict[str, Any], group, step: StepConfig,
+                    seq_len: int, device, fake: bool = False, seed: int = 0) -> AttentionCase:
+    """One attention block in the compute dtype with random input and output gradient."""
+    device = torch.device(device)
+    spec = cfg.attn_spec(causal=True)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(step.torch_dtype)
+    try:
+        with torch.device(device):
+            block = methods.build(method, spec, group=group, **options)
+    finally:
+        torch.set_default_dtype(previous)
+    block.check_seq_len(seq_len, block.world_size, block.options)
+    n = seq_len // block.world_size
+    shape = (step.batch, n, cfg.dim)
+    if fake:
+        x = torch.empty(shape, dtype=step.torch_dtype, device=device)
+        dy = torch.empty(shape, dtype=step.torch_dtype, device=device)
+        positions = torch.zeros(n, dtype=torch.long, device=device)
+    else:
+        init_weights(block, seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(shape, generator=gen).to(device, step.torch_dtype)
+        dy = torch.randn(shape, generator=gen).to(device, step.torch_dtype)
+        positions = block.shard(torch.arange(seq_len), dim=0).to(device)
+    return AttentionCase(block, x.requires_grad_(), dy, positions)
+
+
+def attention_step(case: AttentionCase) -> None:
+    """Forward + backward of one attention block; gradients are dropped afterwards."""
+    y = case.block(case.x, positions=case.positions)
+    y.backward(case.dy)
+    del y
+    case.x.grad = None
+    for p in case.block.parameters():
+        p.grad = None
+
+
+def step_fn(scope: str, built, batch: Batch | None, step: StepConfig, group) -> Callable[[], Any]:
+    """A zero-argument callable that runs one step of either scope."""
+    if scope == "attention":
+        return lambda: attention_step(built)
+    model, opt = built
+    return lambda: model_step(model, opt, batch, step, group)

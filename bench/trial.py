@@ -1,0 +1,374 @@
+"""One trial (method x model x sequence length x world size x mode x levers) -> one row.
+
+Modes (recorded in every row):
+
+* ``real``: real ranks (``bench.launch``: spawned gloo ranks on this host, or the ranks
+  torchrun/submitit started; NCCL on CUDA). Step time is measured (max over ranks), memory
+  is ``torch.cuda.max_memory_allocated``/``reserved`` on CUDA, and on CPU torch's
+  ``MemTracker`` over real tensors (CPU has no allocator peak statistics in torch, and RSS
+  counts the interpreter, libraries and memory malloc has not returned; MemTracker counts
+  live tensor storage exactly as CUDA's allocated figure does).
+* ``emulated``: one real rank (rank 0) of a ``world_size``-rank job on this device, with a
+  ``fake`` process group: compute and memory are real, collectives return at once, and their
+  time comes from the link model (``bench.hardware``) over the bytes actually issued:
+  ``step_time = measured compute + modelled communication`` (no overlap assumed).
+* ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
+  shape and world size with nothing allocated. The simulated accelerator is a fake CPU
+  device and host memory (activation offload) is the ``meta`` device, so the two are
+  counted apart. Step time is not simulated; the communication bytes and their modelled
+  time are recorded.
+
+A trial "fits" in simulated mode (and on a CPU device in the other modes, which have no
+out-of-memory error to catch) when its peak is within the preset's usable bytes; otherwise
+its status is ``oom``. On CUDA an out-of-memory error is caught and makes the row ``oom``.
+Any other exception makes an ``error`` row: a trial never raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import methods
+from methods import kernels
+
+from . import launch
+from .hardware import CommCounter, DevicePreset, LinkModel, get_device, get_link
+from .models import ModelConfig, flops_per_device, get_config
+from .rows import Environment, Figures, Row, cpu_name, environment
+from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
+from .step import (StepConfig, build_attention, build_model, make_batch, maybe_prime_optimizer,
+                   step_fn)
+
+MODES = ("real", "emulated", "simulated")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Trial:
+    method: str
+    model: str  # a named config or a JSON/YAML path
+    seq_len: int
+    world_size: int
+    mode: str = "simulated"
+    device: str = "h100-80g"
+    options: tuple = ()  # method options as sorted (name, value) pairs (hashable)
+    step: StepConfig = StepConfig()
+    link: str | None = None  # None: the device preset's default
+    warmup: int = 1
+    iters: int = 2
+    seed: int = 0
+
+    @classmethod
+    def make(cls, method: str, model: str, seq_len: int, world_size: int, options: dict | None = None,
+             **kwargs) -> "Trial":
+        return cls(method, model, seq_len, world_size, options=tuple(sorted((options or {}).items())), **kwargs)
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def with_seq_len(self, seq_len: int) -> "Trial":
+        return dataclasses.replace(self, seq_len=seq_len)
+
+    # ------------------------------------------------------------------ resolution and checks
+    def config(self) -> ModelConfig:
+        return get_config(self.model)
+
+    def preset(self) -> DevicePreset:
+        return get_device(self.device)
+
+    def link_model(self) -> LinkModel:
+        return get_link(self.link or self.preset().link)
+
+    def method_cls(self):
+        return methods.get_info(self.method).cls
+
+    def seq_multiple(self) -> int:
+        cls = self.method_cls()
+        return cls.seq_multiple(self.world_size, cls.parse_options(**self.opts))
+
+    def validate(self, check_seq_len: bool = True) -> None:
+        """Every check that needs no computation; raises ``ValueError`` saying what to fix."""
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ValueError(f"sequence length must be a positive integer, got {self.seq_len!r}")
+        cfg = self.config()
+        preset = self.preset()
+        self.link_model()
+        methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
+        cls = self.method_cls()
+        if check_seq_len:
+            cls.check_seq_len(self.seq_len, self.world_size, cls.parse_options(**self.opts))
+        if self.mode in ("real", "emulated") and preset.kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"mode {self.mode!r} on device preset {self.device!r} needs CUDA, which this machine "
+                f"lacks; use --device cpu, or --mode simulated"
+            )
+        if self.mode == "real" and preset.kind == "cuda" and launch.launched_env() is None \
+                and self.world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"real mode with {self.world_size} ranks needs {self.world_size} GPUs here "
+                f"({torch.cuda.device_count()} found); launch with torchrun/submitit across nodes, "
+                f"or use --mode emulated/simulated"
+            )
+        if self.step.fsdp and self.step.scope == "model" and self.world_size == 1:
+            pass  # FSDP over one rank is allowed (it only casts)
+        if self.iters < 1 or self.warmup < 1:
+            raise ValueError("iters and warmup must both be >= 1 (the first step is never timed)")
+
+    def kernel_name(self) -> str:
+        return self.opts.get("kernel") or kernels.default_kernel_name()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_oom(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err).lower()
+    return isinstance(err, (RuntimeError, MemoryError)) and (
+        "out of memory" in text or "can't allocate memory" in text or isinstance(err, MemoryError)
+    )
+
+
+def short_error(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0]
+    where = ""
+    tb = traceback.extract_tb(err.__traceback__)
+    if tb:
+        frame = tb[-1]
+        where = f" (at {frame.filename.rsplit('/', 2)[-2:][-1]}:{frame.lineno})"
+    return f"{type(err).__name__}: {first[:400]}{where}"
+
+
+def _build(trial: Trial, group, device: torch.device, host: str, fake: bool):
+    """(built, batch): the model and optimizer, or the attention case."""
+    cfg, step = trial.config(), trial.step
+    if step.scope == "attention":
+        case = build_attention(cfg, trial.method, trial.opts, group, step, trial.seq_len, device,
+                               fake=fake, seed=trial.seed)
+        return case, None
+    model, opt = build_model(cfg, trial.method, trial.opts, group, step, device, host=host,
+                             seed=None if fake else trial.seed)
+    batch = make_batch(model, trial.seq_len, step.batch, device, seed=trial.seed + 1, fake=fake)
+    return (model, opt), batch
+
+
+def _externals(trial: Trial, built) -> tuple:
+    if trial.step.scope == "attention":
+        return (built.block, built.x, built.dy)
+    model, opt = built
+    return (model, opt)
+
+
+# --------------------------------------------------------------------------- the three modes
+
+
+def measure_simulated(trial: Trial) -> dict[str, Any]:
+    """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated)."""
+    with fake_process_group(trial.world_size) as group, fake_tensors(torch.float32), no_param_init():
+        # simulating an accelerator: host memory is the meta device; simulating a CPU, the
+        # host is the device itself and offloading does nothing, as on a real CPU
+        host = "meta" if trial.preset().kind != "cpu" else "cpu"
+        built, batch = _build(trial, group, torch.device("cpu"), host=host, fake=True)
+        if trial.step.scope == "model":
+            maybe_prime_optimizer(*built)
+        run = step_fn(trial.step.scope, built, batch, trial.step, group)
+        counter = CommCounter()
+
+        def tracked():
+            with counter:
+                run()
+
+        peaks = track_peaks(tracked, *_externals(trial, built))
+    device_peak = peaks.get("cpu")
+    host_peak = peaks.get("meta")
+    return {
+        "peak_bytes": device_peak.total if device_peak else 0,
+        "peak_by_category": dict(device_peak.by_category) if device_peak else {},
+        "host_peak_bytes": host_peak.total if host_peak else 0,
+        "comm_bytes": counter.bytes,
+        "comm_bytes_by_op": counter.by_op(),
+        "comm_time_s": counter.time(trial.link_model()),
+    }
+
+
+def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, Any]:
+    """Build, warm up, measure memory and time ``trial.iters`` steps on real tensors."""
+    built, batch = _build(trial, group, device, host="cpu", fake=False)
+    run = step_fn(trial.step.scope, built, batch, trial.step, group)
+    counter = CommCounter()
+    _sync(device)
+    with counter:  # the first step builds optimizer state and caches; it counts the collectives
+        loss = run()
+    for _ in range(trial.warmup - 1):
+        run()
+    _sync(device)
+    out: dict[str, Any] = {"comm_bytes": counter.bytes, "comm_bytes_by_op": counter.by_op(),
+                           "comm_calls": list(counter.calls)}
+    if device.type == "cpu":
+        peaks = track_peaks(run, *_externals(trial, built))
+        peak = peaks.get("cpu")
+        out.update(peak_bytes=peak.total if peak else 0,
+                   peak_by_category=dict(peak.by_category) if peak else {})
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(trial.iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        out.update(peak_bytes=torch.cuda.max_memory_allocated(device),
+                   peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
+    out["compute_time_s"] = sum(times) / len(times)
+    out["step_times_s"] = times
+    if loss is not None and trial.step.scope == "model":
+        out["loss"] = float(loss)
+    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return out
+
+
+def _guarded(fn, *args) -> dict[str, Any]:
+    """Run a measurement; turn an exception into a status (so ranks report, not crash)."""
+    try:
+        return {"status": "ok", **fn(*args)}
+    except BaseException as err:  # noqa: BLE001 - every failure becomes a row
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        status = "oom" if is_oom(err) else "error"
+        return {"status": status, "message": short_error(err), "traceback": traceback.format_exc()}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def real_rank(group, trial: Trial) -> dict[str, Any]:
+    """Run on every real rank (module level: it is sent to spawned processes)."""
+    device = launch.local_device(trial.preset().kind)
+    return _guarded(measure_on_device, trial, group, device)
+
+
+def _emulated(trial: Trial) -> dict[str, Any]:
+    device = launch.local_device(trial.preset().kind)
+    with fake_process_group(trial.world_size) as group:
+        return measure_on_device(trial, group, device)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _combine_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Real mode: the worst rank decides (first failure; max peak and time; mean loss)."""
+    for r in results:
+        if r["status"] != "ok":
+            return r
+    out = dict(results[0])
+    for key in ("peak_bytes", "peak_reserved_bytes", "compute_time_s"):
+        values = [r[key] for r in results if r.get(key) is not None]
+        if values:
+            out[key] = max(values)
+    losses = [r["loss"] for r in results if r.get("loss") is not None]
+    if losses:
+        out["loss"] = sum(losses) / len(losses)
+    return out
+
+
+def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: str | None = None) -> Row:
+    cfg = trial.config()
+    preset = trial.preset()
+    status = result.get("status", "ok")
+    message = result.get("message", "")
+    notes: list[str] = []
+    f = Figures()
+    for key in ("peak_bytes", "peak_reserved_bytes", "peak_by_category", "host_peak_bytes",
+                "comm_bytes", "comm_bytes_by_op", "loss", "compute_time_s"):
+        if result.get(key) is not None:
+            setattr(f, key, result[key])
+    f.capacity_bytes = preset.capacity(trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1)
+    f.usable_bytes = int(f.capacity_bytes * preset.usable_fraction)
+    f.tokens_per_device = trial.step.batch * trial.seq_len // trial.world_size
+    f.flops_per_device = flops_per_device(cfg, trial.seq_len, trial.world_size, trial.step.batch,
+                                          trial.step.scope)
+    f.wall_s = round(wall_s, 3)
+    link = trial.link_model()
+    if trial.mode == "emulated" and f.compute_time_s is not None:
+        f.comm_time_s = sum(link.time(op, b, s) for op, b, s in result.get("comm_calls", [])) \
+            if "comm_calls" in result else result.get("comm_time_s")
+        f.step_time_s = f.compute_time_s + (f.comm_time_s or 0.0)
+    elif trial.mode == "simulated":
+        f.comm_time_s = result.get("comm_time_s")
+    elif trial.mode == "real":
+        f.step_time_s = f.compute_time_s
+    if f.step_time_s:
+        f.tokens_per_s_per_device = f.tokens_per_device / f.step_time_s
+        f.tflops_per_device = f.flops_per_device / f.step_time_s / 1e12
+    # memory budget: simulation has no OOM to catch, nor does a CPU
+    if status == "ok" and f.peak_bytes is not None and (trial.mode == "simulated" or preset.kind == "cpu"):
+        if f.peak_bytes > f.usable_bytes:
+            status = "oom"
+            message = (f"peak {f.peak_bytes / GiB:.2f} GiB exceeds the usable {f.usable_bytes / GiB:.2f} GiB "
+                       f"({preset.usable_fraction:.0%} of {f.capacity_bytes / GiB:.2f} GiB, {preset.name})")
+    if trial.step.ac_offload and trial.step.scope == "model" and (
+            preset.kind == "cpu" and trial.mode != "simulated"):
+        notes.append("ac_offload has no effect on a CPU device (the checkpoints are already in host memory)")
+    if trial.mode == "simulated":
+        notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
+                     "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")
+    if trial.mode == "emulated":
+        notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
+                     "modelled communication (no overlap)")
+    if trial.step.scope == "attention":
+        notes.append("scope attention: one attention block forward + backward; levers other than dtype unused")
+    if result.get("step_times_s"):
+        notes.append("timed steps (s): " + ", ".join(f"{t:.4f}" for t in result["step_times_s"]))
+    kernel = trial.kernel_name()
+    if device_name is None:
+        device_name = result.get("device_name") or (
+            f"fake tensors on {cpu_name()} (simulating {preset.name})" if trial.mode == "simulated" else cpu_name())
+    link_dict = link.to_dict() if trial.mode in ("emulated", "simulated") else None
+    return Row(
+        kind="trial", method=trial.method, options=trial.opts, model=cfg.name, scope=trial.step.scope,
+        seq_len=trial.seq_len, batch=trial.step.batch, world_size=trial.world_size, mode=trial.mode,
+        dtype=trial.step.dtype, device=trial.device, levers=trial.step.levers(), link=link_dict,
+        search=None, status=status, message=message, figures=f, env=environment(kernel, device_name),
+        model_arch=cfg.to_dict(), notes=notes,
+    )
+
+
+def run_trial(trial: Trial) -> Row:
+    """Run one trial in its mode, in this process; never raises for a failing trial (the row
+    says ``oom`` or ``error``). Invalid trials raise ``ValueError`` (call ``validate`` first)."""
+    trial.validate()
+    t0 = time.perf_counter()
+    if trial.mode == "simulated":
+        result = _guarded(measure_simulated, trial)
+    elif trial.mode == "emulated":
+        result = _guarded(_emulated, trial)
+    else:
+        try:
+            per_rank = launch.run_ranks(trial.world_size, real_rank, trial)
+            result = _combine_ranks(per_rank)
+        except launch.RankError as err:
+            killed = err.exitcode is not None and err.exitcode in (-9, 137)
+            result = {"status": "oom" if killed else "error",
+                      "message": ("rank killed by SIGKILL (host out of memory?): " if killed else "")
+                      + str(err).strip().splitlines()[0]}
+    return build_row(trial, result, time.perf_counter() - t0)

@@ -1,0 +1,195 @@
+"""bench/step.py: every memory lever does what it says.
+
+Memory effects are checked under simulation (FakeTensorMode + fake process group + MemTracker,
+``bench.trial.measure_simulated``); numerics on real gloo ranks: one training step with every
+lever on (FSDP2, checkpointing, tiled MLP and norms, chunked loss), in fp32, gives the same loss
+and the same gradients as the plain single-device step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import methods
+from bench.models import ModelConfig
+from bench.simulate import fake_process_group
+from bench.step import StepConfig, build_model, make_batch, model_step
+from bench.trial import Trial, measure_simulated
+
+# mid-sized so that activations dominate and each simulation takes well under a second
+CFG = dict(name="mid", dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=1536, vocab_size=8192)
+
+
+@pytest.fixture(scope="module")
+def cfg_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "mid.json"
+    import json
+
+    path.write_text(json.dumps(CFG))
+    return str(path)
+
+
+def sim(cfg_file, seq_len=32768, ws=4, method="ulysses", **levers):
+    trial = Trial.make(method, cfg_file, seq_len, ws, mode="simulated", device="h100-80g",
+                       step=StepConfig(**levers))
+    return measure_simulated(trial)
+
+
+def test_checkpointing_lowers_activation_memory(cfg_file):
+    on = sim(cfg_file, ac=True, ac_offload=False)
+    off = sim(cfg_file, ac=False, ac_offload=False)
+    act_on = on["peak_by_category"]["activation"] + on["peak_by_category"]["temp"]
+    act_off = off["peak_by_category"]["activation"] + off["peak_by_category"]["temp"]
+    assert on["peak_bytes"] < 0.7 * off["peak_bytes"], (on["peak_bytes"], off["peak_bytes"])
+    assert act_on < 0.6 * act_off
+
+
+def test_offload_moves_checkpoints_to_the_host(cfg_file):
+    kept = sim(cfg_file, ac=True, ac_offload=False)
+    moved = sim(cfg_file, ac=True, ac_offload=True)
+    assert kept["host_peak_bytes"] == 0
+    # every block but the first and last offloads its inputs: 2 of 4 here, each the hidden
+    # states [1, S/C, dim] bf16 and the positions [S/C] int64
+    hidden, positions = 32768 // 4 * 512 * 2, 32768 // 4 * 8
+    assert moved["host_peak_bytes"] == 2 * (hidden + positions)
+    # the device keeps the positions (one tensor shared by all blocks) but not the hidden states
+    assert moved["peak_bytes"] <= kept["peak_bytes"] - 2 * hidden
+
+
+def test_tiled_mlp_and_norm_lower_memory(cfg_file):
+    tiled = sim(cfg_file)
+    plain_mlp = sim(cfg_file, tiled_mlp=False)
+    plain_norm = sim(cfg_file, tiled_norm=False)
+    assert tiled["peak_bytes"] < plain_mlp["peak_bytes"]
+    assert tiled["peak_bytes"] < plain_norm["peak_bytes"]
+
+
+def test_chunked_loss_lowers_memory(cfg_file):
+    chunked = sim(cfg_file)
+    full = sim(cfg_file, chunked_loss=False)
+    logits = 32768 // 4 * CFG["vocab_size"] * 4  # fp32 logits of the local tokens
+    assert full["peak_bytes"] - chunked["peak_bytes"] > logits
+
+
+def test_fsdp_shards_master_weights_and_adam_state(cfg_file):
+    n = ModelConfig.from_dict(CFG).n_params
+    for ws in (2, 8):
+        r = sim(cfg_file, ws=ws, seq_len=8192)
+        # fp32 AdamW exp_avg + exp_avg_sq of this rank's shard (FSDP pads each tensor to ws rows)
+        assert r["peak_by_category"]["optstate"] == pytest.approx(8 * n / ws, rel=0.02)
+    replicated = sim(cfg_file, ws=8, seq_len=8192, fsdp=False)
+    # without FSDP: bf16 states of every parameter on every rank (the peak may also hold the
+    # foreach step's temporaries, also counted as optimizer memory)
+    assert replicated["peak_by_category"]["optstate"] >= 0.98 * 2 * 2 * n
+
+
+def test_mixed_precision_keeps_fp32_masters_and_computes_in_bf16():
+    """FSDP2 + bf16: sharded fp32 parameters and AdamW state, bf16 activations (real tensors,
+    one rank of a fake 2-rank group)."""
+    cfg = ModelConfig.from_dict(dict(CFG, name="small", dim=64, head_dim=8, ffn_dim=128, vocab_size=256))
+    seen = []
+    with fake_process_group(2) as group:
+        model, opt = build_model(cfg, "upipe", {}, group, StepConfig(), "cpu")
+        for p in model.parameters():
+            assert p.dtype == torch.float32 and type(p).__name__ in ("DTensor", "Parameter")
+            assert p.to_local().numel() <= (p.numel() + 1) // 2 + p.shape[-1]  # this rank's shard
+        attn = model.attention_module()
+        attn.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(args[0].dtype), with_kwargs=True)
+        batch = make_batch(model, 64, 1, "cpu")
+        model_step(model, opt, batch, StepConfig(), group)
+    assert seen and set(seen) == {torch.bfloat16}
+    states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    assert states and all(t.dtype == torch.float32 for t in states)
+
+
+# ----------------------------------------------------------------------------- numerics on real ranks
+
+SEQ = 128
+TINY = "tiny-llama"
+
+
+def _names(model) -> dict[str, torch.nn.Parameter]:
+    return {n.replace(".block.", "."): p for n, p in model.named_parameters()}
+
+
+def cp_step(group, method: str, levers: dict) -> dict:
+    """One forward+backward on the ranks of ``group`` with the given levers (fp32)."""
+    from bench.models import get_config
+
+    torch.manual_seed(0)
+    step = StepConfig(dtype="fp32", **levers)
+    model, _ = build_model(get_config(TINY), method, {}, group, step, "cpu", seed=0)
+    batch = make_batch(model, SEQ, 2, "cpu", seed=1)
+    loss = model(batch.tokens, batch.positions, batch.labels)
+    loss.backward()
+    grads = {}
+    for name, p in _names(model).items():
+        g = p.grad
+        if not step.fsdp:  # average the replicated gradients as FSDP does
+            torch.distributed.all_reduce(g, group=group)
+            g = g / torch.distributed.get_world_size(group)
+        grads[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    losses = [torch.zeros(()) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(losses, loss.detach(), group=group)
+    return {"loss": torch.stack(losses).mean().item(), "grads": grads}
+
+
+def reference_step(method: str) -> dict:
+    from bench.models import get_config
+
+    torch.manual_seed(0)
+    model, _ = build_model(get_config(TINY), method, {}, None, StepConfig.plain(dtype="fp32"), "cpu", seed=0)
+    batch = make_batch(model, SEQ, 2, "cpu", seed=1)
+    loss = model(batch.tokens, batch.positions, batch.labels)
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad for n, p in _names(model).items()}}
+
+
+ALL_ON = dict(fsdp=True, ac=True, ac_offload=True, tiled_mlp=True, tiled_norm=True, mlp_tiles=3,
+              chunked_loss=True, loss_chunk=40)
+
+
+@pytest.mark.parametrize("method", sorted(set(methods.available()) & {"ulysses", "upipe", "ring"}))
+@pytest.mark.parametrize("levers", [ALL_ON, dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False,
+                                                  tiled_norm=False, chunked_loss=False)],
+                         ids=["all-levers", "no-levers"])
+def test_step_with_levers_equals_plain_single_device_step(pool, method, levers):
+    ref = reference_step(method)
+    got = pool.run(cp_step, method, levers, world_size=2)[0]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert set(got["grads"]) == set(ref["grads"])
+    for name, g in got["grads"].items():
+        want = ref["grads"][name]
+        err = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+        assert err < 1e-4, (name, err)
+
+
+def full_step_runs(group, method: str) -> float:
+    """The benchmark's own step (bf16, every lever, AdamW) runs and gives a finite loss."""
+    from bench.models import get_config
+
+    model, opt = build_model(get_config(TINY), method, {}, group, StepConfig(), "cpu", seed=0)
+    batch = make_batch(model, SEQ, 1, "cpu")
+    losses = [model_step(model, opt, batch, StepConfig(), group).item() for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    return losses[-1]
+
+
+def test_bf16_step_with_optimizer_runs(pool):
+    losses = pool.run(full_step_runs, "upipe", world_size=4)
+    assert len(losses) == 4
+
+
+def test_step_config_validation():
+    with pytest.raises(ValueError, match="scope must be one of"):
+        StepConfig(scope="layer")
+    with pytest.raises(ValueError, match="ac_offload .* needs ac=True"):
+        StepConfig(ac=False, ac_offload=True)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        StepConfig(dtype="fp16")
+    assert StepConfig.plain().levers()["fsdp"] is False
+    lev = StepConfig().levers()
+    assert StepConfig.from_levers("model", 1, "bf16", lev) == StepConfig()
+    assert dataclasses.asdict(StepConfig())["ac_offload"] is True
