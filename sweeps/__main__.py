@@ -1,0 +1,68 @@
+"""``python -m sweeps``: run or watch a sweep spec (YAML) locally or on Slurm.
+
+    python -m sweeps run sweeps/configs/table3-cpu.yaml --executor local
+    python -m sweeps run sweeps/configs/table3-llama3-8b.yaml --executor slurm --set slurm.partition=h100
+    python -m sweeps status sweeps/configs/table3-cpu.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from .spec import SpecError, load_spec
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SpecError(f"--set {pair!r}: expected KEY=VALUE (e.g. slurm.partition=gpu)")
+        key, value = pair.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sweeps", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="submit the trials of SPEC that have no row yet")
+    run.add_argument("spec")
+    run.add_argument("--executor", choices=("local", "slurm", "debug"), default="local")
+    run.add_argument("--dry-run", action="store_true", help="print the bench commands, submit nothing")
+    run.add_argument("--max-parallel", type=int, default=None, help="jobs in flight at once")
+    run.add_argument("--retry-errors", action="store_true", help="run trials whose row is an error again")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a spec key, e.g. --set slurm.partition=gpu --set mode=simulated")
+    st = sub.add_parser("status", help="done / running / failed / pending counts of SPEC")
+    st.add_argument("spec")
+    st.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.spec, _overrides(args.set))
+        if args.command == "status":
+            from .runner import _bar, status_counts
+
+            counts = status_counts(spec)
+            total = sum(counts.values())
+            print(f"{spec.name}: {_bar(counts['done'] + counts['failed'], total)}  "
+                  + "  ".join(f"{k} {counts[k]}" for k in ("done", "running", "failed", "pending")))
+            return 0
+        from .runner import run_sweep
+
+        summary = run_sweep(spec, args.executor, args.dry_run, args.max_parallel, args.retry_errors)
+    except (SpecError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: finished rows are kept; run the same command again to resume", file=sys.stderr)
+        return 130
+    print(f"{spec.name}: {summary.submitted} run ({summary.ok} ok, {summary.failed} failed), "
+          f"{summary.skipped} skipped (already done); rows in {spec.rows_path}")
+    return 1 if summary.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Run a sweep: expand, skip finished trials, submit the rest with submitit, watch, record.
+
+Resumable by construction: a trial is finished exactly when its row is in the sweep's rows
+file (bench appends it atomically at the end of the trial), so running a sweep again after
+a kill, a preemption or a cancel submits only the trials without a row. A job that fails
+or times out becomes an ``error`` row carrying its log path and the last lines of its
+error, so failures are visible in every table and are not retried unless asked
+(``--retry-errors``). Submitted jobs are remembered in ``<rows>.jobs.json`` so that
+``status`` can tell running from pending.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from .jobs import TrialJob
+from .results import error_row_for, finished, trial_id
+from .spec import SweepSpec, Trial
+
+EXECUTORS = ("local", "slurm", "debug")
+
+
+@dataclass
+class SweepSummary:
+    total: int
+    skipped: int
+    submitted: int
+    ok: int
+    failed: int
+
+
+def _jobs_file(spec: SweepSpec) -> Path:
+    return spec.rows_path.with_suffix(".jobs.json")
+
+
+def _load_jobs(spec: SweepSpec) -> dict[str, dict]:
+    path = _jobs_file(spec)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save_jobs(spec: SweepSpec, jobs: dict[str, dict]) -> None:
+    path = _jobs_file(spec)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(jobs, indent=1))
+    tmp.replace(path)  # atomic: a kill never leaves a half-written job list
+
+
+def make_executor(spec: SweepSpec, kind: str, folder: Path, trial: Trial | None = None):
+    """A submitit executor for ``kind``; Slurm resources from the spec's ``slurm:`` block."""
+    import submitit
+
+    if kind not in EXECUTORS:
+        raise ValueError(f"executor {kind!r} is not one of {list(EXECUTORS)}")
+    if kind == "slurm":
+        import shutil
+
+        if shutil.which("sbatch") is None:
+            raise ValueError(
+                "executor 'slurm' needs Slurm's sbatch on PATH; on this machine run "
+                "scripts/slurm-up.sh, or use --executor local"
+            )
+    executor = submitit.AutoExecutor(folder=str(folder), cluster=kind)
+    sl = spec.slurm
+    params: dict[str, Any] = {"timeout_min": int(sl.get("time_min", 60)), "name": f"sweep-{spec.name}"}
+    if kind == "slurm":
+        ws = trial.world_size if trial else 1
+        per_node = int(sl.get("gpus_per_node") or sl.get("tasks_per_node") or ws) or ws
+        params.update(
+            nodes=math.ceil(ws / per_node), tasks_per_node=min(ws, per_node),
+            slurm_partition=sl.get("partition"), cpus_per_task=int(sl.get("cpus_per_task", 1)),
+        )
+        if sl.get("gpus_per_node"):
+            params["gpus_per_node"] = int(sl["gpus_per_node"])
+        if sl.get("mem_gb"):
+            params["mem_gb"] = int(sl["mem_gb"])
+        extra = {k: sl[k] for k in ("account", "constraint", "qos") if sl.get(k)}
+        if extra:
+            params["slurm_additional_parameters"] = extra
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    return executor, (params.get("nodes", 1) * params.get("tasks_per_node", 1))
+
+
+def status_counts(spec: SweepSpec) -> Counter:
+    """done / failed / running / pending counts over the spec's trials."""
+    rows = finished(spec.rows_path, spec.trials())
+    jobs = _load_jobs(spec)
+    counts: Counter = Counter()
+    for trial in spec.trials():
+        tid = trial_id(trial)
+        row = rows.get(tid)
+        if row is not None:
+            counts["failed" if row == "error" else "done"] += 1
+        elif tid in jobs and _job_alive(jobs[tid]):
+            counts["running"] += 1
+        else:
+            counts["pending"] += 1
+    return counts
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] not in "ZX"  # a zombie has finished
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (children first found through /proc)."""
+    import os
+    import signal
+
+    def children(p: int) -> list[int]:
+        out = []
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+        return out
+
+    stack, seen = [pid], []
+    while stack:
+        p = stack.pop()
+        seen.append(p)
+        stack += children(p)
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _job_alive(info: dict) -> bool:
+    if info.get("executor") != "slurm":
+        return bool(info.get("alive_hint")) and _pid_alive(int(info["job_id"]))
+    import subprocess
+
+    res = subprocess.run(["squeue", "-h", "-j", str(info["job_id"]), "-o", "%T"], capture_output=True, text=True)
+    return res.returncode == 0 and bool(res.stdout.strip())
+
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    filled = int(width * done / total) if total else width
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+
+
+def run_sweep(
+    spec: SweepSpec, executor: str = "local", dry_run: bool = False, max_parallel: int | None = None,
+    retry_errors: bool = False, poll_s: float = 1.0, stream: TextIO = sys.stderr,
+) -> SweepSummary:
+    trials = spec.trials()
+    rows = finished(spec.rows_path, trials)
+    todo = [t for t in trials if trial_id(t) not in rows or (retry_errors and rows[trial_id(t)] == "error")]
+    skipped = len(trials) - len(todo)
+    print(f"sweep {spec.name}: {len(trials)} trials, {skipped} already have rows in {spec.rows_path}, "
+          f"{len(todo)} to run ({executor})", file=stream)
+    if dry_run:
+        from .jobs import bench_argv
+
+        for t in todo:
+            print("  python -m bench " + " ".join(bench_argv(t, spec.rows_path)), file=stream)
+        return SweepSummary(len(trials), skipped, 0, 0, 0)
+    spec.rows_path.parent.mkdir(parents=True, exist_ok=True)
+    folder = spec.rows_path.parent / "logs" / spec.name
+    limit = max_parallel or int(spec.slurm.get("max_parallel", 0)) or (1 if executor != "slurm" else len(todo) or 1)
+    jobs_state = _load_jobs(spec)
+    pending, running = [], []
+    for trial in todo:  # jobs left behind by a killed `run`: adopt them on Slurm, kill them locally
+        info = jobs_state.get(trial_id(trial))
+        if info and _job_alive(info):
+            if info["executor"] == "slurm":
+                import submitit
+
+                running.append((trial, submitit.SlurmJob(folder=str(folder), job_id=info["job_id"])))
+                print(f"  adopted running job {info['job_id']} for {trial.label}", file=stream)
+                continue
+            _kill_tree(int(info["job_id"]))
+            print(f"  killed orphaned job {info['job_id']} of an interrupted run ({trial.label})", file=stream)
+        pending.append(trial)
+    ok = failed = 0
+    last_line = ""
+    while pending or running:
+        while pending and len(running) < limit:
+            trial = pending.pop(0)
+            ex, tasks = make_executor(spec, executor, folder, trial)
+            job = ex.submit(TrialJob(), trial, str(spec.rows_path.resolve()), tasks)
+            jobs_state[trial_id(trial)] = {"job_id": str(job.job_id), "executor": executor, "alive_hint": True,
+                                           "label": trial.label}
+            _save_jobs(spec, jobs_state)
+            running.append((trial, job))
+            print(f"{chr(10) if stream.isatty() else ''}  submitted {trial.label} as job {job.job_id}", file=stream)
+        still = []
+        for trial, job in running:
+            if not job.done():
+                still.append((trial, job))
+                continue
+            try:
+                job.results()
+                ok += 1
+            except Exception as err:  # noqa: BLE001 - any failure becomes an error row
+                failed += 1
+                _record_failure(spec, trial, job, err, stream)
+            jobs_state[trial_id(trial)]["alive_hint"] = False
+            _save_jobs(spec, jobs_state)
+        running = still
+        line = f"  {_bar(ok + failed, len(todo))} ok {ok} failed {failed} running {len(running)}"
+        if line != last_line:  # redraw in place on a terminal, one line per change otherwise
+            print(("\r" if stream.isatty() else "") + line, end="" if stream.isatty() else "\n",
+                  file=stream, flush=True)
+            last_line = line
+        if running:
+            time.sleep(poll_s)
+    print(file=stream)
+    return SweepSummary(len(trials), skipped, len(todo), ok, failed)
+
+
+def _record_failure(spec: SweepSpec, trial: Trial, job, err: Exception, stream: TextIO) -> None:
+    """An ``error`` row for a failed job, unless the trial managed to write its own row."""
+    if trial_id(trial) in finished(spec.rows_path, [trial]):
+        return
+    log = str(getattr(job.paths, "stderr", ""))
+    lines = [line for line in str(err).strip().splitlines() if line.strip()][-10:]
+    error_row_for(trial, spec.rows_path, message="\n".join(lines), log_path=log)
+    print(f"\n  FAILED {trial.label} (job {job.job_id}); log: {log}", file=stream)

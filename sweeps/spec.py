@@ -1,0 +1,248 @@
+"""Sweep specs: a YAML file crossing methods, models, sequence lengths and world sizes.
+
+A spec is validated on load; every error names the bad key and what is allowed. Example::
+
+    name: table3-llama3-8b          # rows go to results/<name>.jsonl unless `out:` says otherwise
+    kind: run                       # run (one row per trial) | max-context (a search per trial)
+    mode: real                      # real | emulated | simulated
+    scope: model                    # model | attention
+    dtype: bf16
+    device: h100-80g                # device preset (bench/devices)
+    models: [llama3-8b]
+    seq_lens: [128K, 256K, 1M]      # human sizes, K = 1024
+    world_sizes: [8]                # ranks (GPUs) per trial
+    methods:
+      - upipe                       # a bare name: default options
+      - {name: upipe, options: {chunk_heads: 16}}
+    step: {ac: true, ac_offload: true, tiled_mlp: true}        # training-step levers (bench StepConfig)
+    max_context: {granularity: 256K, max_seq_len: 16M}         # kind: max-context only
+    slurm: {partition: gpu, account: null, time_min: 60, gpus_per_node: 8, constraint: h100}
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODES = ("real", "emulated", "simulated")
+KINDS = ("run", "max-context")
+SCOPES = ("model", "attention")
+DTYPES = ("bf16", "fp32")
+TOP_KEYS = {
+    "name", "kind", "mode", "scope", "dtype", "device", "models", "seq_lens", "world_sizes",
+    "methods", "step", "max_context", "slurm", "out", "description",
+}
+SLURM_KEYS = {
+    "partition", "account", "time_min", "gpus_per_node", "cpus_per_task", "mem_gb",
+    "constraint", "qos", "max_parallel", "tasks_per_gpu",
+}
+MAXCTX_KEYS = {"granularity", "max_seq_len", "min_seq_len"}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
+
+
+class SpecError(ValueError):
+    """A sweep spec is invalid; the message names the key and the allowed values."""
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """``128K`` -> 131072, ``1.5M`` -> 1572864, ``4096`` -> 4096 (K = 1024)."""
+    if isinstance(value, bool):
+        raise SpecError(f"{key}: expected a size like 128K or 1M, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise SpecError(f"{key}: expected a size like 4096, 128K, 1.5M, got {value!r}")
+        size = float(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
+        if size != int(size):
+            raise SpecError(f"{key}: {value!r} is not a whole number of tokens")
+        size = int(size)
+    if size <= 0:
+        raise SpecError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+def format_size(n: int) -> str:
+    for unit, mult in (("M", 2**20), ("K", 2**10)):
+        if n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+    step: tuple[tuple[str, Any], ...] = ()  # training-step levers for this entry, over the spec's
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One unit of work: a `bench run` (or a `bench max-context` search)."""
+
+    sweep: str
+    kind: str
+    method: str
+    options: tuple[tuple[str, Any], ...]
+    model: str
+    seq_len: int
+    world_size: int
+    mode: str
+    scope: str
+    dtype: str
+    device: str
+    step: tuple[tuple[str, Any], ...] = ()
+    max_context: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        what = f"{self.method}[{opts}]" if opts else self.method
+        size = "max-context" if self.kind == "max-context" else format_size(self.seq_len)
+        return f"{what} {self.model} {size} x{self.world_size} {self.mode}"
+
+
+@dataclass
+class SweepSpec:
+    name: str
+    kind: str
+    mode: str
+    scope: str
+    dtype: str
+    device: str
+    models: list[str]
+    seq_lens: list[int]
+    world_sizes: list[int]
+    methods: list[MethodEntry]
+    step: dict[str, Any] = field(default_factory=dict)
+    max_context: dict[str, Any] = field(default_factory=dict)
+    slurm: dict[str, Any] = field(default_factory=dict)
+    out: str | None = None
+    source: str = ""
+
+    @property
+    def rows_path(self) -> Path:
+        return Path(self.out) if self.out else Path("results") / f"{self.name}.jsonl"
+
+    def trials(self) -> list[Trial]:
+        """The cross product, in a stable order (methods outermost, then models, sizes, lengths)."""
+        lengths = self.seq_lens if self.kind == "run" else [0]
+        out = []
+        for m, model, ws, seq in itertools.product(self.methods, self.models, self.world_sizes, lengths):
+            out.append(
+                Trial(
+                    sweep=self.name, kind=self.kind, method=m.name, options=m.options, model=model,
+                    seq_len=seq, world_size=ws, mode=self.mode, scope=self.scope, dtype=self.dtype,
+                    device=self.device, step=tuple(sorted({**self.step, **dict(m.step)}.items())),
+                    max_context=tuple(sorted(self.max_context.items())),
+                )
+            )
+        return out
+
+
+def _choice(raw: dict, key: str, allowed: tuple[str, ...], default: str | None = None) -> str:
+    value = raw.get(key, default)
+    if value not in allowed:
+        raise SpecError(f"{key}: {value!r} is not allowed; choose one of {list(allowed)}")
+    return value
+
+
+def _list(raw: dict, key: str) -> list:
+    value = raw.get(key)
+    if value is None:
+        raise SpecError(f"{key}: missing (a list is required)")
+    if not isinstance(value, list) or not value:
+        raise SpecError(f"{key}: expected a non-empty list, got {value!r}")
+    return value
+
+
+def _methods(raw: list) -> list[MethodEntry]:
+    out = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            out.append(MethodEntry(item))
+        elif isinstance(item, dict) and set(item) <= {"name", "options", "step"} and "name" in item:
+            for key in ("options", "step"):
+                if not isinstance(item.get(key) or {}, dict):
+                    raise SpecError(f"methods[{i}].{key}: expected a mapping, got {item[key]!r}")
+            out.append(MethodEntry(str(item["name"]), tuple(sorted((item.get("options") or {}).items())),
+                                   tuple(sorted((item.get("step") or {}).items()))))
+        else:
+            raise SpecError(
+                f"methods[{i}]: expected a method name or {{name: ..., options: {{...}}, step: {{...}}}}, "
+                f"got {item!r}"
+            )
+    return out
+
+
+def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
+    """Validate a loaded YAML mapping into a ``SweepSpec``."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: a sweep spec is a mapping of keys, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - TOP_KEYS)
+    if unknown:
+        raise SpecError(f"{source}: unknown key(s) {unknown}; allowed keys: {sorted(TOP_KEYS)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name or ""):
+        raise SpecError(f"name: expected a file-name-safe string (letters, digits, . _ -), got {name!r}")
+    kind = _choice(raw, "kind", KINDS, "run")
+    world_sizes = []
+    for ws in _list(raw, "world_sizes"):
+        if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+            raise SpecError(f"world_sizes: each entry must be a positive int, got {ws!r}")
+        world_sizes.append(ws)
+    seq_lens = [parse_size(s, "seq_lens") for s in raw.get("seq_lens") or []]
+    if kind == "run" and not seq_lens:
+        raise SpecError("seq_lens: missing (kind: run needs at least one sequence length)")
+    for key, allowed in (("slurm", SLURM_KEYS), ("max_context", MAXCTX_KEYS)):
+        sub = raw.get(key) or {}
+        if not isinstance(sub, dict):
+            raise SpecError(f"{key}: expected a mapping, got {sub!r}")
+        bad = sorted(set(sub) - allowed)
+        if bad:
+            raise SpecError(f"{key}: unknown key(s) {bad}; allowed: {sorted(allowed)}")
+    max_context = {k: parse_size(v, f"max_context.{k}") for k, v in (raw.get("max_context") or {}).items()}
+    step = raw.get("step") or {}
+    if not isinstance(step, dict):
+        raise SpecError(f"step: expected a mapping of training-step levers, got {step!r}")
+    from .jobs import STEP_KEYS
+
+    entries = _methods(_list(raw, "methods"))
+    for where, levers in [("step", step)] + [(f"methods[{i}].step", dict(e.step)) for i, e in enumerate(entries)]:
+        bad = sorted(set(levers) - STEP_KEYS)
+        if bad:
+            raise SpecError(f"{where}: unknown lever(s) {bad}; allowed: {sorted(STEP_KEYS)}")
+    models = [str(m) for m in _list(raw, "models")]
+    return SweepSpec(
+        name=name, kind=kind, mode=_choice(raw, "mode", MODES), scope=_choice(raw, "scope", SCOPES, "model"),
+        dtype=_choice(raw, "dtype", DTYPES, "bf16"), device=str(raw.get("device", "cpu")), models=models,
+        seq_lens=seq_lens, world_sizes=world_sizes, methods=entries, step=step,
+        max_context=max_context, slurm=dict(raw.get("slurm") or {}), out=raw.get("out"), source=source,
+    )
+
+
+def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepSpec:
+    """Read and validate a YAML spec; ``overrides`` replace top-level or ``slurm.*`` keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such sweep spec (see sweeps/configs/ for the paper's)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {err}") from None
+    for key, value in (overrides or {}).items():
+        if key.startswith("slurm."):
+            raw.setdefault("slurm", {})[key[len("slurm."):]] = value
+        else:
+            raw[key] = value
+    return parse_spec(raw, str(path))

@@ -1,0 +1,92 @@
+"""Local sweeps end to end: rows land, reruns skip, failures become error rows, kills resume."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.rows import read_rows
+from sweeps.runner import run_sweep, status_counts
+from sweeps.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_spec(tmp_path: Path, **changes) -> Path:
+    spec = dict(name="t", kind="run", mode="simulated", scope="attention", dtype="bf16", device="h100-80g",
+                models=["tiny-llama"], seq_lens=["4K"], world_sizes=[2], methods=["ulysses"],
+                out=str(tmp_path / "rows.jsonl"))
+    spec.update(changes)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def sweep_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sweeps", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_resume_and_status(tmp_path):
+    path = write_spec(tmp_path, methods=["ulysses", "upipe"])
+    first = sweep_cli("run", str(path), "--executor", "local", "--max-parallel", "2")
+    assert first.returncode == 0, first.stderr
+    rows = read_rows(tmp_path / "rows.jsonl", on_error="raise")
+    assert sorted(r.method for r in rows) == ["ulysses", "upipe"]
+    assert all(r.status == "ok" and r.mode == "simulated" and r.seq_len == 4096 for r in rows)
+    second = sweep_cli("run", str(path), "--executor", "local")
+    assert second.returncode == 0 and "0 run" in second.stdout and "2 skipped" in second.stdout
+    assert len(read_rows(tmp_path / "rows.jsonl")) == 2
+    status = sweep_cli("status", str(path))
+    assert "done 2" in status.stdout and "pending 0" in status.stdout
+
+
+def test_dry_run_prints_bench_commands_and_submits_nothing(tmp_path):
+    path = write_spec(tmp_path, step={"tiled_mlp": False, "iters": 3})
+    out = sweep_cli("run", str(path), "--dry-run")
+    assert out.returncode == 0
+    assert "python -m bench run --method ulysses --model tiny-llama --world-size 2" in out.stderr
+    assert "--no-tiled-mlp" in out.stderr and "--iters 3" in out.stderr
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_failed_trial_becomes_an_error_row_with_its_log(tmp_path):
+    path = write_spec(tmp_path, methods=[{"name": "upipe", "options": {"chunk_heads": 3}}])
+    out = sweep_cli("run", str(path), "--executor", "local")
+    assert out.returncode == 1, out.stdout + out.stderr
+    (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
+    assert row.status == "error" and "chunk_heads=3 is not a multiple of the world size 2" in row.message
+    log = row.message.rsplit("log: ", 1)[1].strip()
+    assert Path(log).is_file(), log
+    counts = status_counts(load_spec(path))
+    assert counts["failed"] == 1
+
+
+def test_bad_spec_is_a_clear_error_not_a_traceback(tmp_path):
+    path = write_spec(tmp_path, mode="fast")
+    out = sweep_cli("run", str(path))
+    assert out.returncode == 2 and "mode: 'fast' is not allowed" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigkill_midway_then_rerun_gives_exactly_one_row_per_trial(tmp_path):
+    path = write_spec(tmp_path, seq_lens=["2K", "4K", "8K"], methods=["ulysses", "upipe"])
+    rows_path = tmp_path / "rows.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(path), "--executor", "local"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(read_rows(rows_path, on_error="skip")) < 2:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # the runner and every job it started, mid-sweep
+    proc.wait()
+    done_before = len(read_rows(rows_path, on_error="raise"))
+    assert 2 <= done_before < 6, done_before
+    summary = run_sweep(load_spec(path), "local")
+    assert summary.skipped == done_before and summary.failed == 0
+    rows = read_rows(rows_path, on_error="raise")  # raises on any corrupt line
+    keys = sorted((r.method, r.seq_len) for r in rows)
+    assert keys == sorted((m, s) for m in ("ulysses", "upipe") for s in (2048, 4096, 8192)), keys

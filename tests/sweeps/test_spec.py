@@ -1,0 +1,89 @@
+"""Sweep specs: validation messages name the bad key and the allowed values; expansion is exact."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sweeps.spec import SpecError, load_spec, parse_size, parse_spec
+
+CONFIGS = sorted(Path(__file__).resolve().parents[2].joinpath("sweeps", "configs").glob("*.yaml"))
+BASE = dict(name="t", mode="simulated", models=["llama3-8b"], seq_lens=["128K"], world_sizes=[8],
+            methods=["upipe"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_names_its_table_or_figure(path):
+    spec = load_spec(path)
+    assert spec.trials(), path
+    first_comment = path.read_text().splitlines()[0]
+    assert first_comment.startswith("# Regenerates"), f"{path.name} must say what it regenerates"
+
+
+def test_paper_experiments_have_cpu_variants():
+    names = {p.stem for p in CONFIGS}
+    paper = {n for n in names if not n.endswith("-cpu")}
+    missing = sorted(n for n in paper if f"{n}-cpu" not in names)
+    assert not missing, f"no *-cpu.yaml variant for {missing}"
+
+
+def test_expansion_is_the_cross_product():
+    spec = parse_spec(dict(BASE, seq_lens=["128K", "1M"], world_sizes=[4, 8],
+                           methods=["ulysses", {"name": "upipe", "options": {"chunk_heads": 16}}]))
+    trials = spec.trials()
+    assert len(trials) == 2 * 2 * 2
+    assert {t.seq_len for t in trials} == {131072, 1048576}
+    assert ("chunk_heads", 16) in trials[-1].options
+
+
+def test_max_context_kind_has_one_trial_per_method_model_world():
+    spec = parse_spec(dict(BASE, kind="max-context", seq_lens=None, max_context={"granularity": "64K"}))
+    (trial,) = spec.trials()
+    assert trial.kind == "max-context" and dict(trial.max_context) == {"granularity": 65536}
+
+
+def test_entry_step_overrides_spec_step():
+    spec = parse_spec(dict(BASE, step={"ac": True, "fsdp": True},
+                           methods=[{"name": "ulysses", "step": {"ac": False}}]))
+    assert dict(spec.trials()[0].step) == {"ac": False, "fsdp": True}
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"mode": "sim"}, r"mode: 'sim' is not allowed; choose one of \['real', 'emulated', 'simulated'\]"),
+        ({"kind": "sweep"}, r"kind: 'sweep' is not allowed; choose one of \['run', 'max-context'\]"),
+        ({"scope": "layer"}, r"scope: 'layer' is not allowed"),
+        ({"dtype": "fp8"}, r"dtype: 'fp8' is not allowed; choose one of \['bf16', 'fp32'\]"),
+        ({"seq_lens": ["12Q"]}, r"seq_lens: expected a size like 4096, 128K, 1.5M, got '12Q'"),
+        ({"world_sizes": [0]}, r"world_sizes: each entry must be a positive int, got 0"),
+        ({"world_sizes": []}, r"world_sizes: expected a non-empty list"),
+        ({"methods": [{"nam": "x"}]}, r"methods\[0\]: expected a method name or"),
+        ({"slurm": {"partion": "gpu"}}, r"slurm: unknown key\(s\) \['partion'\]; allowed: .*partition"),
+        ({"colour": 1}, r"unknown key\(s\) \['colour'\]; allowed keys"),
+        ({"name": "has space"}, r"name: expected a file-name-safe string"),
+        ({"seq_lens": None}, r"seq_lens: missing \(kind: run needs"),
+    ],
+)
+def test_bad_specs_name_the_key(change, match):
+    with pytest.raises(SpecError, match=match):
+        parse_spec(dict(BASE, **change))
+
+
+def test_sizes():
+    assert parse_size("128K") == 131072 and parse_size("1.5M") == 1572864 and parse_size(4096) == 4096
+    with pytest.raises(SpecError, match="not a whole number"):
+        parse_size("1.3K")
+
+
+def test_overrides_and_missing_file(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    spec = load_spec(path, {"slurm.partition": "h100", "mode": "real"})
+    assert spec.slurm["partition"] == "h100" and spec.mode == "real"
+    with pytest.raises(SpecError, match="no such sweep spec"):
+        load_spec(tmp_path / "nope.yaml")
+    path.write_text("name: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(path)
