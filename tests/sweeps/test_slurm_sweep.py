@@ -1,0 +1,105 @@
+"""Sweeps through the real Slurm brought up by scripts/slurm-up.sh (see conftest.py).
+
+A 2-task gloo trial (one task per rank, torch.distributed initialised from the Slurm job
+environment), a failing trial's error row, and cancel + resume.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.rows import read_rows
+
+pytestmark = pytest.mark.slurm
+REPO = Path(__file__).resolve().parents[2]
+
+
+def spec_file(tmp_path: Path, name: str, **changes) -> Path:
+    spec = dict(name=name, kind="run", mode="real", scope="attention", dtype="fp32", device="cpu",
+                models=["tiny-llama"], seq_lens=["512"], world_sizes=[2], methods=["upipe"],
+                step={"warmup": 1, "iters": 1}, out=str(tmp_path / "rows.jsonl"),
+                slurm={"partition": "debug", "time_min": 10, "cpus_per_task": 1, "max_parallel": 1})
+    spec.update(changes)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def sweeps(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sweeps", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def cancel_after(slurm_cluster):
+    names: list[str] = []
+    yield names.append
+    for name in names:
+        subprocess.run(["scancel", "-n", f"sweep-{name}"], capture_output=True)
+
+
+def sacct_state(job_id: str) -> str:
+    for _ in range(30):
+        out = subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True)
+        state = out.stdout.strip().split()[0] if out.stdout.strip() else ""
+        if state and state not in ("PENDING", "RUNNING"):
+            return state
+        time.sleep(1)
+    return state
+
+
+def test_two_task_gloo_trial_through_slurm(tmp_path, cancel_after):
+    name = f"slurm-ok-{tmp_path.name[-12:]}"
+    cancel_after(name)
+    path = spec_file(tmp_path, name)
+    out = sweeps("run", str(path), "--executor", "slurm")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
+    assert (row.status, row.mode, row.world_size, row.method) == ("ok", "real", 2, "upipe"), row.message
+    assert row.figures.step_time_s and row.figures.step_time_s > 0
+    jobs = json.loads((tmp_path / "rows.jobs.json").read_text())
+    (info,) = jobs.values()
+    assert info["executor"] == "slurm" and sacct_state(info["job_id"]) == "COMPLETED"
+    again = sweeps("run", str(path), "--executor", "slurm")
+    assert again.returncode == 0 and "1 skipped" in again.stdout
+
+
+def test_failing_trial_on_slurm_is_an_error_row(tmp_path, cancel_after):
+    name = f"slurm-bad-{tmp_path.name[-12:]}"
+    cancel_after(name)
+    path = spec_file(tmp_path, name, methods=[{"name": "upipe", "options": {"chunk_heads": 3}}])
+    out = sweeps("run", str(path), "--executor", "slurm")
+    assert out.returncode == 1, out.stdout + out.stderr
+    (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
+    assert row.status == "error" and "chunk_heads=3 is not a multiple of the world size 2" in row.message
+    assert Path(row.message.rsplit("log: ", 1)[1].strip()).is_file()
+
+
+def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after):
+    name = f"slurm-cancel-{tmp_path.name[-12:]}"
+    cancel_after(name)
+    path = spec_file(tmp_path, name, seq_lens=["256", "512", "1K"])
+    rows_path = tmp_path / "rows.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(path), "--executor", "slurm"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not read_rows(rows_path, on_error="skip"):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # the user stops the sweep ...
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "run the same command again to resume" in out, out
+    subprocess.run(["scancel", "-n", f"sweep-{name}"], check=True)  # ... and cancels its jobs
+    done = {r.seq_len for r in read_rows(rows_path, on_error="raise")}
+    assert 1 <= len(done) < 3
+    again = sweeps("run", str(path), "--executor", "slurm")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"{len(done)} skipped" in again.stdout
+    rows = read_rows(rows_path, on_error="raise")
+    assert sorted(r.seq_len for r in rows) == [256, 512, 1024], [(r.seq_len, r.status) for r in rows]
