@@ -1,0 +1,228 @@
+"""Loaders: result rows (JSON Lines under ``results/``) and the paper's numbers as DataFrames.
+
+``load_rows`` reads every ``*.jsonl`` under a results folder (recursively, except
+``results/paper/``) through ``bench.rows.read_rows``, so every line is validated against
+the one row schema; a corrupt line is reported (printed and listed in
+``df.attrs["bad_lines"]``) and skipped, never fatal. The result is flat: one column per
+trial key, one per figure (``peak_bytes``, ``step_time_s``, ``tokens_per_s_per_device``,
+``max_context``...), derived GiB columns, ``status``/``message``, the environment as
+``env.*`` and the file each row came from as ``source_file``.
+
+When several rows share a ``trial_key`` (the same trial run twice, e.g. a rerun after a
+fix), only the newest (``env.time``) is kept and its ``replaced_rows`` column says how
+many older rows it replaced; ``keep="all"`` returns every row.
+
+``load_paper(name)`` reads ``results/paper/<name>.csv`` unchanged: values come through
+exactly as transcribed (``status`` says ``ok``/``oom``/``not_reported``; empty cells stay NaN).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from bench.rows import BadLine, Figures, Row, read_rows, trial_key
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "results"
+PAPER_DIR = RESULTS / "paper"
+GiB = 2**30
+
+# Figures fields that are dictionaries: flattened to "<field>.<key>" columns.
+_DICT_FIGURES = ("peak_by_category", "comm_bytes_by_op")
+_ENV_FIELDS = ("device_name", "kernel", "time", "git_commit", "git_dirty", "torch", "cuda", "host")
+
+# Column order of the trial keys in the DataFrame (the fields ``trial_key`` is made of).
+KEY_COLUMNS = ["kind", "method", "options", "model", "scope", "seq_len", "batch", "world_size",
+               "mode", "dtype", "device", "levers", "link", "search"]
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def human_size(n: Any) -> str:
+    """``131072`` -> ``128K``, ``3145728`` -> ``3M``, ``1572864`` -> ``1.5M`` (K = 1024)."""
+    if n is None or (isinstance(n, float) and n != n):
+        return "—"
+    n = int(n)
+    for unit, mult in (("M", 2**20), ("K", 2**10)):
+        if n >= mult and n % (mult // 8) == 0:
+            value = n / mult
+            return f"{value:g}{unit}"
+    return str(n)
+
+
+def options_string(options: dict | None) -> str:
+    """A method's options as a stable string, ``chunk_heads=8,kernel=torch`` (sorted; '' if none)."""
+    if not options:
+        return ""
+    return ",".join(f"{k}={_scalar(v)}" for k, v in sorted(options.items()))
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True, separators=(",", ":"))
+    return str(v)
+
+
+def method_label(method: str, options: str | dict | None) -> str:
+    """``upipe`` or ``upipe[chunk_heads=16]``: a method with its non-default options."""
+    opts = options_string(options) if isinstance(options, dict) else (options or "")
+    return f"{method}[{opts}]" if opts else method
+
+
+def mode_label(mode: str, device: str, device_name: str | None = None) -> str:
+    """How a row was produced, for legends and table rows: ``real, NVIDIA H100 80GB HBM3``,
+    ``emulated, NVIDIA H100 (link nvlink-h100)``, ``simulated, h100-80g``."""
+    if mode == "simulated":
+        return f"simulated, {device}"
+    name = (device_name or device or "").strip()
+    if len(name) > 40:
+        name = name[:38] + "…"
+    return f"{mode}, {name or device}"
+
+
+# ----------------------------------------------------------------------------- rows
+
+def _row_record(row: Row, source: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "kind": row.kind, "method": row.method, "options": options_string(row.options),
+        "model": row.model, "scope": row.scope, "seq_len": row.seq_len, "batch": row.batch,
+        "world_size": row.world_size, "mode": row.mode, "dtype": row.dtype, "device": row.device,
+        "levers": options_string(row.levers), "link": row.link["name"] if row.link else None,
+        "search": options_string(row.search) if row.search else None,
+        "status": row.status, "message": row.message,
+    }
+    figs = row.figures
+    for name in Figures.__dataclass_fields__:
+        value = getattr(figs, name)
+        if name in _DICT_FIGURES:
+            for k, v in (value or {}).items():
+                rec[f"{name}.{k}"] = v
+        else:
+            rec[name] = value
+    for name in _ENV_FIELDS:
+        rec[f"env.{name}"] = getattr(row.env, name)
+    for k, v in (row.options or {}).items():
+        rec[f"opt.{k}"] = v
+    for k, v in (row.levers or {}).items():
+        rec[f"lever.{k}"] = v
+    rec["options_dict"] = dict(row.options or {})
+    rec["peak_by_category"] = dict(figs.peak_by_category) if figs.peak_by_category else None
+    rec["notes"] = " | ".join(row.notes)
+    rec["trial_key"] = trial_key(row)
+    rec["source_file"] = source
+    return rec
+
+
+def row_files(results_dir: str | Path = RESULTS) -> list[Path]:
+    """Every ``*.jsonl`` under ``results_dir`` (recursively), except those under ``paper/``."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.rglob("*.jsonl")
+                  if p.is_file() and "paper" not in p.relative_to(root).parts[:-1])
+
+
+def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bool = False) -> pd.DataFrame:
+    """All valid rows under ``results_dir`` as one flat DataFrame (see the module docstring).
+
+    ``keep="newest"``: one row per ``trial_key`` (the newest by ``env.time``; the
+    ``replaced_rows`` column counts the older ones dropped); ``keep="all"``: every row.
+    Corrupt lines are skipped, printed to stderr (unless ``quiet``) and listed as
+    ``bench.rows.BadLine`` in ``df.attrs["bad_lines"]``.
+    """
+    if keep not in ("newest", "all"):
+        raise ValueError(f"keep must be 'newest' or 'all', got {keep!r}")
+    root = Path(results_dir)
+    bad: list[BadLine] = []
+    records = []
+    for path in row_files(root):
+        try:
+            source = str(path.relative_to(root))
+        except ValueError:
+            source = str(path)
+        for row in read_rows(path, on_error="skip", bad=bad):
+            records.append(_row_record(row, source))
+    if not quiet:
+        for issue in bad:
+            print(f"warning: skipping corrupt row {issue}", file=sys.stderr)
+    df = pd.DataFrame.from_records(records) if records else _empty_frame()
+    df = _derive(df)
+    df["replaced_rows"] = 0
+    if keep == "newest" and len(df):
+        df = _keep_newest(df)
+    df = df.reset_index(drop=True)
+    df.attrs["bad_lines"] = bad
+    df.attrs["results_dir"] = str(root)
+    return df
+
+
+def _empty_frame() -> pd.DataFrame:
+    cols = KEY_COLUMNS + ["status", "message"] + list(Figures.__dataclass_fields__) + \
+        [f"env.{n}" for n in _ENV_FIELDS] + ["options_dict", "notes", "trial_key", "source_file"]
+    return pd.DataFrame({c: pd.Series(dtype=object) for c in cols})
+
+
+def _derive(df: pd.DataFrame) -> pd.DataFrame:
+    """GiB columns and labels used by every table and figure."""
+    df = df.copy()
+    for src, dst in (("peak_bytes", "peak_gib"), ("peak_reserved_bytes", "peak_reserved_gib"),
+                     ("host_peak_bytes", "host_peak_gib"), ("capacity_bytes", "capacity_gib"),
+                     ("usable_bytes", "usable_gib")):
+        df[dst] = pd.to_numeric(df[src], errors="coerce") / GiB
+    # The paper reports max_reserved: use the reserved peak where measured (CUDA), else allocated.
+    df["mem_gib"] = df["peak_reserved_gib"].where(df["peak_reserved_gib"].notna(), df["peak_gib"])
+    df["mem_basis"] = ["reserved" if pd.notna(r) else ("allocated" if pd.notna(a) else None)
+                       for r, a in zip(df["peak_reserved_gib"], df["peak_gib"])]
+    df["label"] = [method_label(m, o) for m, o in zip(df["method"], df["options"])]
+    df["mode_label"] = [mode_label(m, d, n) for m, d, n in zip(df["mode"], df["device"], df["env.device_name"])]
+    df["seq"] = [human_size(s) if s else "" for s in df["seq_len"]]
+    df["time"] = pd.to_datetime(df["env.time"], utc=True, errors="coerce")
+    return df
+
+
+def _keep_newest(df: pd.DataFrame) -> pd.DataFrame:
+    keys = df["trial_key"].map(repr)
+    order = df.assign(_key=keys, _pos=range(len(df))).sort_values(["_key", "time", "_pos"])
+    counts = order.groupby("_key")["_pos"].transform("size")
+    newest = order.drop_duplicates("_key", keep="last").copy()
+    newest["replaced_rows"] = (counts.loc[newest.index] - 1).astype(int)
+    return newest.sort_values("_pos").drop(columns=["_key", "_pos"])
+
+
+# ----------------------------------------------------------------------------- paper numbers
+
+def paper_names() -> list[str]:
+    """The paper tables available (file stems in ``results/paper/``)."""
+    return sorted(p.stem for p in PAPER_DIR.glob("*.csv"))
+
+
+def load_paper(name: str, paper_dir: str | Path = PAPER_DIR) -> pd.DataFrame:
+    """``results/paper/<name>.csv`` as transcribed (``name`` with or without ``.csv``)."""
+    stem = name[:-4] if name.endswith(".csv") else name
+    path = Path(paper_dir) / f"{stem}.csv"
+    if not path.is_file():
+        raise ValueError(f"no paper table {stem!r} in {paper_dir}; available: {paper_names()}")
+    df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    for col in ("seq_len", "gpus", "max_seq_len"):
+        if col in df:
+            df[col] = pd.to_numeric(df[col]).astype("Int64")
+    return df
+
+
+def modes_summary(df: pd.DataFrame) -> str:
+    """``simulated (h100-80g): 12 rows; real (NVIDIA H100 80GB HBM3): 3 rows`` or ``no rows``."""
+    if df is None or not len(df):
+        return "no rows"
+    parts = []
+    for label, n in df.groupby("mode_label", sort=True).size().items():
+        mode, _, dev = label.partition(", ")
+        parts.append(f"{mode} ({dev}): {n} row{'s' if n != 1 else ''}")
+    return "; ".join(parts)
+
+
+def describe_bad_lines(df: pd.DataFrame) -> Iterable[str]:
+    return [str(b) for b in df.attrs.get("bad_lines", [])]
