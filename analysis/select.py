@@ -1,0 +1,177 @@
+"""Which of our rows belong to which paper table, and how a row becomes a table cell.
+
+The paper's setups (PAPER.md section 2) are fixed here once: the Table 3 shapes and GPU
+counts, the "paper levers" (FSDP, activation checkpointing offloaded to host, tiled MLP,
+chunked loss), and how our method names map onto the paper's columns (on 16 GPUs the paper's
+"Ulysses" and "UPipe" are the 8 Ulysses x 2 Ring mesh: our ``usp`` and ``usp-upipe``).
+Rows are selected by what they are (model, world size, scope, levers), not by the file they
+came from, so a row written by ``python -m bench`` by hand counts as much as a sweep's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from .style import MISSING, OOM
+
+K, M = 2**10, 2**20
+PAPER_LENGTHS = [128 * K, 256 * K, 512 * K, 1 * M, 2 * M, 3 * M, 4 * M, 5 * M]
+PAPER_METHODS = ["torch-cp", "ring", "ulysses", "fpdt", "upipe"]  # Table 3's row order
+PAPER_DEVICE = "h100-80g"
+PAPER_LEVERS = {"fsdp": True, "ac": True, "ac_offload": True, "tiled_mlp": True, "chunked_loss": True}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One half of Table 3: a model on a GPU count."""
+
+    model: str
+    gpus: int
+
+    @property
+    def title(self) -> str:
+        return f"{self.model}, {self.gpus} GPUs"
+
+
+TABLE3_SETUPS = (Setup("llama3-8b", 8), Setup("qwen3-32b", 16))
+
+
+def family(method: str, world_size: int | None = None) -> str:
+    """The paper column a method belongs to. On more than one node (world size > 8) the
+    paper's Ulysses/UPipe are the Ulysses x Ring mesh (``usp``/``usp-upipe``); Fig. 5 calls
+    the former ``usp``."""
+    if method in ("usp",):
+        return "ulysses"
+    if method in ("usp-upipe",):
+        return "upipe"
+    return method
+
+
+def family_order(name: str) -> tuple[int, str]:
+    return (PAPER_METHODS.index(name), "") if name in PAPER_METHODS else (len(PAPER_METHODS), name)
+
+
+# ----------------------------------------------------------------------------- levers
+
+def levers_of(row: pd.Series) -> dict[str, Any]:
+    """The row's training-step levers as booleans (``ac: offload`` style strings normalised)."""
+    out = {}
+    for col, value in row.items():
+        if isinstance(col, str) and col.startswith("lever."):
+            out[col[len("lever."):]] = value
+    ac = out.get("ac")
+    if isinstance(ac, str):
+        out["ac_offload"] = ac == "offload"
+        out["ac"] = ac in ("full", "offload")
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def has_paper_levers(df: pd.DataFrame) -> pd.Series:
+    """Rows trained with every lever of the paper's setup."""
+    if not len(df):
+        return pd.Series([], dtype=bool, index=df.index)
+    return df.apply(lambda r: all(bool(levers_of(r).get(k)) == v for k, v in PAPER_LEVERS.items()), axis=1)
+
+
+def fig1_config(row: pd.Series) -> str | None:
+    """Which bar of Fig. 1 a row is: fsdp+ulysses, +ac, +ao, alst, upipe (or None)."""
+    lv = levers_of(row)
+    if not lv.get("fsdp"):
+        return None
+    full = lv.get("ac") and lv.get("ac_offload") and lv.get("tiled_mlp") and lv.get("chunked_loss")
+    if row["method"] == "upipe":
+        return "upipe" if full else None
+    if row["method"] != "ulysses":
+        return None
+    if not lv.get("ac"):
+        return "fsdp+ulysses"
+    if not lv.get("ac_offload"):
+        return "+ac"
+    if full:
+        return "alst"
+    if not lv.get("tiled_mlp") and not lv.get("chunked_loss"):
+        return "+ao"
+    return None
+
+
+# ----------------------------------------------------------------------------- selection
+
+def trials(df: pd.DataFrame, **eq) -> pd.DataFrame:
+    """Trial rows (not max-context searches) whose columns equal ``eq``."""
+    if not len(df):
+        return df
+    sel = df["kind"] == "trial"
+    for col, value in eq.items():
+        sel &= df[col] == value
+    return df[sel]
+
+
+def newest_per(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """One row per ``by`` (the newest); rows differing only in keys not in ``by`` collapse."""
+    if not len(df):
+        return df
+    return df.sort_values("time", kind="stable").drop_duplicates(by, keep="last")
+
+
+def groups(df: pd.DataFrame, by=("label", "mode_label")):
+    """(key, rows) per series of our rows, ordered by paper family then name then mode."""
+    if not len(df):
+        return []
+    out = []
+    for key, sub in df.groupby(list(by), sort=False, dropna=False):
+        out.append((key, sub))
+    out.sort(key=lambda kv: (family_order(family(kv[1]["method"].iloc[0])), kv[0]))
+    return out
+
+
+def lookup(sub: pd.DataFrame, seq_len: int) -> pd.Series | None:
+    hit = sub[sub["seq_len"] == seq_len]
+    if not len(hit):
+        return None
+    return hit.sort_values("time", kind="stable").iloc[-1]
+
+
+# ----------------------------------------------------------------------------- cells
+
+def is_missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA
+
+
+def fmt(v: Any, digits: int = 2) -> str:
+    if is_missing(v):
+        return MISSING
+    return f"{float(v):.{digits}f}"
+
+
+def cell(row: pd.Series | None, metric: str, digits: int = 2) -> str:
+    """A table cell for one of our rows: the value, "OOM", "error", "fits" (ran, but this
+    figure is not measured in its mode, e.g. throughput of a simulated row) or "—" (no row)."""
+    if row is None:
+        return MISSING
+    if row["status"] == "oom":
+        return OOM
+    if row["status"] == "error":
+        return "error"
+    value = row.get(metric)
+    if is_missing(value):
+        return "fits"
+    return fmt(value, digits)
+
+
+def paper_cell(status: str, value: Any, digits: int = 2) -> str:
+    if status == "oom":
+        return OOM
+    if status != "ok" or is_missing(value):
+        return MISSING
+    return fmt(value, digits)
+
+
+def number(row: pd.Series | None, metric: str) -> float | None:
+    """The row's value if the trial ran (status ok) and measured it, else None."""
+    if row is None or row["status"] != "ok":
+        return None
+    v = row.get(metric)
+    return None if is_missing(v) else float(v)

@@ -1,0 +1,598 @@
+"""One function per regenerated table; each returns a ``Table`` (paper and ours side by side).
+
+Layout shared by the tables: a *paper* row, then one row per series of ours (a method
+with its options, in one mode on one device, labelled "real, NVIDIA H100 ...",
+"simulated, h100-80g" ...), then our methods the paper does not have. Cells: the value,
+"OOM", "error", "fits" (ran, but the figure is not measured in that mode) or "—" (no row).
+Nothing is interpolated or filled in.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from .load import human_size, load_paper, load_rows
+from .select import (PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, Setup, cell, family, family_order,
+                     fig1_config, fmt, groups, has_paper_levers, is_missing, lookup, newest_per, number,
+                     paper_cell, trials)
+from .style import MISSING, OOM, Table, display_name
+
+PAPER_MODE = "real, {gpus}×H100-80GB (paper)"
+
+
+def _rows(rows: pd.DataFrame | str | Path | None) -> pd.DataFrame:
+    if rows is None:
+        return load_rows(quiet=True)
+    if isinstance(rows, (str, Path)):
+        return load_rows(rows, quiet=True)
+    return rows
+
+
+def _seq_cols(lengths) -> list[str]:
+    return [human_size(s) for s in lengths]
+
+
+# ----------------------------------------------------------------------------- Table 3
+
+def table3_rows(rows: pd.DataFrame, setup: Setup) -> pd.DataFrame:
+    """Our rows for one half of Table 3: the model, the GPU count, a full training step
+    with the paper's levers, on a GPU preset (CPU rows go to ``table3_cpu``)."""
+    t = trials(rows, model=setup.model, world_size=setup.gpus, scope="model")
+    t = t[t["device"] != "cpu"] if len(t) else t
+    return t[has_paper_levers(t)] if len(t) else t
+
+
+def table3(rows=None, model: str = "llama3-8b") -> Table:
+    """Table 3, tokens/s per GPU: paper vs ours for ``model`` (llama3-8b: 8 GPUs, qwen3-32b: 16)."""
+    rows = _rows(rows)
+    setup = next((s for s in TABLE3_SETUPS if s.model == model), None)
+    if setup is None:
+        raise ValueError(f"Table 3 has {[s.model for s in TABLE3_SETUPS]}, not {model!r}")
+    paper = load_paper("table3_throughput")
+    paper = paper[paper["model"] == model]
+    ours = table3_rows(rows, setup)
+    lengths = PAPER_LENGTHS
+    cols = ["Method", "Source", "Mode, device"] + _seq_cols(lengths)
+    out = []
+    our_groups = groups(ours)
+    used = set()
+    for pm in PAPER_METHODS:
+        p = paper[paper["method"] == pm].set_index("seq_len")
+        cells = [paper_cell(p.loc[s, "status"], p.loc[s, "tokens_per_s_per_gpu"]) if s in p.index else MISSING
+                 for s in lengths]
+        out.append([display_name(pm), "paper", PAPER_MODE.format(gpus=setup.gpus)] + cells)
+        for key, sub in our_groups:
+            if family(sub["method"].iloc[0]) == pm:
+                used.add(key)
+                out.append([key[0], "ours", key[1]] + [cell(lookup(sub, s), "tokens_per_s_per_device") for s in lengths])
+    for key, sub in our_groups:
+        if key not in used:
+            out.append([key[0], "ours (not in paper)", key[1]]
+                       + [cell(lookup(sub, s), "tokens_per_s_per_device") for s in lengths])
+    notes = [
+        f"Tokens/s per GPU, {setup.model} on {setup.gpus} GPUs, full training step with the paper's levers "
+        "(FSDP2, AC offloaded to host, tiled MLP, chunked loss, bf16, batch 1).",
+        "OOM: out of memory; —: no row (not run / not reported); fits: ran without OOM, throughput not "
+        "measured in that mode (simulated rows measure memory only); error: the trial failed (see its row).",
+    ]
+    if setup.gpus == 16:
+        notes.append("On 16 GPUs the paper's Ulysses and UPipe are the 8 Ulysses × 2 Ring mesh: ours "
+                     "`usp` and `usp-upipe` with ulysses_degree=8.")
+    if not len(ours):
+        notes.append("No rows of ours yet: `python -m sweeps run sweeps/configs/table3-"
+                     f"{setup.model}.yaml --executor slurm` regenerates them.")
+    return Table(f"table3_{setup.model}", f"Table 3 — throughput (tokens/s per GPU), {setup.title}",
+                 pd.DataFrame(out, columns=cols), notes, ours)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return MISSING
+    return f"{a / b:.3f}"
+
+
+def table3_ratios(rows=None) -> Table:
+    """Each method's throughput over Ulysses' at the same length, paper vs ours: the one
+    Table 3 figure that compares across hardware (including our CPU rows, in ``table3_cpu``)."""
+    rows = _rows(rows)
+    paper = load_paper("table3_throughput")
+    cols = ["Setup", "Ratio", "Source", "Mode, device"] + _seq_cols(PAPER_LENGTHS)
+    out = []
+    used = []
+    for setup in TABLE3_SETUPS:
+        p = paper[paper["model"] == setup.model]
+
+        def pv(method, s):
+            hit = p[(p["method"] == method) & (p["seq_len"] == s) & (p["status"] == "ok")]
+            return float(hit["tokens_per_s_per_gpu"].iloc[0]) if len(hit) else None
+
+        ours = table3_rows(rows, setup)
+        used.append(ours)
+        for pm in [m for m in PAPER_METHODS if m != "ulysses"]:
+            name = f"{display_name(pm)} / Ulysses"
+            out.append([setup.title, name, "paper", PAPER_MODE.format(gpus=setup.gpus)]
+                       + [_ratio(pv(pm, s), pv("ulysses", s)) for s in PAPER_LENGTHS])
+            for mode_label, sub in (ours.groupby("mode_label") if len(ours) else []):
+                base = sub[sub["method"].map(family) == "ulysses"]
+                for label, msub in sub[sub["method"].map(family) == pm].groupby("label"):
+                    if not len(base):
+                        continue
+                    blabel = sorted(base["label"].unique())[0]
+                    b = base[base["label"] == blabel]
+                    vals = [_ratio(number(lookup(msub, s), "tokens_per_s_per_device"),
+                                   number(lookup(b, s), "tokens_per_s_per_device")) for s in PAPER_LENGTHS]
+                    if any(v != MISSING for v in vals):  # a mode without throughput (simulated) adds nothing
+                        out.append([setup.title, f"{label} / {blabel}", "ours", mode_label] + vals)
+    used_df = pd.concat(used) if any(len(u) for u in used) else rows.iloc[0:0]
+    notes = ["Throughput ratio at equal sequence length; UPipe/Ulysses is the paper's claim of "
+             "'throughput on par' (0.98–1.02 on 8B from 128K to 3M).",
+             "— where either side has no throughput (not run, OOM, or not measured in that mode)."]
+    return Table("table3_ratios", "Table 3 — throughput relative to Ulysses (paper vs ours)",
+                 pd.DataFrame(out, columns=cols), notes, used_df)
+
+
+def cpu_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Our CPU variants of Table 3: rows on the ``cpu`` device preset from a ``table3*`` sweep."""
+    if not len(rows):
+        return rows
+    stems = rows["source_file"].map(lambda p: Path(str(p)).name)
+    sel = (rows["kind"] == "trial") & (rows["device"] == "cpu") & stems.str.startswith("table3")
+    return rows[sel]
+
+
+def _paper_ratio_range(method: str) -> str:
+    paper = load_paper("table3_throughput")
+    parts = []
+    for setup in TABLE3_SETUPS:
+        p = paper[(paper["model"] == setup.model) & (paper["status"] == "ok")]
+        a = p[p["method"] == method].set_index("seq_len")["tokens_per_s_per_gpu"]
+        b = p[p["method"] == "ulysses"].set_index("seq_len")["tokens_per_s_per_gpu"]
+        common = a.index.intersection(b.index)
+        if len(common):
+            r = a[common] / b[common]
+            parts.append(f"{r.min():.3f}–{r.max():.3f} ({setup.model}, "
+                         f"{human_size(common.min())}–{human_size(common.max())})")
+    return "; ".join(parts) or MISSING
+
+
+def table3_cpu(rows=None) -> Table:
+    """Our CPU runs of the Table 3 sweep (small models, few ranks): tokens/s per rank, and each
+    method's ratio to Ulysses next to the paper's ratio range. CPU and H100 numbers are not
+    comparable; the ratios are."""
+    rows = _rows(rows)
+    ours = cpu_rows(rows)
+    lengths = sorted(ours["seq_len"].unique()) if len(ours) else []
+    cols = ["Model", "Ranks", "Row", "Source", "Mode, device"] + _seq_cols(lengths) + ["paper ratio (H100)"]
+    out = []
+    for (model, ws, mode_label), sub in (ours.groupby(["model", "world_size", "mode_label"]) if len(ours) else []):
+        series = groups(sub)
+        for key, s in series:
+            out.append([model, ws, key[0], "ours: tokens/s per rank", mode_label]
+                       + [cell(lookup(s, n), "tokens_per_s_per_device") for n in lengths] + [""])
+        base = [s for key, s in series if s["method"].iloc[0] == "ulysses"]
+        for key, s in series:
+            m = s["method"].iloc[0]
+            if m == "ulysses" or not base:
+                continue
+            vals = [_ratio(number(lookup(s, n), "tokens_per_s_per_device"),
+                           number(lookup(base[0], n), "tokens_per_s_per_device")) for n in lengths]
+            out.append([model, ws, f"{key[0]} / ulysses", "ours: ratio", mode_label] + vals
+                       + [_paper_ratio_range(family(m))])
+    notes = ["CPU rows (gloo ranks on one host, small models): absolute numbers say nothing about "
+             "H100 throughput; ratios to Ulysses at equal length are the comparable figure.",
+             "paper ratio (H100): the range of the same ratio in the paper's Table 3."]
+    if not len(ours):
+        notes.append("No CPU rows yet: run a CPU variant of the Table 3 sweep (a `sweeps/configs/table3-*.yaml` "
+                     "with `device: cpu`) with `--executor local`.")
+    return Table("table3_cpu", "Table 3 on CPU — throughput per rank and ratio to Ulysses (ours)",
+                 pd.DataFrame(out, columns=cols), notes, ours)
+
+
+# ----------------------------------------------------------------------------- max context
+
+def _max_ctx_text(n, lower_bound: bool) -> str:
+    if is_missing(n):
+        return MISSING
+    if int(n) == 0:
+        return "none fits"
+    return ("≥ " if lower_bound else "") + human_size(int(n))
+
+
+def our_max_context(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per series: the max-context search result (``kind: max_context`` rows) and the longest
+    length our trial rows ran without OOM. Columns: model, world_size, label, method,
+    scope, mode_label, kind ('search' | 'runs'), max_seq_len, lower_bound, status."""
+    recs = []
+    if not len(rows):
+        return pd.DataFrame(columns=["model", "world_size", "scope", "label", "method", "mode_label", "kind",
+                                     "max_seq_len", "lower_bound", "status"])
+    searches = newest_per(rows[rows["kind"] == "max_context"], ["model", "world_size", "scope", "label", "mode_label"])
+    for _, r in searches.iterrows():
+        limit = None
+        if isinstance(r.get("search"), str):
+            for part in r["search"].split(","):
+                k, _, v = part.partition("=")
+                if k == "max_seq_len" and v.isdigit():
+                    limit = int(v)
+        mc = r.get("max_context")
+        lower = limit is not None and not is_missing(mc) and int(mc) >= limit
+        recs.append(dict(model=r["model"], world_size=r["world_size"], scope=r["scope"], label=r["label"],
+                         method=r["method"], mode_label=r["mode_label"], kind="search", status=r["status"],
+                         max_seq_len=None if r["status"] == "error" else mc, lower_bound=lower))
+    t = trials(rows, scope="model")
+    if len(t):
+        t = t[has_paper_levers(t)]
+    for (model, ws, label, ml), sub in (t.groupby(["model", "world_size", "label", "mode_label"]) if len(t) else []):
+        ok = sub[sub["status"] == "ok"]["seq_len"]
+        oom = sub[sub["status"] == "oom"]["seq_len"]
+        best = int(ok.max()) if len(ok) else 0
+        lower = not len(oom) or int(oom.max()) < best
+        if not len(ok) and not len(oom):
+            continue
+        recs.append(dict(model=model, world_size=ws, scope="model", label=label, method=sub["method"].iloc[0],
+                         mode_label=ml, kind="runs", status="ok", max_seq_len=best, lower_bound=bool(len(ok)) and lower))
+    return pd.DataFrame.from_records(recs)
+
+
+def max_context_table(rows=None) -> Table:
+    """Max context per method: the paper's (derived from Table 3; Fig. 5's claims) vs our
+    max-context searches and the longest length our runs fit."""
+    rows = _rows(rows)
+    paper = load_paper("max_context")
+    fig5 = load_paper("fig5_multinode")
+    claims = fig5[fig5["kind"] == "max_context_claim"]
+    ours = our_max_context(rows)
+    setups = {(r.model, int(r.gpus)) for r in paper.itertuples()} | {(r.model, int(r.gpus)) for r in claims.itertuples()}
+    if len(ours):
+        setups |= {(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])}
+    cols = ["Model", "GPUs", "Method", "Source", "Mode, device", "Max context", "Note"]
+    out = []
+    for model, gpus in sorted(setups, key=lambda s: (s[0] not in ("llama3-8b", "qwen3-32b"), s[0], s[1])):
+        entries = []  # (family, order, row)
+        for r in paper[(paper["model"] == model) & (paper["gpus"] == gpus)].itertuples():
+            lb = "lower bound" in str(r.note)
+            entries.append((family(r.method), 0, [model, gpus, display_name(r.method), "paper (Table 3, derived)",
+                                                  PAPER_MODE.format(gpus=gpus), _max_ctx_text(r.max_seq_len, lb),
+                                                  r.note]))
+        for r in claims[(claims["model"] == model) & (claims["gpus"] == gpus)].itertuples():
+            name = "USP-Hybrid 8×2" if r.method == "usp" else f"{display_name(r.method)} 8×2"
+            entries.append((family(r.method), 1, [model, gpus, name, "paper (Fig. 5 text)",
+                                                  PAPER_MODE.format(gpus=gpus), _max_ctx_text(r.seq_len, False),
+                                                  r.note]))
+        sub = ours[(ours["model"] == model) & (ours["world_size"] == gpus)] if len(ours) else ours
+        for r in (sub.itertuples() if len(sub) else []):
+            src = "ours (max-context search)" if r.kind == "search" else "ours (longest run without OOM)"
+            note = ("search ended at its upper limit" if r.kind == "search" and r.lower_bound else
+                    "no OOM row above it: a lower bound" if r.kind == "runs" and r.lower_bound else "")
+            if r.status == "error":
+                note = "the search failed (error row)"
+            entries.append((family(r.method), 2 if r.kind == "search" else 3,
+                            [model, gpus, r.label, src, r.mode_label,
+                             "error" if r.status == "error" else _max_ctx_text(r.max_seq_len, r.lower_bound), note]))
+        entries.sort(key=lambda e: (family_order(e[0]), e[1], e[2][2]))
+        out += [e[2] for e in entries]
+    notes = ["Paper: the longest Table 3 length each method ran (≥: the table's last column ran, so the true "
+             "maximum may be higher); Fig. 5's text claims for the 8×2 mesh on 16 GPUs.",
+             "Ours: `kind: max_context` rows (doubling then bisection on the sequence length) and, from trial "
+             "rows with the paper's levers, the longest length that ran without OOM.",
+             "Sizes: K = 1024 tokens, M = 1024² tokens."]
+    used = rows[(rows["kind"] == "max_context")] if len(rows) else rows
+    if len(rows):
+        t = trials(rows, scope="model")
+        used = pd.concat([used, t[has_paper_levers(t)]]) if len(t) else used
+    return Table("max_context", "Maximum context length per method (paper vs ours)",
+                 pd.DataFrame(out, columns=cols), notes, used)
+
+
+# ----------------------------------------------------------------------------- Fig. 1 table
+
+FIG1_CONFIGS = ["default", "fsdp", "fsdp+ulysses", "+ac", "+ao", "alst", "upipe"]
+FIG1_NAMES = {"default": "Default", "fsdp": "FSDP", "fsdp+ulysses": "FSDP+Ulysses", "+ac": "+AC",
+              "+ao": "+AO (offload)", "alst": "ALST", "upipe": "UPipe"}
+MODEL_CATS = ("parameter", "buffer", "gradient", "optstate")
+
+
+def split_categories(cats: dict | None) -> tuple[float, float, float] | None:
+    """(model, activations, other) GiB from MemTracker's categories in ``peak_by_category``.
+
+    model = parameters + buffers + gradients + optimizer state; activations = tensors saved in
+    forward (MemTracker's ``activation``; the paper's bar is *attention* activations, which
+    MemTracker cannot tell from the rest); other = temporaries of backward and the rest.
+    A category named ``attention`` (if bench ever records one) is taken as the middle bar.
+    """
+    if not cats:
+        return None
+    g = {k: float(v) / 2**30 for k, v in cats.items()}
+    model = sum(g.get(k, 0.0) for k in MODEL_CATS)
+    middle = "attention" if "attention" in g else "activation"
+    act = g.get(middle, 0.0)
+    other = sum(v for k, v in g.items() if k not in MODEL_CATS and k != middle)
+    return model, act, other
+
+
+def fig1_rows(rows: pd.DataFrame, seq_len: int = 3 * 2**20) -> pd.DataFrame:
+    t = trials(rows, model="llama3-8b", world_size=8, scope="model", seq_len=seq_len)
+    if not len(t):
+        return t.assign(config=pd.Series(dtype=object))
+    t = t.assign(config=t.apply(fig1_config, axis=1))
+    return t[t["config"].notna()]
+
+
+def fig1_table(rows=None) -> Table:
+    """Fig. 1's stacked bars as numbers: Llama3-8B, 3M tokens, 8 GPUs."""
+    rows = _rows(rows)
+    paper = load_paper("fig1_memory_breakdown").set_index("config")
+    ours = fig1_rows(rows)
+    cols = ["Config", "Source", "Mode, device", "Model GiB", "Activations GiB", "Other GiB", "Total GiB", "Result"]
+    out = []
+    for cfg in FIG1_CONFIGS:
+        if cfg in paper.index:
+            p = paper.loc[cfg]
+            result = f"OOM ({p['oom_required_gib']:g})" if p["status"] == "oom" else "fits"
+            out.append([FIG1_NAMES[cfg], "paper", "real, 8×H100-80GB (paper)", fmt(p["model_gib"], 1),
+                        fmt(p["attn_act_gib"], 1), fmt(p["other_gib"], 1), fmt(p["total_gib"], 1), result])
+        for ml, sub in (ours[ours["config"] == cfg].groupby("mode_label") if len(ours) else []):
+            r = sub.sort_values("time").iloc[-1]
+            split = split_categories(r["peak_by_category"]) if r["status"] != "error" else None
+            m, a, o = split if split else (None, None, None)
+            result = {"ok": "fits", "oom": OOM, "error": "error"}[r["status"]]
+            out.append([FIG1_NAMES[cfg], "ours", ml, fmt(m, 1), fmt(a, 1), fmt(o, 1),
+                        fmt(r["peak_gib"], 1) if r["status"] != "error" else MISSING, result])
+    notes = ["Per-GPU peak memory, Llama3-8B at 3M tokens on 8 GPUs. Paper: segments read off the figure; "
+             "OOM (n): the number printed on the bar (probably GiB required).",
+             "Ours: MemTracker categories at the peak — model = parameters + gradients + optimizer state; "
+             "activations = tensors saved in forward (the paper's segment is attention activations only); "
+             "other = backward temporaries and the rest. Simulated rows count live tensors only "
+             "(no CUDA context, NCCL buffers or fragmentation).",
+             "Default and FSDP (no context parallelism) have no trial of ours."]
+    return Table("fig1_memory_breakdown", "Fig. 1 — peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs",
+                 pd.DataFrame(out, columns=cols), notes, ours)
+
+
+# ----------------------------------------------------------------------------- Fig. 5 table
+
+def fig5_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    t = trials(rows, model="llama3-8b", world_size=16, scope="model")
+    if not len(t):
+        return t
+    t = t[has_paper_levers(t) & t["method"].isin(["usp", "usp-upipe"])]
+    return t
+
+
+def fig5_table(rows=None) -> Table:
+    """Figure 5 as numbers: peak memory and UPipe throughput / USP throughput, 16 GPUs (8×2)."""
+    rows = _rows(rows)
+    paper = load_paper("fig5_multinode")
+    paper = paper[paper["kind"] == "point"]
+    ours = fig5_rows(rows)
+    lengths = sorted(set(paper["seq_len"].astype(int)) | (set(ours["seq_len"]) if len(ours) else set()))
+    cols = ["Quantity", "Source", "Mode, device"] + _seq_cols(lengths)
+    out = []
+    for method, name in (("usp", "USP-Hybrid 8×2"), ("upipe", "UPipe 8×2")):
+        p = paper[paper["method"] == method].set_index("seq_len")
+        out.append([f"{name} peak GiB", "paper (by eye ±1 GiB)", PAPER_MODE.format(gpus=16)]
+                   + [paper_cell(p.loc[s, "status"], p.loc[s, "peak_mem_gib"], 1) if s in p.index else MISSING
+                      for s in lengths])
+        ours_m = ours[ours["method"] == ("usp" if method == "usp" else "usp-upipe")] if len(ours) else ours
+        for (label, ml), sub in (ours_m.groupby(["label", "mode_label"]) if len(ours_m) else []):
+            out.append([f"{label} peak GiB", "ours", ml] + [cell(lookup(sub, s), "mem_gib", 1) for s in lengths])
+    p = paper[paper["method"] == "upipe"].set_index("seq_len")
+    out.append(["UPipe / USP throughput", "paper (by eye)", PAPER_MODE.format(gpus=16)]
+               + [paper_cell(p.loc[s, "status"], p.loc[s, "norm_throughput"], 3) if s in p.index else MISSING
+                  for s in lengths])
+    for ml, sub in (ours.groupby("mode_label") if len(ours) else []):
+        u, b = sub[sub["method"] == "usp-upipe"], sub[sub["method"] == "usp"]
+        if len(u) and len(b):
+            out.append(["UPipe / USP throughput", "ours", ml]
+                       + [_ratio(number(lookup(u, s), "tokens_per_s_per_device"),
+                                 number(lookup(b, s), "tokens_per_s_per_device")) for s in lengths])
+    notes = ["Llama3-8B on 16 GPUs, 8 Ulysses × 2 Ring for both methods (ours: `usp` and `usp-upipe` with "
+             "ulysses_degree=8). Paper values were read off the figure by eye (±1 GiB).",
+             "Memory: reserved peak where measured (CUDA), else allocated (simulated/CPU).",
+             "Paper text: UPipe reaches 8M where USP stops at 6M."]
+    return Table("fig5_multinode", "Figure 5 — UPipe vs USP-Hybrid, Llama3-8B, 16 GPUs (8×2)",
+                 pd.DataFrame(out, columns=cols), notes, ours)
+
+
+# ----------------------------------------------------------------------------- attention memory
+
+ATTN_SHAPES = {"llama3-8b": (32, 8), "qwen3-32b": (64, 8)}  # H, G
+
+
+def attn_rows(rows: pd.DataFrame, world_size: int = 8) -> pd.DataFrame:
+    t = trials(rows, scope="attention", world_size=world_size)
+    if not len(t):
+        return t.assign(u=pd.Series(dtype=object))
+    t = t[t["model"].isin(list(ATTN_SHAPES)) & t["method"].isin(["ulysses", "upipe"])]
+    if not len(t):
+        return t.assign(u=pd.Series(dtype=object))
+    opts = t["options_dict"]
+    u = [None if m == "ulysses" else (o.get("chunk_heads") or world_size) for m, o in zip(t["method"], opts)]
+    extra = [set(o) - {"chunk_heads", "kernel"} for o in opts]
+    t = t.assign(u=pd.Series(u, index=t.index, dtype=object))
+    return t[[not e for e in extra]]
+
+
+def activation_gib(row: pd.Series | None) -> float | None:
+    """Peak minus the block's weights (and their gradients): the attention block's own memory."""
+    if row is None or row["status"] != "ok" or is_missing(row.get("peak_gib")):
+        return None
+    cats = row.get("peak_by_category") or {}
+    weights = sum(float(cats.get(k, 0)) for k in MODEL_CATS) / 2**30
+    return float(row["peak_gib"]) - weights
+
+
+def variant_name(u, h: int, c: int) -> str:
+    if u is None:
+        return "Ulysses"
+    tag = " (= C)" if u == c else " (= H, Ulysses' heads)" if u == h else ""
+    return f"UPipe U={u}{tag}"
+
+
+def attn_memory_table(rows=None, world_size: int = 8) -> Table:
+    """Attention-block micro-benchmark: per-rank peak (GiB) and the reduction against Ulysses
+    of the block's own memory (peak − weights), next to the paper's 1 − U/H."""
+    rows = _rows(rows)
+    ours = attn_rows(rows, world_size)
+    reduction = load_paper("attn_memory_reduction").set_index("model")
+    lengths = sorted(ours["seq_len"].unique()) if len(ours) else []
+    cols = ["Model", "Variant", "Quantity", "Mode, device"] + _seq_cols(lengths) + ["paper"]
+    out = []
+    for model, (h, g) in ATTN_SHAPES.items():
+        sub = ours[ours["model"] == model] if len(ours) else ours
+        paper_red = reduction.loc[model, "reduction"] if model in reduction.index else None
+        if not len(sub):
+            out.append([model, "UPipe U=C=8", "reduction vs Ulysses (paper)", "paper", *([MISSING] * len(lengths)),
+                        f"{paper_red:.1%} per-stage intermediates (1 − U/H)" if paper_red is not None else MISSING])
+            continue
+        for ml, msub in sub.groupby("mode_label"):
+            base = msub[msub["method"] == "ulysses"]
+            variants = sorted(msub["u"].unique(), key=lambda u: -1 if u is None else u)
+            for u in variants:
+                vs = msub[msub["u"].isna()] if u is None else msub[msub["u"] == u]
+                out.append([model, variant_name(u, h, world_size), "peak GiB per rank", ml]
+                           + [cell(lookup(vs, s), "peak_gib", 2) for s in lengths] + [""])
+            for u in [v for v in variants if v is not None]:
+                vs = msub[msub["u"] == u]
+                vals = []
+                for s in lengths:
+                    a, b = activation_gib(lookup(vs, s)), activation_gib(lookup(base, s)) if len(base) else None
+                    vals.append(MISSING if a is None or b is None or b <= 0 else f"{1 - a / b:.1%}")
+                ref = ""
+                if u == world_size and paper_red is not None:
+                    ref = f"{paper_red:.1%} per-stage intermediates (1 − U/H)"
+                out.append([model, variant_name(u, h, world_size), "reduction vs Ulysses (peak − weights)", ml]
+                           + vals + [ref or f"formula 1 − U/H = {1 - u / h:.1%} (not a paper number)"])
+    notes = [f"One attention block forward + backward on {world_size} ranks, bf16, per-rank peak.",
+             "The paper's 75% (Llama3-8B, H = 32) and 87.5% (Qwen3-32B, H = 64) are the per-stage reduction of "
+             "attention intermediates (1 − U/H at U = C = 8); ours is the reduction of the whole block's memory "
+             "(peak minus weights), which also holds UPipe's persistent output buffer, so it is expected lower.",
+             "U = H processes every head in one stage (Ulysses' working set through UPipe's code path)."]
+    return Table("attn_memory", "Attention-block memory: Ulysses vs UPipe over sequence length and U",
+                 pd.DataFrame(out, columns=cols), notes, ours)
+
+
+# ----------------------------------------------------------------------------- U ablation
+
+def u_ablation_rows(rows: pd.DataFrame, model: str = "llama3-8b", world_size: int = 4) -> pd.DataFrame:
+    t = trials(rows, model=model, world_size=world_size, scope="model")
+    if not len(t):
+        return t.assign(u=pd.Series(dtype=object))
+    t = t[t["method"].isin(["ulysses", "upipe"]) & has_paper_levers(t)]
+    u = [None if m == "ulysses" else (o.get("chunk_heads") or world_size) for m, o in zip(t["method"], t["options_dict"])]
+    return t.assign(u=pd.Series(u, index=t.index, dtype=object))
+
+
+def u_ablation_table(rows=None, model: str = "llama3-8b", world_size: int = 4) -> Table:
+    """UPipe vs chunk size U (and Ulysses): tokens/s per GPU and peak GiB per sequence length."""
+    rows = _rows(rows)
+    ours = u_ablation_rows(rows, model, world_size)
+    lengths = sorted(set(ours["seq_len"])) if len(ours) else [128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20]
+    cols = ["Variant", "Quantity", "Mode, device"] + _seq_cols(lengths)
+    out = []
+    for ml, sub in (ours.groupby("mode_label") if len(ours) else []):
+        for u in sorted(sub["u"].unique(), key=lambda u: -1 if u is None else u):
+            vs = sub[sub["u"].isna()] if u is None else sub[sub["u"] == u]
+            name = "Ulysses" if u is None else f"UPipe U={u}"
+            out.append([name, "tokens/s per GPU", ml] + [cell(lookup(vs, s), "tokens_per_s_per_device") for s in lengths])
+            out.append([name, "peak GiB", ml] + [cell(lookup(vs, s), "mem_gib", 1) for s in lengths])
+    notes = [f"{model} on {world_size} GPUs (Ulysses degree {world_size}), paper levers. The paper (v1) has no U "
+             "ablation; the authors' rebuttal branch ran one (CHUNK_SIZE) — no numbers of it are transcribed, "
+             "so this table is ours only."]
+    if not len(ours):
+        notes.append("No rows yet: `python -m sweeps run sweeps/configs/u-ablation.yaml --executor slurm`.")
+    return Table("u_ablation", f"U ablation — UPipe chunk size, {model}, {world_size} GPUs (ours only)",
+                 pd.DataFrame(out, columns=cols), notes, ours)
+
+
+# ----------------------------------------------------------------------------- memory vs length
+
+def memory_vs_seq_table(rows=None) -> Table:
+    """Peak memory per GPU vs sequence length for each method on Table 3's setups; the paper
+    has only two 128K anchors (unconfirmed, probably UPipe)."""
+    rows = _rows(rows)
+    anchors = load_paper("memory_anchors")
+    out = []
+    used = []
+    cols = ["Setup", "Method", "Source", "Mode, device"] + _seq_cols(PAPER_LENGTHS)
+    for setup in TABLE3_SETUPS:
+        for a in anchors[anchors["model"] == setup.model].itertuples():
+            out.append([setup.title, display_name(a.method) + " (unconfirmed)", "paper [3P]",
+                        PAPER_MODE.format(gpus=a.gpus)]
+                       + [fmt(a.peak_mem_gib, 2) if s == a.seq_len else MISSING for s in PAPER_LENGTHS])
+        ours = table3_rows(rows, setup)
+        used.append(ours)
+        for key, sub in groups(ours):
+            out.append([setup.title, key[0], "ours", key[1]] + [cell(lookup(sub, s), "mem_gib", 1) for s in PAPER_LENGTHS])
+    notes = ["GiB per GPU: reserved peak where measured (CUDA), else allocated (simulated and CPU rows).",
+             "The paper's per-method memory curves were not retrievable; its two 128K values come from a "
+             "third-party listing and are probably UPipe's."]
+    used_df = pd.concat(used) if any(len(u) for u in used) else rows.iloc[0:0]
+    return Table("memory_vs_seq", "Peak memory vs sequence length per method (Table 3 setups)",
+                 pd.DataFrame(out, columns=cols), notes, used_df)
+
+
+# ----------------------------------------------------------------------------- compare methods
+
+METRICS = {
+    "tokens_per_s_per_device": ("tokens/s per device", 2),
+    "mem_gib": ("peak GiB per device", 2),
+    "tflops_per_device": ("TFLOP/s per device", 2),
+    "step_time_s": ("step time (s)", 3),
+}
+
+
+def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: str | None = None,
+                    world_size: int | None = None, scope: str | None = None, mode: str | None = None,
+                    highlight: str | None = None) -> Table:
+    """Every method present, side by side: max context (search, and longest run without OOM)
+    and ``metric`` at each sequence length, one row per method/options and mode/device.
+
+    Filters (``model``, ``world_size``, ``scope``, ``mode``) narrow the rows; ``highlight``
+    names a method whose rows are marked and listed first.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+    rows = _rows(rows)
+    sel = rows
+    for col, value in (("model", model), ("world_size", world_size), ("scope", scope), ("mode", mode)):
+        if value is not None and len(sel):
+            sel = sel[sel[col] == value]
+    t = sel[sel["kind"] == "trial"] if len(sel) else sel
+    lengths = sorted(t["seq_len"].unique()) if len(t) else []
+    mx = our_max_context(sel)
+    what, digits = METRICS[metric]
+    cols = ["", "Method", "Model", "Ranks", "Scope", "Mode, device", "Max context (search)", "Longest run w/o OOM"] \
+        + _seq_cols(lengths)
+    series = {}
+    for _, r in sel.iterrows():
+        key = (r["label"], r["model"], r["world_size"], r["scope"], r["mode_label"])
+        series.setdefault(key, r["method"])
+    out = []
+    for key, method in sorted(series.items(), key=lambda kv: (kv[1] != highlight, family_order(family(kv[1])), kv[0])):
+        label, mdl, ws, sc, ml = key
+        m = mx[(mx["label"] == label) & (mx["model"] == mdl) & (mx["world_size"] == ws) & (mx["scope"] == sc)
+               & (mx["mode_label"] == ml)] if len(mx) else mx
+        search = m[m["kind"] == "search"] if len(m) else m
+        runs = m[m["kind"] == "runs"] if len(m) else m
+        s_txt = MISSING if not len(search) else (
+            "error" if search.iloc[0]["status"] == "error" else
+            _max_ctx_text(search.iloc[0]["max_seq_len"], bool(search.iloc[0]["lower_bound"])))
+        r_txt = MISSING if not len(runs) or sc != "model" else _max_ctx_text(runs.iloc[0]["max_seq_len"],
+                                                                            bool(runs.iloc[0]["lower_bound"]))
+        sub = t[(t["label"] == label) & (t["model"] == mdl) & (t["world_size"] == ws) & (t["scope"] == sc)
+                & (t["mode_label"] == ml)] if len(t) else t
+        out.append(["◀" if method == highlight else "", label, mdl, ws, sc, ml, s_txt, r_txt]
+                   + [cell(lookup(sub, s), metric, digits) for s in lengths])
+    notes = [f"Cells: {what} at each sequence length; OOM, error, fits (ran; not measured in that mode), — (no row).",
+             "Max context: our max-context search rows, and the longest length trial rows with the paper's "
+             "levers ran without OOM (≥: nothing longer was tried or it ran at the longest length).",
+             "Rows in different modes or on different devices are not comparable number for number."]
+    if highlight:
+        notes.append(f"◀ marks {highlight!r}." + ("" if highlight in series.values() else
+                                                  f" No rows of {highlight!r} match the filters."))
+    title = f"Compare methods — {what}" + "".join(
+        f", {k} {v}" for k, v in (("model", model), ("ranks", world_size), ("scope", scope), ("mode", mode)) if v)
+    return Table("compare_methods" if metric == "tokens_per_s_per_device" else f"compare_methods_{metric}",
+                 title, pd.DataFrame(out, columns=cols), notes, sel)

@@ -1,0 +1,153 @@
+"""Tables: paper and ours side by side; missing stays missing, OOM stays OOM, paper exact."""
+from __future__ import annotations
+
+import pandas as pd
+
+from analysis import tables
+from analysis.load import load_rows
+from analysis.style import MISSING, OOM
+from tests.analysis.rowfactory import M, make_row, write
+
+
+def _cell(table, col, **match):
+    df = table.df
+    sel = pd.Series(True, index=df.index)
+    for k, v in match.items():
+        sel &= df[k] == v
+    hit = df[sel]
+    assert len(hit) == 1, (match, df)
+    return hit.iloc[0][col]
+
+
+def test_table3_paper_values_are_exact_and_ours_sit_beside_them(results_dir):
+    rows = load_rows(results_dir, quiet=True)
+    t = tables.table3(rows, "llama3-8b")
+    paper = dict(Method="UPipe", Source="paper")
+    assert _cell(t, "5M", **paper) == "98.25"
+    assert _cell(t, "128K", **paper) == "2281.05"
+    assert _cell(t, "4M", Method="Ulysses", Source="paper") == OOM
+    assert _cell(t, "5M", Method="Ulysses", Source="paper") == MISSING  # not reported
+    ours = dict(Method="upipe", Source="ours", **{"Mode, device": "real, NVIDIA H100 80GB HBM3"})
+    assert _cell(t, "128K", **ours) == "2100.00"  # the newest of two rows of one trial
+    assert _cell(t, "4M", **ours) == OOM
+    for col in ("256K", "512K", "1M", "2M", "3M", "5M"):
+        assert _cell(t, col, **ours) == MISSING  # no row: never a number
+    assert _cell(t, "256K", Method="ring", Source="ours") == "error"
+    sim = dict(Method="upipe", Source="ours", **{"Mode, device": "simulated, h100-80g"})
+    assert _cell(t, "1M", **sim) == "fits"  # ran, but simulated rows have no throughput
+    assert _cell(t, "128K", Method="mystery", Source="ours (not in paper)") == "999.00"
+    # ours follow the paper row of their family
+    order = t.df["Method"].tolist()
+    assert order.index("UPipe") < order.index("upipe") < order.index("mystery")
+    assert not t.df.isna().any().any()
+    md = t.to_markdown()
+    assert "| UPipe | paper |" in md and "98.25" in md and "Our rows: real" in md
+
+
+def test_table3_16_gpus_maps_usp_onto_the_paper_columns(results_dir):
+    t = tables.table3(load_rows(results_dir, quiet=True), "qwen3-32b")
+    methods = t.df["Method"].tolist()
+    assert methods.index("Ulysses") < methods.index("usp[ulysses_degree=8]") < methods.index("FPDT")
+    assert methods.index("UPipe") < methods.index("usp-upipe[ulysses_degree=8]")
+    assert _cell(t, "5M", Method="UPipe", Source="paper") == OOM
+    assert _cell(t, "128K", Method="usp-upipe[ulysses_degree=8]", Source="ours") == "480.00"
+
+
+def test_ratios_paper_and_ours(results_dir):
+    t = tables.table3_ratios(load_rows(results_dir, quiet=True))
+    assert _cell(t, "128K", Setup="llama3-8b, 8 GPUs", Ratio="UPipe / Ulysses", Source="paper") == "0.983"
+    assert _cell(t, "128K", Setup="llama3-8b, 8 GPUs", Ratio="upipe / ulysses", Source="ours") == f"{2100 / 2200:.3f}"
+    assert _cell(t, "1M", Setup="llama3-8b, 8 GPUs", Ratio="upipe / ulysses", Source="ours") == MISSING
+    assert _cell(t, "128K", Setup="qwen3-32b, 16 GPUs", Ratio="usp-upipe[ulysses_degree=8] / usp[ulysses_degree=8]",
+                 Source="ours") == "0.960"
+
+
+def test_cpu_variant_has_its_own_table_with_ratios(results_dir):
+    t = tables.table3_cpu(load_rows(results_dir, quiet=True))
+    assert list(t.df.columns[5:7]) == ["1K", "2K"]
+    assert _cell(t, "1K", Row="ulysses", Source="ours: tokens/s per rank") == "1000.00"
+    assert _cell(t, "1K", Row="upipe / ulysses", Source="ours: ratio") == "0.900"
+    assert _cell(t, "2K", Row="upipe / ulysses", Source="ours: ratio") == MISSING  # no upipe row at 2K
+    assert "0.983–1.024" in _cell(t, "paper ratio (H100)", Row="upipe / ulysses")
+    # CPU rows never enter the H100 table
+    assert "tiny-llama" not in tables.table3(load_rows(results_dir, quiet=True)).to_markdown()
+
+
+def test_max_context_table(results_dir):
+    t = tables.max_context_table(load_rows(results_dir, quiet=True))
+    llama8 = dict(Model="llama3-8b", GPUs=8)
+    assert _cell(t, "Max context", Method="UPipe", Source="paper (Table 3, derived)", **llama8) == "≥ 5M"
+    assert _cell(t, "Max context", Method="Ulysses", Source="paper (Table 3, derived)", **llama8) == "3M"
+    assert _cell(t, "Max context", Method="upipe", Source="ours (max-context search)", **llama8) == "5.25M"
+    assert _cell(t, "Max context", Method="ulysses", Source="ours (max-context search)", **llama8) == "≥ 32M"
+    assert _cell(t, "Max context", Method="UPipe 8×2", Source="paper (Fig. 5 text)") == "8M"
+    # runs: upipe real ok at 128K, OOM at 4M -> 128K (not a lower bound)
+    assert _cell(t, "Max context", Method="upipe", Source="ours (longest run without OOM)",
+                 **{"Mode, device": "real, NVIDIA H100 80GB HBM3"}, **llama8) == "128K"
+
+
+def test_fig1_table_splits_categories_and_keeps_ooms(results_dir):
+    t = tables.fig1_table(load_rows(results_dir, quiet=True))
+    assert _cell(t, "Result", Config="Default", Source="paper") == "OOM (119)"
+    assert _cell(t, "Activations GiB", Config="UPipe", Source="paper") == "19.5"
+    up = dict(Config="UPipe", Source="ours")
+    assert _cell(t, "Model GiB", **up) == "15.0"
+    assert _cell(t, "Activations GiB", **up) == "20.0"
+    assert _cell(t, "Other GiB", **up) == "11.0"
+    assert _cell(t, "Result", **up) == "fits"
+    assert _cell(t, "Result", Config="+AC", Source="ours") == OOM
+    assert "ALST" in t.df["Config"].tolist() and len(t.df[(t.df["Config"] == "ALST") & (t.df["Source"] == "ours")]) == 0
+
+
+def test_fig5_attention_and_u_ablation_tables(results_dir):
+    rows = load_rows(results_dir, quiet=True)
+    f5 = tables.fig5_table(rows)
+    assert _cell(f5, "8M", Quantity="USP-Hybrid 8×2 peak GiB", Source="paper (by eye ±1 GiB)") == OOM
+    assert _cell(f5, "2M", Quantity="usp-upipe[ulysses_degree=8] peak GiB", Source="ours") == "26.0"
+    assert _cell(f5, "512K", Quantity="usp-upipe[ulysses_degree=8] peak GiB", Source="ours") == MISSING
+    assert _cell(f5, "2M", Quantity="UPipe / USP throughput", Source="ours") == "0.980"
+    at = tables.attn_memory_table(rows)
+    red = at.df[(at.df["Model"] == "llama3-8b") & at.df["Quantity"].str.startswith("reduction")]
+    u8 = red[red["Variant"] == "UPipe U=8 (= C)"].iloc[0]
+    assert u8["128K"] == f"{1 - 1.375 / 1.875:.1%}" and u8["paper"].startswith("75.0%")
+    qwen = at.df[at.df["Model"] == "qwen3-32b"].iloc[0]
+    assert qwen["paper"].startswith("87.5%")
+    ua = tables.u_ablation_table(rows)
+    assert _cell(ua, "128K", Variant="UPipe U=8", Quantity="tokens/s per GPU") == "2900.00"
+
+
+def test_compare_methods_marks_the_chosen_method(results_dir):
+    rows = load_rows(results_dir, quiet=True)
+    t = tables.compare_methods(rows, model="llama3-8b", world_size=8, scope="model", highlight="upipe")
+    first = t.df.iloc[0]
+    assert first[""] == "◀" and first["Method"].startswith("upipe")
+    real = t.df[(t.df["Method"] == "upipe") & (t.df["Mode, device"] == "real, NVIDIA H100 80GB HBM3")].iloc[0]
+    assert real["128K"] == "2100.00" and real["4M"] == OOM and real["1M"] == MISSING
+    sim = t.df[(t.df["Method"] == "upipe") & (t.df["Mode, device"] == "simulated, h100-80g")].iloc[0]
+    assert sim["Max context (search)"] == "5.25M"
+    mem = tables.compare_methods(rows, metric="mem_gib", model="llama3-8b", world_size=8, scope="model")
+    assert mem.df[(mem.df["Method"] == "ulysses") & (mem.df["Mode, device"].str.startswith("real"))].iloc[0]["128K"] == "25.00"
+    none = tables.compare_methods(rows, highlight="not-a-method")
+    assert "No rows of 'not-a-method'" in none.to_markdown()
+
+
+def test_every_table_builds_from_no_rows(tmp_path):
+    rows = load_rows(tmp_path, quiet=True)
+    for build in (lambda r: tables.table3(r, "llama3-8b"), lambda r: tables.table3(r, "qwen3-32b"),
+                  tables.table3_ratios, tables.table3_cpu, tables.max_context_table, tables.fig1_table,
+                  tables.fig5_table, tables.attn_memory_table, tables.u_ablation_table, tables.memory_vs_seq_table,
+                  tables.compare_methods):
+        t = build(rows)
+        assert t.modes == "no rows"
+        assert not t.df.isna().any().any()
+    t = tables.table3(rows, "llama3-8b")
+    assert (t.df["Source"] == "paper").all() and _cell(t, "5M", Method="UPipe") == "98.25"
+
+
+def test_a_missing_figure_is_never_zero(tmp_path):
+    write(tmp_path / "r.jsonl", [make_row("upipe", seq_len=2 * M, tps=None, peak_gib=None)])
+    t = tables.table3(load_rows(tmp_path, quiet=True), "llama3-8b")
+    assert _cell(t, "2M", Method="upipe", Source="ours") == "fits"
+    m = tables.memory_vs_seq_table(load_rows(tmp_path, quiet=True))
+    assert _cell(m, "2M", Method="upipe", Source="ours") == "fits"
+    assert "0.00" not in t.to_markdown()
