@@ -1,0 +1,277 @@
+"""``python -m bench``: run one trial, or search the maximum context.
+
+    python -m bench run --method upipe --model llama3-8b --seq-len 1M --world-size 8 \\
+        --mode simulated --device h100-80g [--opt chunk_heads=8 ...] [--scope model|attention] \\
+        [--dtype bf16] [--out FILE] [--json]
+    python -m bench max-context ... [--granularity 128K] [--max-seq-len 16M] [--start 128K]
+    python -m bench list            # methods, models, devices, links
+
+Sizes accept ``K``/``M``/``G`` suffixes with K = 1024 (``128K``, ``1M``, ``1.5M``).
+Every run appends its validated rows (JSON Lines, ``bench.rows``) to ``--out``, by default
+``results/bench/<mode>.jsonl`` in the repository (``--no-save``: none). Output: a short
+table on stdout (``--json``: one JSON row per line), progress on stderr. Every bad argument
+gets a one-line error and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results" / "bench"
+GiB = 2**30
+
+
+class UsageError(Exception):
+    """A bad argument: one line on stderr, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise UsageError(f"{self.prog}: error: {message} (see --help)")
+
+
+def parse_size(text: str) -> int:
+    """``128K`` -> 131072, ``1.5M`` -> 1572864, ``4096`` -> 4096 (K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (use e.g. 4096, 128K, 1M, 1.5M)")
+    number, unit = float(m.group(1)), m.group(2).upper()
+    value = number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit]
+    if value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of tokens")
+    return int(value)
+
+
+def parse_opt(text: str) -> tuple[str, Any]:
+    """``name=value`` with value as int, float, true/false, none, or string."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--opt {text!r} must look like name=value")
+    name, raw = text.split("=", 1)
+    name = name.strip()
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--opt {text!r}: {name!r} is not an option name")
+    low = raw.strip().lower()
+    if low in ("true", "false"):
+        return name, low == "true"
+    if low in ("none", "null"):
+        return name, None
+    for cast in (int, float):
+        try:
+            return name, cast(raw)
+        except ValueError:
+            pass
+    return name, raw
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", required=True, help="attention method (python -m bench list)")
+    p.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
+    p.add_argument("--world-size", type=positive_int, required=True, help="context-parallel ranks C")
+    p.add_argument("--mode", choices=["real", "emulated", "simulated"], default="simulated")
+    p.add_argument("--device", default="h100-80g", help="device preset (memory capacity, default link)")
+    p.add_argument("--link", default=None, help="link model for modelled communication (default: the device's)")
+    p.add_argument("--opt", action="append", type=parse_opt, default=[], metavar="NAME=VALUE",
+                   help="method option, repeatable (e.g. chunk_heads=8, kernel=math)")
+    p.add_argument("--scope", choices=["model", "attention"], default="model")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--no-fsdp", action="store_true", help="replicate the model instead of FSDP2")
+    p.add_argument("--no-ac", action="store_true", help="no activation checkpointing (implies --no-offload)")
+    p.add_argument("--no-offload", action="store_true", help="keep activation checkpoints on the device")
+    p.add_argument("--no-tiled-mlp", action="store_true")
+    p.add_argument("--no-tiled-norm", action="store_true")
+    p.add_argument("--no-chunked-loss", action="store_true")
+    p.add_argument("--tiles", type=int, default=0, help="tiles of the tiled MLP/norms (0: ceil(local tokens/dim))")
+    p.add_argument("--loss-chunk", type=parse_size, default=2048, help="tokens per loss chunk")
+    p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
+    p.add_argument("--iters", type=positive_int, default=2, help="timed steps (real/emulated)")
+    p.add_argument("--out", default=None, help="JSON Lines file to append rows to "
+                   "(default results/bench/<mode>.jsonl)")
+    p.add_argument("--no-save", action="store_true", help="do not append rows to any file")
+    p.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    run = sub.add_parser("run", help="one trial")
+    _common(run)
+    run.add_argument("--seq-len", type=parse_size, required=True, help="global sequence length (128K, 1M...)")
+    mc = sub.add_parser("max-context", help="longest sequence that fits (doubling + bisection)")
+    _common(mc)
+    mc.add_argument("--granularity", type=parse_size, default=128 << 10, help="answer exact to this (default 128K)")
+    mc.add_argument("--max-seq-len", type=parse_size, default=16 << 20, help="search limit (default 16M)")
+    mc.add_argument("--start", type=parse_size, default=None, help="first length tried (default: granularity)")
+    sub.add_parser("list", help="methods, models, device presets and link models")
+    return parser
+
+
+def _trial(args, seq_len: int):
+    from .step import StepConfig
+    from .trial import Trial
+
+    options = dict(args.opt)
+    ac = not args.no_ac
+    try:
+        step = StepConfig(
+            scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, ac=ac,
+            ac_offload=ac and not args.no_offload, tiled_mlp=not args.no_tiled_mlp,
+            tiled_norm=not args.no_tiled_norm, mlp_tiles=args.tiles, chunked_loss=not args.no_chunked_loss,
+            loss_chunk=args.loss_chunk,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return Trial.make(args.method, args.model, seq_len, args.world_size, options, mode=args.mode,
+                      device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters)
+
+
+def _out_path(args) -> Path | None:
+    if args.no_save:
+        return None
+    return Path(args.out) if args.out else DEFAULT_OUT_DIR / f"{args.mode}.jsonl"
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    width = int(spec.split(".")[0])
+    return f"{'-':>{width}}" if value is None else format(value / scale, spec)
+
+
+def table(rows) -> str:
+    """A short fixed-width table; every line names its mode and device."""
+    head = (f"{'mode':9} {'device':10} {'ws':>3} {'method':10} {'model':16} {'scope':9} {'seq':>6} "
+            f"{'status':6} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'tok/s/dev':>10} "
+            f"{'TFLOP/s':>8} {'max ctx':>8}")
+    from .maxctx import human
+
+    lines = [head]
+    for r in rows:
+        f = r.figures
+        seq = human(r.seq_len) if r.kind == "trial" else f"<={human(r.seq_len)}"
+        lines.append(
+            f"{r.mode:9} {r.device:10} {r.world_size:>3} {r.method:10} {r.model[:16]:16} {r.scope:9} "
+            f"{seq:>6} {r.status:6} {_fmt(f.peak_bytes, '9.2f', GiB)} {_fmt(f.host_peak_bytes, '9.2f', GiB)} "
+            f"{_fmt(f.step_time_s, '8.3f')} {_fmt(f.tokens_per_s_per_device, '10.1f')} "
+            f"{_fmt(f.tflops_per_device, '8.3f')} "
+            f"{human(f.max_context) if f.max_context is not None else '-':>8}"
+        )
+        if r.status != "ok":
+            lines.append(f"    {r.status}: {r.message}")
+    return "\n".join(lines)
+
+
+def _emit(rows, args, out: Path | None) -> None:
+    from .launch import is_rank_zero
+    from .rows import append_rows
+
+    if not is_rank_zero():
+        return
+    if out is not None:
+        append_rows(out, rows)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r.to_dict(), sort_keys=True))
+    else:
+        print(table(rows))
+        if out is not None:
+            print(f"rows appended to {out}", file=sys.stderr)
+
+
+def _list() -> int:
+    import methods
+
+    from .hardware import DEVICES, LINKS
+    from .models import CONFIGS
+
+    print("methods:")
+    for info in methods.available(detail=True):
+        print(f"  {info.name:12} {info.status:20} {info.description}")
+    print("models:")
+    for c in CONFIGS.values():
+        print(f"  {c.name:18} {c.n_params / 1e9:7.2f}B  L={c.n_layers} dim={c.dim} H={c.n_heads} "
+              f"G={c.n_kv_heads} d={c.head_dim} ffn={c.ffn_dim} V={c.vocab_size} {c.note}")
+    print("devices:")
+    for d in DEVICES.values():
+        print(f"  {d.name:10} {d.description}")
+    print("links:")
+    for link in LINKS.values():
+        print(f"  {link.name:12} {link.description}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "list":
+            return _list()
+        out = _out_path(args)
+        if args.command == "run":
+            trial = _trial(args, args.seq_len)
+            try:
+                trial.validate()
+            except ValueError as err:
+                raise UsageError(f"python -m bench run: error: {err}") from None
+            from .trial import run_trial
+
+            print(f"[{trial.mode} on {trial.world_size} x {trial.device}] {trial.method} {trial.model} "
+                  f"seq {args.seq_len} ...", file=sys.stderr, flush=True)
+            _emit([run_trial(trial)], args, out)
+            return 0
+        # max-context
+        from .maxctx import search
+
+        trial = _trial(args, args.granularity)
+        try:
+            trial.validate(check_seq_len=False)
+            if args.start is not None and args.start > args.max_seq_len:
+                raise ValueError(f"--start {args.start} is beyond --max-seq-len {args.max_seq_len}")
+            rows = []
+            from .launch import is_rank_zero
+            from .rows import append_rows
+
+            zero = is_rank_zero()
+
+            def on_row(row):
+                rows.append(row)
+                if zero and out is not None:
+                    append_rows(out, [row])
+                if zero and args.json:
+                    print(json.dumps(row.to_dict(), sort_keys=True), flush=True)
+
+            final = search(trial, args.granularity, args.max_seq_len, args.start, on_row=on_row)
+        except ValueError as err:
+            raise UsageError(f"python -m bench max-context: error: {err}") from None
+        if not zero:
+            return 0
+        if out is not None:
+            append_rows(out, [final])
+        if args.json:
+            print(json.dumps(final.to_dict(), sort_keys=True))
+        else:
+            print(table(rows + [final]))
+            if out is not None:
+                print(f"rows appended to {out}", file=sys.stderr)
+        return 0
+    except UsageError as err:
+        print(str(err).splitlines()[0] if str(err) else "error", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

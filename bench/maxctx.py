@@ -1,0 +1,200 @@
+"""Maximum context: the longest sequence that fits, by doubling then bisection.
+
+Lengths are multiples of the step ``g = lcm(granularity, seq_multiple)`` where
+``seq_multiple`` is the method's layout granularity at that world size (so every trial is
+a valid length). From ``start`` the length doubles while trials fit (up to ``max_seq_len``);
+after the first failure it bisects between the longest fit and the shortest failure until
+they are one step apart. The answer is exact to ``g``: ``max_context`` fits and
+``max_context + g`` does not (or is beyond the search limit, which the final row says).
+
+Isolation: every trial in real or emulated mode runs in its own process (real mode then
+spawns its ranks from there), so an out-of-memory error, or the out-of-memory killer,
+ends that trial only; a child that dies without reporting becomes an ``oom`` (killed by
+SIGKILL) or ``error`` row. Simulated trials run in this process: they allocate nothing
+and every failure is caught into a row. Every trial is a row, OOMs included; a final
+``max_context`` row carries the answer and the figures of the longest fitting trial.
+An ``error`` trial (not a memory failure) stops the search: its answer is then only a
+lower bound, and the final row says so with status ``error``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing as mp
+import sys
+import time
+from typing import Callable, TextIO
+
+from . import launch
+from .rows import Figures, Row
+from .trial import Trial, build_row, run_trial
+
+GiB = 2**30
+
+
+def human(n: int) -> str:
+    """Tokens as ``128K``/``1.5M`` (K = 1024) when exact, else the integer."""
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and (n * 4) % size == 0:
+            value = n / size
+            return f"{value:g}{unit}"
+    return str(n)
+
+
+def _child(trial: Trial, conn) -> None:
+    try:
+        row = run_trial(trial)
+        conn.send(("row", row.to_dict()))
+    except BaseException as err:  # noqa: BLE001
+        conn.send(("raise", f"{type(err).__name__}: {err}"))
+    finally:
+        conn.close()
+
+
+def run_isolated(trial: Trial, timeout_s: float = 3600, target: Callable = _child) -> Row:
+    """``run_trial`` in a fresh process (spawn); a child that dies becomes a row.
+
+    ``target(trial, conn)`` is what the child runs (tests replace it)."""
+    from .rows import validate_row
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    t0 = time.perf_counter()
+    proc = ctx.Process(target=target, args=(trial, child))
+    proc.start()
+    child.close()
+    message = None
+    if parent.poll(timeout_s):
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            kind, payload = "died", None
+    else:
+        kind, payload = "timeout", None
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if kind == "row":
+        return validate_row(payload)
+    if kind == "raise":
+        raise ValueError(payload)
+    code = proc.exitcode
+    killed = code in (-9, 137)
+    if kind == "timeout":
+        message = f"trial timed out after {timeout_s:.0f}s"
+    else:
+        message = (f"trial process killed by SIGKILL (exit {code}): host out of memory?" if killed
+                   else f"trial process died without a result (exit code {code})")
+    return build_row(trial, {"status": "oom" if killed else "error", "message": message},
+                     time.perf_counter() - t0)
+
+
+def default_runner(trial: Trial) -> Row:
+    """In-process for simulated trials, or when this process is already a launched rank
+    (torchrun/submitit: there is no separate process to give each trial); else isolated."""
+    if trial.mode == "simulated" or launch.launched_env() is not None:
+        return run_trial(trial)
+    return run_isolated(trial)
+
+
+def search(
+    trial: Trial,
+    granularity: int,
+    max_seq_len: int,
+    start: int | None = None,
+    runner: Callable[[Trial], Row] = default_runner,
+    on_row: Callable[[Row], None] | None = None,
+    progress: TextIO | None = sys.stderr,
+) -> Row:
+    """Run the search for ``trial`` (its ``seq_len`` is ignored); returns the final row.
+
+    ``on_row`` receives every trial row as it finishes (to append it to a file).
+    """
+    multiple = trial.seq_multiple()
+    step = math.lcm(granularity, multiple)
+    if max_seq_len < step:
+        raise ValueError(
+            f"--max-seq-len {max_seq_len} is below one step of {step} tokens "
+            f"(lcm of granularity {granularity} and the layout multiple {multiple})"
+        )
+    trial.with_seq_len(step).validate()
+    k_max = max_seq_len // step
+    k = min(k_max, max(1, math.ceil((start or step) / step)))
+    lo, hi = 0, None  # lo: longest fitting (in steps), hi: shortest failing
+    best: Row | None = None
+    last: list[Row] = []
+    count = 0
+    stop: Row | None = None
+    label = (f"[max-context {trial.mode} {trial.world_size}x{trial.device} {trial.method} "
+             f"{trial.model}]")
+
+    def attempt(k: int) -> Row:
+        nonlocal count
+        count += 1
+        t0 = time.perf_counter()
+        row = runner(trial.with_seq_len(k * step))
+        last[:] = [row]
+        if on_row is not None:
+            on_row(row)
+        if progress is not None:
+            peak = row.figures.peak_bytes
+            usable = row.figures.usable_bytes
+            mem = f"peak {peak / GiB:.2f} of {usable / GiB:.2f} GiB usable" if peak is not None and usable else ""
+            detail = row.message if row.status != "ok" else mem
+            print(f"{label} trial {count}: {human(k * step)} -> {row.status} {detail} "
+                  f"[{time.perf_counter() - t0:.1f}s]", file=progress, flush=True)
+        return row
+
+    while True:  # doubling
+        row = attempt(k)
+        if row.status == "ok":
+            lo, best = k, row
+            if k >= k_max:
+                break
+            k = min(2 * k, k_max)
+        else:
+            hi = k
+            if row.status == "error":
+                stop = row
+            break
+    while stop is None and hi is not None and hi - lo > 1:  # bisection
+        mid = (lo + hi) // 2
+        row = attempt(mid)
+        if row.status == "ok":
+            lo, best = mid, row
+        else:
+            hi = mid
+            if row.status == "error":
+                stop = row
+    return _final_row(trial, lo * step, best, stop or (last[0] if best is None else None), count, step,
+                      granularity, max_seq_len, start, limit_reached=(hi is None))
+
+
+def _final_row(trial: Trial, max_context: int, best: Row | None, stop: Row | None, count: int,
+               step: int, granularity: int, max_seq_len: int, start: int | None,
+               limit_reached: bool) -> Row:
+    base = best or stop  # the longest fit, else the failure that ended the search
+    if base is None:  # cannot happen: at least one trial runs
+        raise RuntimeError("max-context search ran no trial")
+    figures = dataclasses.replace(best.figures) if best is not None else Figures(
+        capacity_bytes=base.figures.capacity_bytes, usable_bytes=base.figures.usable_bytes)
+    figures.max_context = max_context
+    figures.trials = count
+    notes = list(base.notes)
+    if limit_reached:
+        notes.append(f"lower bound: the search limit {max_seq_len} fits; the maximum may be larger")
+    elif max_context == 0:
+        notes.append(f"nothing fits: even {step} tokens failed")
+    else:
+        notes.append(f"exact to {step} tokens: {max_context} fits, {max_context + step} does not")
+    stopped = stop is not None and stop.status == "error"
+    status, message = ("error", f"search stopped by an error at a trial: {stop.message}") if stopped else ("ok", "")
+    return Row(
+        kind="max_context", method=trial.method, options=trial.opts, model=base.model, scope=trial.step.scope,
+        seq_len=max_seq_len, batch=trial.step.batch, world_size=trial.world_size, mode=trial.mode,
+        dtype=trial.step.dtype, device=trial.device, levers=trial.step.levers(), link=base.link,
+        search={"granularity": granularity, "step": step, "max_seq_len": max_seq_len, "start": start},
+        status=status, message=message, figures=figures, env=base.env, model_arch=base.model_arch,
+        notes=notes,
+    )

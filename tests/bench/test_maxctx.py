@@ -1,0 +1,122 @@
+"""Max-context search: doubling then bisection to the stated step, every trial a row, OOMs
+included; errors stop the search with a lower bound; trials isolated so a dying trial is a row."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from bench.maxctx import human, run_isolated, search
+from bench.step import StepConfig
+from bench.trial import Trial, build_row
+
+K = 1024
+
+
+def fake_runner(limit: int, error_at: int | None = None, seen: list | None = None):
+    """A runner whose trials fit up to ``limit`` tokens (no computation)."""
+
+    def run(trial: Trial):
+        if seen is not None:
+            seen.append(trial.seq_len)
+        if error_at is not None and trial.seq_len >= error_at:
+            return build_row(trial, {"status": "error", "message": "boom"}, 0.0)
+        if trial.seq_len <= limit:
+            return build_row(trial, {"status": "ok", "peak_bytes": trial.seq_len}, 0.0)
+        return build_row(trial, {"status": "oom", "message": "too long"}, 0.0)
+
+    return run
+
+
+def trial(method="upipe", ws=8):
+    return Trial.make(method, "llama3-8b", 1, ws, mode="simulated")
+
+
+def test_doubling_then_bisection_is_exact_to_the_step():
+    seen, rows = [], []
+    final = search(trial(), 128 * K, 16 << 20, runner=fake_runner(5_000_000, seen=seen),
+                   on_row=rows.append, progress=None)
+    assert final.kind == "max_context" and final.status == "ok"
+    assert final.figures.max_context == 5_000_000 // (128 * K) * 128 * K  # 4.75M
+    assert seen[:7] == [128 * K * 2**i for i in range(7)]  # 128K ... 8M, the first failure
+    assert all(s % (128 * K) == 0 for s in seen)
+    assert len(rows) == len(seen) == final.figures.trials
+    assert sum(r.status == "oom" for r in rows) >= 1  # OOMs are rows too
+    assert final.figures.peak_bytes == final.figures.max_context  # figures of the longest fit
+    assert any("exact to 131072 tokens" in n for n in final.notes)
+    assert final.search == {"granularity": 128 * K, "step": 128 * K, "max_seq_len": 16 << 20, "start": None}
+
+
+def test_step_respects_the_methods_sequence_multiple():
+    # ring's zigzag layout needs multiples of 2*C = 16 at C = 8; 1000 is not one
+    final = search(trial("ring"), 1000, 64_000, runner=fake_runner(50_000), progress=None)
+    assert final.search["step"] == 2000
+    assert final.figures.max_context == 50_000 // 2000 * 2000
+
+
+def test_limit_reached_is_a_lower_bound_and_nothing_fitting_is_zero():
+    final = search(trial(), 128 * K, 1 << 20, runner=fake_runner(10 << 20), progress=None)
+    assert final.figures.max_context == 1 << 20
+    assert any("lower bound" in n for n in final.notes)
+    none = search(trial(), 128 * K, 1 << 20, runner=fake_runner(1000), progress=None)
+    assert none.figures.max_context == 0 and any("nothing fits" in n for n in none.notes)
+
+
+def test_an_error_stops_the_search_and_says_so():
+    final = search(trial(), 128 * K, 16 << 20, runner=fake_runner(10 << 20, error_at=2 << 20), progress=None)
+    assert final.status == "error" and "boom" in final.message
+    assert final.figures.max_context == 1 << 20
+
+
+def test_start_and_progress(capsys):
+    import sys
+
+    seen = []
+    search(trial(), 128 * K, 4 << 20, start=1 << 20, runner=fake_runner(3 << 20, seen=seen), progress=sys.stderr)
+    assert seen[0] == 1 << 20
+    err = capsys.readouterr().err
+    assert "[max-context simulated 8xh100-80g upipe llama3-8b] trial 1: 1M -> ok" in err
+
+
+def test_simulated_search_end_to_end():
+    """A real simulated search (one attention block, fast) finds a length that fits followed by
+    one that does not."""
+    t = Trial.make("ulysses", "llama3-8b", 1, 8, mode="simulated", step=StepConfig(scope="attention"))
+    rows = []
+    final = search(t, 1 << 20, 64 << 20, start=4 << 20, on_row=rows.append, progress=None)
+    best = final.figures.max_context
+    assert final.status == "ok" and best >= 4 << 20
+    statuses = {r.seq_len: r.status for r in rows}
+    assert statuses[best] == "ok" and statuses[best + (1 << 20)] == "oom"
+
+
+def _die(trial, conn):  # runs in the spawned child
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit(trial, conn):
+    os._exit(3)
+
+
+def test_isolated_trial_that_dies_is_a_row():
+    t = Trial.make("upipe", "tiny-llama", 1024, 2, mode="emulated", device="cpu")
+    killed = run_isolated(t, target=_die)
+    assert killed.status == "oom" and "SIGKILL" in killed.message
+    crashed = run_isolated(t, target=_exit)
+    assert crashed.status == "error" and "exit code 3" in crashed.message
+
+
+def test_isolated_emulated_search():
+    """Each emulated trial in its own process; the CPU preset's budget is the host's memory, so
+    the search reaches its limit."""
+    t = Trial.make("upipe", "tiny-llama", 1, 2, mode="emulated", device="cpu", iters=1)
+    rows = []
+    final = search(t, 256, 512, on_row=rows.append, progress=None)
+    assert [r.seq_len for r in rows] == [256, 512]
+    assert all(r.status == "ok" and r.mode == "emulated" for r in rows)
+    assert final.figures.max_context == 512 and any("lower bound" in n for n in final.notes)
+
+
+def test_human_sizes():
+    assert [human(n) for n in (131072, 1 << 20, 3 << 19, 5 << 20, 1000)] == ["128K", "1M", "1.5M", "5M", "1000"]

@@ -1,0 +1,111 @@
+"""The three modes: simulated peak memory agrees with the real one (gloo ranks, MemTracker over
+real tensors) within 5%; emulated rows add modelled communication to measured compute; failures
+become rows; the link model's arithmetic."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import methods
+from bench import trial as trial_mod
+from bench.hardware import LINKS, CommCounter, get_device
+from bench.simulate import fake_process_group
+from bench.step import StepConfig
+from bench.trial import Trial, measure_simulated, real_rank, run_trial
+
+CANDIDATES = ("ulysses", "upipe", "ring")
+COMPARED = sorted(set(methods.available()) & set(CANDIDATES))
+
+
+def test_the_paper_methods_are_compared():
+    assert {"ulysses", "upipe"} <= set(COMPARED)
+
+
+@pytest.mark.parametrize("method", COMPARED)
+@pytest.mark.parametrize("ws,dtype,seq", [(2, "bf16", 2048), (4, "fp32", 1024)])
+def test_simulated_peak_matches_real_within_5_percent(pool, method, ws, dtype, seq):
+    """Real: MemTracker over the real tensors of each gloo rank, one step after a warm-up step
+    (CPU has no allocator peak counters; MemTracker counts live tensor storage, as CUDA's
+    max_memory_allocated does). Simulated: the same step under FakeTensorMode on rank 0."""
+    real = Trial.make(method, "tiny-llama", seq, ws, mode="real", device="cpu", warmup=1, iters=1,
+                      step=StepConfig(dtype=dtype))
+    results = pool.run(real_rank, real, world_size=ws)
+    assert all(r["status"] == "ok" for r in results), results[0].get("traceback")
+    sim = measure_simulated(dataclasses.replace(real, mode="simulated"))
+    real_peak = results[0]["peak_bytes"]
+    assert abs(sim["peak_bytes"] - real_peak) <= 0.05 * real_peak, (sim["peak_bytes"], real_peak)
+    # the categories line up too: same weights, gradients and optimizer state
+    for cat in ("parameter", "gradient", "optstate"):
+        assert sim["peak_by_category"][cat] == results[0]["peak_by_category"][cat], cat
+    assert sim["comm_bytes"] == results[0]["comm_bytes"]
+
+
+def test_emulated_row_adds_modelled_communication_to_measured_compute():
+    row = run_trial(Trial.make("upipe", "tiny-llama", 1024, 4, mode="emulated", device="cpu", iters=1))
+    f = row.figures
+    assert row.status == "ok", row.message
+    assert row.mode == "emulated" and row.link["name"] == "cpu-shm"
+    assert f.comm_bytes > 0 and f.comm_time_s > 0 and f.compute_time_s > 0
+    assert f.step_time_s == pytest.approx(f.compute_time_s + f.comm_time_s)
+    assert f.tokens_per_device == 256
+    assert f.tokens_per_s_per_device == pytest.approx(256 / f.step_time_s)
+    assert f.tflops_per_device == pytest.approx(f.flops_per_device / f.step_time_s / 1e12)
+    assert f.peak_bytes > 0 and f.loss is not None
+
+
+def test_simulated_oom_is_a_row_with_the_budget_in_the_message():
+    row = run_trial(Trial.make("ulysses", "llama3-8b", 64 << 20, 8, mode="simulated",
+                               step=StepConfig(scope="attention")))
+    assert row.status == "oom"
+    assert "exceeds the usable" in row.message and "h100-80g" in row.message
+    usable = get_device("h100-80g").usable()
+    assert row.figures.usable_bytes == usable < row.figures.peak_bytes
+
+
+def test_a_failing_trial_is_an_error_row_and_the_next_trial_runs(monkeypatch):
+    calls = []
+
+    def boom(trial):
+        calls.append(trial)
+        with fake_process_group(trial.world_size):
+            raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(trial_mod, "measure_simulated", boom)
+    row = run_trial(Trial.make("upipe", "tiny-llama", 1024, 2))
+    assert row.status == "error" and "RuntimeError: kernel exploded" in row.message
+    monkeypatch.undo()
+    ok = run_trial(Trial.make("upipe", "tiny-llama", 1024, 2))  # the fake process group was released
+    assert ok.status == "ok" and calls
+
+
+def test_attention_scope_counts_one_block():
+    row = run_trial(Trial.make("upipe", "llama3-8b", 1 << 20, 8, step=StepConfig(scope="attention")))
+    assert row.status == "ok" and row.scope == "attention"
+    # one block, weights in bf16: well under the whole model's memory
+    assert row.figures.peak_bytes < 20 * 2**30
+    assert any("scope attention" in n for n in row.notes)
+
+
+def test_link_model_arithmetic():
+    nv = LINKS["nvlink-h100"]
+    b = 1 << 30
+    assert nv.time("all_to_all", b, 8) == pytest.approx(b * 7 / 8 / 450e9 + 10e-6)
+    # 16 ranks over two nodes: half of the bytes leave the node at 50 GB/s
+    assert nv.time("all_to_all", b, 16) == pytest.approx(b * 8 / 16 / 50e9 + 10e-6)
+    assert nv.time("all_gather", b, 8) == pytest.approx(b * 7 / 8 / 450e9 + 10e-6)
+    assert nv.time("all_reduce", b, 8) == pytest.approx(2 * b * 7 / 8 / 450e9 + 10e-6)
+    assert nv.time("all_to_all", b, 1) == 0.0
+
+
+def test_comm_counter_records_collectives():
+    with fake_process_group(8) as group:
+        x = torch.empty(1024, 16)
+        counter = CommCounter()
+        with counter:
+            torch.distributed.all_to_all_single(torch.empty_like(x), x, group=group)
+            torch.distributed.all_reduce(x, group=group)
+    assert counter.calls == [("all_to_all", x.numel() * 4, 8), ("all_reduce", x.numel() * 4, 8)]
+    assert counter.bytes == 2 * x.numel() * 4
+    assert counter.time(LINKS["nvlink-h100"]) > 0
