@@ -6,11 +6,14 @@ the one row schema; a corrupt line is reported (printed and listed in
 ``df.attrs["bad_lines"]``) and skipped, never fatal. The result is flat: one column per
 trial key, one per figure (``peak_bytes``, ``step_time_s``, ``tokens_per_s_per_device``,
 ``max_context``...), derived GiB columns, ``status``/``message``, the environment as
-``env.*`` and the file each row came from as ``source_file``.
+``env.*``, the method's options as ``opt.*``, the step's levers as ``lever.*``, the model's
+shape as ``arch.*`` and the file each row came from as ``source_file``.
 
 When several rows share a ``trial_key`` (the same trial run twice, e.g. a rerun after a
-fix), only the newest (``env.time``) is kept and its ``replaced_rows`` column says how
-many older rows it replaced; ``keep="all"`` returns every row.
+fix, or one trial in two sweeps), only the newest (``env.time``) is kept, its
+``replaced_rows`` column says how many older rows it replaced and ``source_files`` lists
+every file that had the trial; ``keep="all"`` returns every row. ``search_probe`` marks the
+trial rows a max-context search wrote on its way (their lengths are the bisection's).
 
 ``load_paper(name)`` reads ``results/paper/<name>.csv`` unchanged: values come through
 exactly as transcribed (``status`` says ``ok``/``oom``/``not_reported``; empty cells stay NaN).
@@ -109,6 +112,8 @@ def _row_record(row: Row, source: str) -> dict[str, Any]:
         rec[f"opt.{k}"] = v
     for k, v in (row.levers or {}).items():
         rec[f"lever.{k}"] = v
+    for k, v in (row.model_arch or {}).items():
+        rec[f"arch.{k}"] = v
     rec["options_dict"] = dict(row.options or {})
     rec["peak_by_category"] = dict(figs.peak_by_category) if figs.peak_by_category else None
     rec["notes"] = " | ".join(row.notes)
@@ -152,6 +157,8 @@ def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bo
     df = pd.DataFrame.from_records(records) if records else _empty_frame()
     df = _derive(df)
     df["replaced_rows"] = 0
+    df["source_files"] = pd.Series([(f,) for f in df["source_file"]], index=df.index, dtype=object)
+    df["search_probe"] = _search_probes(df)
     if keep == "newest" and len(df):
         df = _keep_newest(df)
     df = df.reset_index(drop=True)
@@ -184,12 +191,29 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def _search_probes(df: pd.DataFrame) -> list[bool]:
+    """Trial rows that a max-context search wrote on its way (same file, same trial but for the
+    length as a ``max_context`` row): real rows, but their lengths are the search's, not a grid's."""
+    if not len(df):
+        return []
+    cols = ["source_file", "method", "options", "model", "scope", "world_size", "mode", "dtype", "device", "levers"]
+    searches = set(map(tuple, df.loc[df["kind"] == "max_context", cols].astype(str).values.tolist()))
+    sigs = map(tuple, df[cols].astype(str).values.tolist())
+    return [kind == "trial" and sig in searches for kind, sig in zip(df["kind"], sigs)]
+
+
 def _keep_newest(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per trial key: the newest (ties: the one read last). ``source_files`` keeps
+    every file that had the trial, so a row shared by two sweeps still counts for both."""
     keys = df["trial_key"].map(repr)
     order = df.assign(_key=keys, _pos=range(len(df))).sort_values(["_key", "time", "_pos"])
     counts = order.groupby("_key")["_pos"].transform("size")
+    files = order.groupby("_key")["source_file"].agg(lambda f: tuple(sorted(set(f))))
+    probe = order.groupby("_key")["search_probe"].agg(lambda p: bool(all(p)))
     newest = order.drop_duplicates("_key", keep="last").copy()
     newest["replaced_rows"] = (counts.loc[newest.index] - 1).astype(int)
+    newest["source_files"] = newest["_key"].map(files)
+    newest["search_probe"] = newest["_key"].map(probe).astype(bool)
     return newest.sort_values("_pos").drop(columns=["_key", "_pos"])
 
 

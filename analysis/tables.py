@@ -136,8 +136,7 @@ def cpu_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Our CPU variants of Table 3: rows on the ``cpu`` device preset from a ``table3*`` sweep."""
     if not len(rows):
         return rows
-    stems = rows["source_file"].map(lambda p: Path(str(p)).name)
-    sel = (rows["kind"] == "trial") & (rows["device"] == "cpu") & stems.str.startswith("table3")
+    sel = (rows["kind"] == "trial") & (rows["device"] == "cpu") & _from_sweep(rows, "table3")
     return rows[sel]
 
 
@@ -170,17 +169,19 @@ def table3_cpu(rows=None) -> Table:
         for key, s in series:
             out.append([model, ws, key[0], "ours: tokens/s per rank", mode_label]
                        + [cell(lookup(s, n), "tokens_per_s_per_device") for n in lengths] + [""])
-        base = [s for key, s in series if s["method"].iloc[0] == "ulysses"]
+        # the baseline is the paper's Ulysses column: ``ulysses``, or ``usp`` on a Ulysses x Ring mesh
+        base = [(key, s) for key, s in series if family(s["method"].iloc[0]) == "ulysses"]
         for key, s in series:
-            m = s["method"].iloc[0]
-            if m == "ulysses" or not base:
+            if not base or key == base[0][0]:
                 continue
             vals = [_ratio(number(lookup(s, n), "tokens_per_s_per_device"),
-                           number(lookup(base[0], n), "tokens_per_s_per_device")) for n in lengths]
-            out.append([model, ws, f"{key[0]} / ulysses", "ours: ratio", mode_label] + vals
-                       + [_paper_ratio_range(family(m))])
+                           number(lookup(base[0][1], n), "tokens_per_s_per_device")) for n in lengths]
+            out.append([model, ws, f"{key[0]} / {base[0][0][0]}", "ours: ratio", mode_label] + vals
+                       + [_paper_ratio_range(family(s["method"].iloc[0]))])
     notes = ["CPU rows (gloo ranks on one host, small models): absolute numbers say nothing about "
              "H100 throughput; ratios to Ulysses at equal length are the comparable figure.",
+             "The baseline is the paper's Ulysses column: `ulysses`, or `usp` where the variant runs the "
+             "Ulysses × Ring mesh (as the paper's 16-GPU runs).",
              "paper ratio (H100): the range of the same ratio in the paper's Table 3."]
     if not len(ours):
         notes.append("No CPU rows yet: run a CPU variant of the Table 3 sweep (a `sweeps/configs/table3-*.yaml` "
@@ -263,6 +264,8 @@ def max_context_table(rows=None) -> Table:
         sub = ours[(ours["model"] == model) & (ours["world_size"] == gpus)] if len(ours) else ours
         for r in (sub.itertuples() if len(sub) else []):
             src = "ours (max-context search)" if r.kind == "search" else "ours (longest run without OOM)"
+            if r.scope == "attention":
+                src = src[:-1] + ", one attention block)"
             note = ("search ended at its upper limit" if r.kind == "search" and r.lower_bound else
                     "no OOM row above it: a lower bound" if r.kind == "runs" and r.lower_bound else "")
             if r.status == "error":
@@ -311,86 +314,142 @@ def split_categories(cats: dict | None) -> tuple[float, float, float] | None:
     return model, act, other
 
 
-def fig1_rows(rows: pd.DataFrame, seq_len: int = 3 * 2**20) -> pd.DataFrame:
-    t = trials(rows, model="llama3-8b", world_size=8, scope="model", seq_len=seq_len)
+PAPER_FIG1 = ("llama3-8b", 3 * 2**20, 8)  # model, tokens, GPUs
+
+
+def _from_sweep(t: pd.DataFrame, prefix: str) -> pd.Series:
+    """Rows that a sweep whose rows file starts with ``prefix`` produced (or also produced)."""
+    files = t["source_files"] if "source_files" in t else t["source_file"].map(lambda f: (f,))
+    return files.map(lambda fs: any(Path(str(f)).name.startswith(prefix) for f in fs)).astype(bool)
+
+
+def fig1_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Our Fig. 1 bars: rows of the paper's setup (Llama3-8B, 3M, 8 GPUs) with a recognised lever
+    configuration, and those of any ``fig1-memory-breakdown*`` sweep at another scale (its
+    CPU variant). Adds ``config`` (the bar) and ``setup`` (model, tokens, ranks)."""
+    t = trials(rows, scope="model")
     if not len(t):
-        return t.assign(config=pd.Series(dtype=object))
-    t = t.assign(config=t.apply(fig1_config, axis=1))
+        return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
+    model, seq, ws = PAPER_FIG1
+    t = t[_from_sweep(t, "fig1-memory-breakdown") | ((t["model"] == model) & (t["seq_len"] == seq) & (t["world_size"] == ws))]
+    if not len(t):
+        return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
+    t = t.assign(config=t.apply(fig1_config, axis=1),
+                 setup=pd.Series(list(zip(t["model"], t["seq_len"], t["world_size"])), index=t.index, dtype=object))
     return t[t["config"].notna()]
 
 
+def fig1_setups(ours: pd.DataFrame) -> list[tuple]:
+    extra = sorted(set(ours["setup"]) - {PAPER_FIG1}) if len(ours) else []
+    return [PAPER_FIG1] + extra
+
+
+def setup_name(model: str, seq_len: int | None, ws: int) -> str:
+    return f"{model}, {human_size(seq_len)} tokens, {ws} ranks" if seq_len else f"{model}, {ws} ranks"
+
+
 def fig1_table(rows=None) -> Table:
-    """Fig. 1's stacked bars as numbers: Llama3-8B, 3M tokens, 8 GPUs."""
+    """Fig. 1's stacked bars as numbers: Llama3-8B, 3M tokens, 8 GPUs (then any smaller-scale
+    variant of ours)."""
     rows = _rows(rows)
     paper = load_paper("fig1_memory_breakdown").set_index("config")
     ours = fig1_rows(rows)
-    cols = ["Config", "Source", "Mode, device", "Model GiB", "Activations GiB", "Other GiB", "Total GiB", "Result"]
+    cols = ["Setup", "Config", "Source", "Mode, device", "Model GiB", "Activations GiB", "Other GiB", "Total GiB",
+            "Result"]
     out = []
-    for cfg in FIG1_CONFIGS:
-        if cfg in paper.index:
-            p = paper.loc[cfg]
-            result = f"OOM ({p['oom_required_gib']:g})" if p["status"] == "oom" else "fits"
-            out.append([FIG1_NAMES[cfg], "paper", "real, 8×H100-80GB (paper)", fmt(p["model_gib"], 1),
-                        fmt(p["attn_act_gib"], 1), fmt(p["other_gib"], 1), fmt(p["total_gib"], 1), result])
-        for ml, sub in (ours[ours["config"] == cfg].groupby("mode_label") if len(ours) else []):
-            r = sub.sort_values("time").iloc[-1]
-            split = split_categories(r["peak_by_category"]) if r["status"] != "error" else None
-            m, a, o = split if split else (None, None, None)
-            result = {"ok": "fits", "oom": OOM, "error": "error"}[r["status"]]
-            out.append([FIG1_NAMES[cfg], "ours", ml, fmt(m, 1), fmt(a, 1), fmt(o, 1),
-                        fmt(r["peak_gib"], 1) if r["status"] != "error" else MISSING, result])
+    for setup in fig1_setups(ours):
+        name = setup_name(*setup)
+        mine = ours[ours["setup"] == setup] if len(ours) else ours
+        for cfg in FIG1_CONFIGS:
+            if setup == PAPER_FIG1 and cfg in paper.index:
+                p = paper.loc[cfg]
+                result = f"OOM ({p['oom_required_gib']:g})" if p["status"] == "oom" else "fits"
+                out.append([name, FIG1_NAMES[cfg], "paper", "real, 8×H100-80GB (paper)", fmt(p["model_gib"], 1),
+                            fmt(p["attn_act_gib"], 1), fmt(p["other_gib"], 1), fmt(p["total_gib"], 1), result])
+            for ml, sub in (mine[mine["config"] == cfg].groupby("mode_label") if len(mine) else []):
+                r = sub.sort_values("time").iloc[-1]
+                split = split_categories(r["peak_by_category"]) if r["status"] != "error" else None
+                m, a, o = split if split else (None, None, None)
+                digits = 1 if setup == PAPER_FIG1 else 3
+                result = {"ok": "fits", "oom": OOM, "error": "error"}[r["status"]]
+                out.append([name, FIG1_NAMES[cfg], "ours", ml, fmt(m, digits), fmt(a, digits), fmt(o, digits),
+                            fmt(r["mem_gib"], digits) if r["status"] != "error" else MISSING, result])
     notes = ["Per-GPU peak memory, Llama3-8B at 3M tokens on 8 GPUs. Paper: segments read off the figure; "
              "OOM (n): the number printed on the bar (probably GiB required).",
              "Ours: MemTracker categories at the peak — model = parameters + gradients + optimizer state; "
              "activations = tensors saved in forward (the paper's segment is attention activations only); "
-             "other = backward temporaries and the rest. Simulated rows count live tensors only "
-             "(no CUDA context, NCCL buffers or fragmentation).",
-             "Default and FSDP (no context parallelism) have no trial of ours."]
+             "other = backward temporaries and the rest. Real CUDA rows have a total only. Simulated rows count "
+             "live tensors only (no CUDA context, NCCL buffers or fragmentation).",
+             "Default and FSDP (no context parallelism) have no trial of ours. Other setups (the CPU-scale "
+             "variant of the sweep) have no paper values: compare the bars' order and ratios, not GiB."]
     return Table("fig1_memory_breakdown", "Fig. 1 — peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs",
                  pd.DataFrame(out, columns=cols), notes, ours)
 
 
 # ----------------------------------------------------------------------------- Fig. 5 table
 
+PAPER_FIG5 = ("llama3-8b", 16)
+
+
 def fig5_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    t = trials(rows, model="llama3-8b", world_size=16, scope="model")
+    """USP-Hybrid and UPipe on a Ulysses x Ring mesh: Llama3-8B on 16 GPUs with the paper's
+    levers, and any ``fig5-multinode*`` sweep at another scale. Adds ``setup`` (model, ranks)."""
+    t = trials(rows, scope="model")
     if not len(t):
-        return t
-    t = t[has_paper_levers(t) & t["method"].isin(["usp", "usp-upipe"])]
-    return t
+        return t.assign(setup=pd.Series(dtype=object))
+    t = t[t["method"].isin(["usp", "usp-upipe"])]
+    if not len(t):
+        return t.assign(setup=pd.Series(dtype=object))
+    paper_setup = (t["model"] == PAPER_FIG5[0]) & (t["world_size"] == PAPER_FIG5[1]) & has_paper_levers(t)
+    t = t[_from_sweep(t, "fig5-multinode") | paper_setup]
+    return t.assign(setup=pd.Series(list(zip(t["model"], t["world_size"])), index=t.index, dtype=object))
+
+
+def fig5_setups(ours: pd.DataFrame) -> list[tuple]:
+    extra = sorted(set(ours["setup"]) - {PAPER_FIG5}) if len(ours) else []
+    return [PAPER_FIG5] + extra
 
 
 def fig5_table(rows=None) -> Table:
-    """Figure 5 as numbers: peak memory and UPipe throughput / USP throughput, 16 GPUs (8×2)."""
+    """Figure 5 as numbers: peak memory and UPipe throughput / USP throughput, 16 GPUs (8×2),
+    then any smaller-scale variant of ours."""
     rows = _rows(rows)
     paper = load_paper("fig5_multinode")
     paper = paper[paper["kind"] == "point"]
     ours = fig5_rows(rows)
     lengths = sorted(set(paper["seq_len"].astype(int)) | (set(ours["seq_len"]) if len(ours) else set()))
-    cols = ["Quantity", "Source", "Mode, device"] + _seq_cols(lengths)
+    cols = ["Setup", "Quantity", "Source", "Mode, device"] + _seq_cols(lengths)
     out = []
-    for method, name in (("usp", "USP-Hybrid 8×2"), ("upipe", "UPipe 8×2")):
-        p = paper[paper["method"] == method].set_index("seq_len")
-        out.append([f"{name} peak GiB", "paper (by eye ±1 GiB)", PAPER_MODE.format(gpus=16)]
-                   + [paper_cell(p.loc[s, "status"], p.loc[s, "peak_mem_gib"], 1) if s in p.index else MISSING
-                      for s in lengths])
-        ours_m = ours[ours["method"] == ("usp" if method == "usp" else "usp-upipe")] if len(ours) else ours
-        for (label, ml), sub in (ours_m.groupby(["label", "mode_label"]) if len(ours_m) else []):
-            out.append([f"{label} peak GiB", "ours", ml] + [cell(lookup(sub, s), "mem_gib", 1) for s in lengths])
-    p = paper[paper["method"] == "upipe"].set_index("seq_len")
-    out.append(["UPipe / USP throughput", "paper (by eye)", PAPER_MODE.format(gpus=16)]
-               + [paper_cell(p.loc[s, "status"], p.loc[s, "norm_throughput"], 3) if s in p.index else MISSING
-                  for s in lengths])
-    for ml, sub in (ours.groupby("mode_label") if len(ours) else []):
-        u, b = sub[sub["method"] == "usp-upipe"], sub[sub["method"] == "usp"]
-        if len(u) and len(b):
-            out.append(["UPipe / USP throughput", "ours", ml]
-                       + [_ratio(number(lookup(u, s), "tokens_per_s_per_device"),
-                                 number(lookup(b, s), "tokens_per_s_per_device")) for s in lengths])
+    for setup in fig5_setups(ours):
+        name = setup_name(setup[0], None, setup[1])
+        mine = ours[ours["setup"] == setup] if len(ours) else ours
+        digits = 1 if setup == PAPER_FIG5 else 3
+        for method, pname in (("usp", "USP-Hybrid 8×2"), ("usp-upipe", "UPipe 8×2")):
+            if setup == PAPER_FIG5:
+                p = paper[paper["method"] == ("usp" if method == "usp" else "upipe")].set_index("seq_len")
+                out.append([name, f"{pname} peak GiB", "paper (by eye ±1 GiB)", PAPER_MODE.format(gpus=16)]
+                           + [paper_cell(p.loc[s, "status"], p.loc[s, "peak_mem_gib"], 1) if s in p.index else MISSING
+                              for s in lengths])
+            m = mine[mine["method"] == method] if len(mine) else mine
+            for (label, ml), sub in (m.groupby(["label", "mode_label"]) if len(m) else []):
+                out.append([name, f"{label} peak GiB", "ours", ml]
+                           + [cell(lookup(sub, s), "mem_gib", digits) for s in lengths])
+        if setup == PAPER_FIG5:
+            p = paper[paper["method"] == "upipe"].set_index("seq_len")
+            out.append([name, "UPipe / USP throughput", "paper (by eye)", PAPER_MODE.format(gpus=16)]
+                       + [paper_cell(p.loc[s, "status"], p.loc[s, "norm_throughput"], 3) if s in p.index else MISSING
+                          for s in lengths])
+        for ml, sub in (mine.groupby("mode_label") if len(mine) else []):
+            u, b = sub[sub["method"] == "usp-upipe"], sub[sub["method"] == "usp"]
+            if len(u) and len(b):
+                out.append([name, "UPipe / USP throughput", "ours", ml]
+                           + [_ratio(number(lookup(u, s), "tokens_per_s_per_device"),
+                                     number(lookup(b, s), "tokens_per_s_per_device")) for s in lengths])
     notes = ["Llama3-8B on 16 GPUs, 8 Ulysses × 2 Ring for both methods (ours: `usp` and `usp-upipe` with "
              "ulysses_degree=8). Paper values were read off the figure by eye (±1 GiB).",
              "Memory: reserved peak where measured (CUDA), else allocated (simulated/CPU).",
-             "Paper text: UPipe reaches 8M where USP stops at 6M."]
+             "Paper text: UPipe reaches 8M where USP stops at 6M. Other setups (the CPU-scale variant) have no "
+             "paper values: compare the ratio, not GiB or tokens/s."]
     return Table("fig5_multinode", "Figure 5 — UPipe vs USP-Hybrid, Llama3-8B, 16 GPUs (8×2)",
                  pd.DataFrame(out, columns=cols), notes, ours)
 
@@ -398,20 +457,40 @@ def fig5_table(rows=None) -> Table:
 # ----------------------------------------------------------------------------- attention memory
 
 ATTN_SHAPES = {"llama3-8b": (32, 8), "qwen3-32b": (64, 8)}  # H, G
+PAPER_ATTN = (("llama3-8b", 8), ("qwen3-32b", 8))  # the paper's micro-benchmark setups: C = 8
 
 
-def attn_rows(rows: pd.DataFrame, world_size: int = 8) -> pd.DataFrame:
-    t = trials(rows, scope="attention", world_size=world_size)
+def _with_u(t: pd.DataFrame) -> pd.DataFrame:
+    """Ulysses and UPipe rows without other options, with ``u`` = UPipe's U (None: Ulysses)."""
     if not len(t):
         return t.assign(u=pd.Series(dtype=object))
-    t = t[t["model"].isin(list(ATTN_SHAPES)) & t["method"].isin(["ulysses", "upipe"])]
-    if not len(t):
-        return t.assign(u=pd.Series(dtype=object))
-    opts = t["options_dict"]
-    u = [None if m == "ulysses" else (o.get("chunk_heads") or world_size) for m, o in zip(t["method"], opts)]
-    extra = [set(o) - {"chunk_heads", "kernel"} for o in opts]
-    t = t.assign(u=pd.Series(u, index=t.index, dtype=object))
-    return t[[not e for e in extra]]
+    t = t[t["method"].isin(["ulysses", "upipe"])]
+    plain = [not (set(o) - {"chunk_heads", "kernel"}) for o in t["options_dict"]]
+    t = t[pd.Series(plain, index=t.index, dtype=bool)]
+    u = [None if m == "ulysses" else (o.get("chunk_heads") or ws)
+         for m, o, ws in zip(t["method"], t["options_dict"], t["world_size"])]
+    return t.assign(u=pd.Series(u, index=t.index, dtype=object))
+
+
+def heads_of(rows: pd.DataFrame, model: str) -> tuple[int, int]:
+    """(H, G) of a model: from the rows' ``arch.*`` columns, else the paper's shapes."""
+    if len(rows) and "arch.n_heads" in rows:
+        sub = rows[(rows["model"] == model) & rows["arch.n_heads"].notna()]
+        if len(sub):
+            return int(sub["arch.n_heads"].iloc[0]), int(sub["arch.n_kv_heads"].iloc[0])
+    return ATTN_SHAPES.get(model, (0, 0))
+
+
+def attn_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """One attention block (scope ``attention``), Ulysses and UPipe, any model and world size."""
+    return _with_u(trials(rows, scope="attention"))
+
+
+def attn_setups(ours: pd.DataFrame) -> list[tuple[str, int]]:
+    """(model, world size) to show: the paper's two first (always), then any other with rows."""
+    extra = sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])} - set(PAPER_ATTN)) \
+        if len(ours) else []
+    return list(PAPER_ATTN) + extra
 
 
 def activation_gib(row: pd.Series | None) -> float | None:
@@ -430,20 +509,24 @@ def variant_name(u, h: int, c: int) -> str:
     return f"UPipe U={u}{tag}"
 
 
-def attn_memory_table(rows=None, world_size: int = 8) -> Table:
+def attn_memory_table(rows=None) -> Table:
     """Attention-block micro-benchmark: per-rank peak (GiB) and the reduction against Ulysses
-    of the block's own memory (peak − weights), next to the paper's 1 − U/H."""
+    of the block's own memory (peak − weights), next to the paper's 1 − U/H. The paper's two
+    setups (C = 8) first, then any other (e.g. the CPU variant) in its own rows."""
     rows = _rows(rows)
-    ours = attn_rows(rows, world_size)
-    reduction = load_paper("attn_memory_reduction").set_index("model")
+    ours = attn_rows(rows)
+    reduction = load_paper("attn_memory_reduction")
     lengths = sorted(ours["seq_len"].unique()) if len(ours) else []
-    cols = ["Model", "Variant", "Quantity", "Mode, device"] + _seq_cols(lengths) + ["paper"]
+    cols = ["Setup", "Variant", "Quantity", "Mode, device"] + _seq_cols(lengths) + ["paper"]
     out = []
-    for model, (h, g) in ATTN_SHAPES.items():
-        sub = ours[ours["model"] == model] if len(ours) else ours
-        paper_red = reduction.loc[model, "reduction"] if model in reduction.index else None
+    for model, ws in attn_setups(ours):
+        h, g = heads_of(rows, model)
+        setup = f"{model} (H={h}, G={g}), C={ws}"
+        sub = ours[(ours["model"] == model) & (ours["world_size"] == ws)] if len(ours) else ours
+        ref = reduction[(reduction["model"] == model) & (reduction["ulysses_degree"] == ws)]
+        paper_red = float(ref["reduction"].iloc[0]) if len(ref) else None
         if not len(sub):
-            out.append([model, "UPipe U=C=8", "reduction vs Ulysses (paper)", "paper", *([MISSING] * len(lengths)),
+            out.append([setup, f"UPipe U=C={ws}", "reduction vs Ulysses", "paper", *([MISSING] * len(lengths)),
                         f"{paper_red:.1%} per-stage intermediates (1 − U/H)" if paper_red is not None else MISSING])
             continue
         for ml, msub in sub.groupby("mode_label"):
@@ -451,7 +534,7 @@ def attn_memory_table(rows=None, world_size: int = 8) -> Table:
             variants = sorted(msub["u"].unique(), key=lambda u: -1 if u is None else u)
             for u in variants:
                 vs = msub[msub["u"].isna()] if u is None else msub[msub["u"] == u]
-                out.append([model, variant_name(u, h, world_size), "peak GiB per rank", ml]
+                out.append([setup, variant_name(u, h, ws), "peak GiB per rank", ml]
                            + [cell(lookup(vs, s), "peak_gib", 2) for s in lengths] + [""])
             for u in [v for v in variants if v is not None]:
                 vs = msub[msub["u"] == u]
@@ -459,12 +542,13 @@ def attn_memory_table(rows=None, world_size: int = 8) -> Table:
                 for s in lengths:
                     a, b = activation_gib(lookup(vs, s)), activation_gib(lookup(base, s)) if len(base) else None
                     vals.append(MISSING if a is None or b is None or b <= 0 else f"{1 - a / b:.1%}")
-                ref = ""
-                if u == world_size and paper_red is not None:
-                    ref = f"{paper_red:.1%} per-stage intermediates (1 − U/H)"
-                out.append([model, variant_name(u, h, world_size), "reduction vs Ulysses (peak − weights)", ml]
-                           + vals + [ref or f"formula 1 − U/H = {1 - u / h:.1%} (not a paper number)"])
-    notes = [f"One attention block forward + backward on {world_size} ranks, bf16, per-rank peak.",
+                if u == ws and paper_red is not None:
+                    note = f"{paper_red:.1%} per-stage intermediates (1 − U/H)"
+                else:
+                    note = f"formula 1 − U/H = {1 - u / h:.1%} (not a paper number)" if h else ""
+                out.append([setup, variant_name(u, h, ws), "reduction vs Ulysses (peak − weights)", ml]
+                           + vals + [note])
+    notes = ["One attention block forward + backward, per-rank peak; C = the world size (the Ulysses degree).",
              "The paper's 75% (Llama3-8B, H = 32) and 87.5% (Qwen3-32B, H = 64) are the per-stage reduction of "
              "attention intermediates (1 − U/H at U = C = 8); ours is the reduction of the whole block's memory "
              "(peak minus weights), which also holds UPipe's persistent output buffer, so it is expected lower.",
@@ -475,34 +559,52 @@ def attn_memory_table(rows=None, world_size: int = 8) -> Table:
 
 # ----------------------------------------------------------------------------- U ablation
 
-def u_ablation_rows(rows: pd.DataFrame, model: str = "llama3-8b", world_size: int = 4) -> pd.DataFrame:
-    t = trials(rows, model=model, world_size=world_size, scope="model")
+def u_ablation_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of a U ablation: the ``u-ablation*`` sweeps (any model, scope or device) and any
+    Llama3-8B training step on 4 GPUs with the paper's levers (the authors' rebuttal setup)."""
+    t = trials(rows)
     if not len(t):
-        return t.assign(u=pd.Series(dtype=object))
-    t = t[t["method"].isin(["ulysses", "upipe"]) & has_paper_levers(t)]
-    u = [None if m == "ulysses" else (o.get("chunk_heads") or world_size) for m, o in zip(t["method"], t["options_dict"])]
-    return t.assign(u=pd.Series(u, index=t.index, dtype=object))
+        return _with_u(t)
+    from_sweep = _from_sweep(t, "u-ablation")
+    rebuttal = (t["model"] == "llama3-8b") & (t["world_size"] == 4) & (t["scope"] == "model")
+    rebuttal &= has_paper_levers(t)
+    return _with_u(t[from_sweep | rebuttal])
 
 
-def u_ablation_table(rows=None, model: str = "llama3-8b", world_size: int = 4) -> Table:
+def u_setups(ours: pd.DataFrame) -> list[tuple[str, int, str]]:
+    """(model, world size, scope) of the U ablation, the paper-scale one first."""
+    if not len(ours):
+        return []
+    found = {(m, int(w), s) for m, w, s in zip(ours["model"], ours["world_size"], ours["scope"])}
+    return sorted(found, key=lambda k: (k != ("llama3-8b", 4, "model"), k))
+
+
+def u_ablation_table(rows=None) -> Table:
     """UPipe vs chunk size U (and Ulysses): tokens/s per GPU and peak GiB per sequence length."""
     rows = _rows(rows)
-    ours = u_ablation_rows(rows, model, world_size)
+    ours = u_ablation_rows(rows)
     lengths = sorted(set(ours["seq_len"])) if len(ours) else [128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20]
-    cols = ["Variant", "Quantity", "Mode, device"] + _seq_cols(lengths)
+    cols = ["Setup", "Variant", "Quantity", "Mode, device"] + _seq_cols(lengths)
     out = []
-    for ml, sub in (ours.groupby("mode_label") if len(ours) else []):
-        for u in sorted(sub["u"].unique(), key=lambda u: -1 if u is None else u):
-            vs = sub[sub["u"].isna()] if u is None else sub[sub["u"] == u]
-            name = "Ulysses" if u is None else f"UPipe U={u}"
-            out.append([name, "tokens/s per GPU", ml] + [cell(lookup(vs, s), "tokens_per_s_per_device") for s in lengths])
-            out.append([name, "peak GiB", ml] + [cell(lookup(vs, s), "mem_gib", 1) for s in lengths])
-    notes = [f"{model} on {world_size} GPUs (Ulysses degree {world_size}), paper levers. The paper (v1) has no U "
-             "ablation; the authors' rebuttal branch ran one (CHUNK_SIZE) — no numbers of it are transcribed, "
-             "so this table is ours only."]
+    for model, ws, scope in u_setups(ours):
+        sub = ours[(ours["model"] == model) & (ours["world_size"] == ws) & (ours["scope"] == scope)]
+        h, _ = heads_of(rows, model)
+        setup = f"{model}, {ws} ranks, {'training step' if scope == 'model' else 'attention block'}"
+        for ml, msub in sub.groupby("mode_label"):
+            for u in sorted(msub["u"].unique(), key=lambda u: -1 if u is None else u):
+                vs = msub[msub["u"].isna()] if u is None else msub[msub["u"] == u]
+                name = variant_name(u, h, ws)
+                out.append([setup, name, "tokens/s per device", ml]
+                           + [cell(lookup(vs, s), "tokens_per_s_per_device") for s in lengths])
+                out.append([setup, name, "peak GiB", ml] + [cell(lookup(vs, s), "mem_gib", 2) for s in lengths])
+    notes = ["The paper (v1) has no U ablation; the authors' rebuttal branch ran one (CHUNK_SIZE, Llama3-8B, "
+             "Ulysses degree 4, 128K–1M) — no numbers of it are transcribed, so this table is ours only.",
+             "Setups: the `u-ablation` sweeps (the paper-scale one on 4 GPUs, its CPU variant) and any Llama3-8B "
+             "training step on 4 GPUs with the paper's levers."]
     if not len(ours):
-        notes.append("No rows yet: `python -m sweeps run sweeps/configs/u-ablation.yaml --executor slurm`.")
-    return Table("u_ablation", f"U ablation — UPipe chunk size, {model}, {world_size} GPUs (ours only)",
+        notes.append("No rows yet: `python -m sweeps run sweeps/configs/u-ablation.yaml --executor slurm` "
+                     "(or `u-ablation-cpu.yaml --executor local`).")
+    return Table("u_ablation", "U ablation — UPipe chunk size U (ours only)",
                  pd.DataFrame(out, columns=cols), notes, ours)
 
 
@@ -545,12 +647,14 @@ METRICS = {
 
 def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: str | None = None,
                     world_size: int | None = None, scope: str | None = None, mode: str | None = None,
-                    highlight: str | None = None) -> Table:
+                    highlight: str | None = None, lengths="grid") -> Table:
     """Every method present, side by side: max context (search, and longest run without OOM)
     and ``metric`` at each sequence length, one row per method/options and mode/device.
 
     Filters (``model``, ``world_size``, ``scope``, ``mode``) narrow the rows; ``highlight``
-    names a method whose rows are marked and listed first.
+    names a method whose rows are marked and listed first. ``lengths``: ``"grid"`` (the lengths
+    of trial rows other than a max-context search's probes, so the bisection's lengths do not
+    each get a column; all lengths if there are no others), ``"all"``, or a list of token counts.
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
@@ -560,7 +664,16 @@ def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: s
         if value is not None and len(sel):
             sel = sel[sel[col] == value]
     t = sel[sel["kind"] == "trial"] if len(sel) else sel
-    lengths = sorted(t["seq_len"].unique()) if len(t) else []
+    if isinstance(lengths, str):
+        if lengths not in ("grid", "all"):
+            raise ValueError(f"lengths must be 'grid', 'all' or a list of token counts, got {lengths!r}")
+        every = sorted(t["seq_len"].unique()) if len(t) else []
+        if lengths == "grid" and len(t):
+            grid = sorted(t[~t["search_probe"].astype(bool)]["seq_len"].unique())
+            every = grid or every
+        lengths = every
+    else:
+        lengths = sorted(int(s) for s in lengths)
     mx = our_max_context(sel)
     what, digits = METRICS[metric]
     cols = ["", "Method", "Model", "Ranks", "Scope", "Mode, device", "Max context (search)", "Longest run w/o OOM"] \
@@ -585,7 +698,8 @@ def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: s
                 & (t["mode_label"] == ml)] if len(t) else t
         out.append(["◀" if method == highlight else "", label, mdl, ws, sc, ml, s_txt, r_txt]
                    + [cell(lookup(sub, s), metric, digits) for s in lengths])
-    notes = [f"Cells: {what} at each sequence length; OOM, error, fits (ran; not measured in that mode), — (no row).",
+    notes = [f"Cells: {what} at each sequence length; OOM, error, fits (ran; not measured in that mode), — (no row)."
+             " Columns: the lengths run outside max-context searches (their probes' lengths are left out).",
              "Max context: our max-context search rows, and the longest length trial rows with the paper's "
              "levers ran without OOM (≥: nothing longer was tried or it ran at the longest length).",
              "Rows in different modes or on different devices are not comparable number for number."]

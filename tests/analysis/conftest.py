@@ -42,8 +42,19 @@ def standard_rows() -> dict[str, list]:
     mc = [make_row("upipe", seq_len=0, mode="simulated", kind="max_context", max_context=5 * M + 256 * K,
                    search={"granularity": 128 * K, "max_seq_len": 32 * M}),
           make_row("ulysses", seq_len=0, mode="simulated", kind="max_context", max_context=32 * M,
-                   search={"granularity": 128 * K, "max_seq_len": 32 * M})]
-    return {"table3-llama3-8b.jsonl": t3, "table3-qwen3-32b.jsonl": q, "table3-cpu.jsonl": cpu,
+                   search={"granularity": 128 * K, "max_seq_len": 32 * M}),
+          make_row("upipe", seq_len=5 * M + 256 * K, mode="simulated", peak_gib=70.0)]  # a probe of the search
+    tiny = dict(device="cpu", device_name="Test CPU")
+    fig1_cpu = [make_row("upipe", "tiny-llama", 64 * K, 8, "simulated", peak_gib=0.02, by_category=dict(parameter=0.01, activation=0.01))]
+    fig5_cpu = [make_row("usp", "tiny-llama", 1 * K, 4, tps=500.0, peak_gib=0.05, options={"ulysses_degree": 2}, **tiny),
+                make_row("usp-upipe", "tiny-llama", 1 * K, 4, tps=450.0, peak_gib=0.04, options={"ulysses_degree": 2}, **tiny)]
+    attn_cpu = [make_row(m, "tiny-llama", 2 * K, 2, scope="attention", peak_gib=g, tps=t, options=o, **tiny)
+                for m, o, g, t in (("ulysses", {}, 0.010, 5000.0), ("upipe", {}, 0.008, 4000.0))]
+    ua_cpu = [make_row(m, "tiny-llama", 2 * K, 2, scope="attention", peak_gib=g, tps=t, options=o, **tiny)
+              for m, o, g, t in (("ulysses", {}, 0.010, 5000.0), ("upipe", {"chunk_heads": 4}, 0.009, 4500.0))]
+    return {"fig1-memory-breakdown-cpu.jsonl": fig1_cpu, "fig5-multinode-cpu.jsonl": fig5_cpu,
+            "attn-memory-cpu.jsonl": attn_cpu, "u-ablation-cpu.jsonl": ua_cpu,
+            "table3-llama3-8b.jsonl": t3, "table3-qwen3-32b.jsonl": q, "table3-cpu.jsonl": cpu,
             "fig1-memory-breakdown.jsonl": fig1, "fig5-multinode.jsonl": fig5, "attn-memory.jsonl": attn,
             "u-ablation.jsonl": ua, "sub/maxctx.jsonl": mc}
 

@@ -12,6 +12,8 @@ PAPER_LEVERS = {"fsdp": True, "ac": True, "ac_offload": True, "offload_pin": Tru
                 "mlp_tiles": 0, "chunked_loss": True, "loss_chunk": 2048, "lr": 3e-4}
 LINK = {"name": "nvlink-h100", "intra_Bps": 450e9, "inter_Bps": 50e9, "latency_s": 1e-5, "ranks_per_node": 8,
         "description": "test link"}
+ARCH = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128), "qwen3-32b": dict(n_heads=64, n_kv_heads=8, head_dim=128),
+        "tiny-llama": dict(n_heads=8, n_kv_heads=4, head_dim=16)}
 DEVICE_NAMES = {"real": "NVIDIA H100 80GB HBM3", "emulated": "NVIDIA H100 80GB HBM3",
                 "simulated": "fake tensors on test CPU (simulating h100-80g)"}
 
@@ -43,7 +45,7 @@ def make_row(method="upipe", model="llama3-8b", seq_len=128 * K, world_size=8, m
                levers=dict(PAPER_LEVERS if levers is None else levers),
                link=LINK if mode in ("emulated", "simulated") else None,
                search=search if kind == "max_context" else None, status=status, message=message,
-               figures=figs, env=env)
+               figures=figs, env=env, model_arch=dict(name=model, **ARCH.get(model, {})))
 
 
 def write(path, rows) -> None:

@@ -37,6 +37,13 @@ def test_category_columns_and_max_context(results_dir):
     assert mc.loc["upipe", "max_context"] == 5 * M + 256 * K
 
 
+def test_max_context_search_probes_are_marked(results_dir):
+    df = load_rows(results_dir, quiet=True)
+    probes = df[df["search_probe"]]
+    assert len(probes) == 1 and probes.iloc[0]["seq_len"] == 5 * M + 256 * K
+    assert probes.iloc[0]["source_file"] == "sub/maxctx.jsonl"
+
+
 def test_results_paper_is_skipped_and_corrupt_lines_are_reported(results_dir, capsys):
     df = load_rows(results_dir)
     assert not (df["source_file"].str.startswith("paper")).any()
@@ -52,9 +59,13 @@ def test_newest_row_per_trial_key_is_kept_and_counted(results_dir):
     assert len(hit) == 1
     assert hit.iloc[0]["tokens_per_s_per_device"] == 2100.0  # the 2026-11-21 rerun, not the older 2000
     assert hit.iloc[0]["replaced_rows"] == 1
-    assert (df.drop(hit.index)["replaced_rows"] == 0).all()
+    # the same CPU attention trial is in two sweeps' files: one row, both files remembered
+    shared = df[df["replaced_rows"] > 0].drop(hit.index)
+    assert len(shared) == 1 and shared.iloc[0]["model"] == "tiny-llama"
+    assert shared.iloc[0]["source_files"] == ("attn-memory-cpu.jsonl", "u-ablation-cpu.jsonl")
+    assert df["replaced_rows"].sum() == 2
     every = load_rows(results_dir, keep="all", quiet=True)
-    assert len(every) == len(df) + 1
+    assert len(every) == len(df) + 2
 
 
 def test_empty_or_missing_results_give_an_empty_frame(tmp_path):

@@ -90,30 +90,51 @@ def test_fig1_table_splits_categories_and_keeps_ooms(results_dir):
     t = tables.fig1_table(load_rows(results_dir, quiet=True))
     assert _cell(t, "Result", Config="Default", Source="paper") == "OOM (119)"
     assert _cell(t, "Activations GiB", Config="UPipe", Source="paper") == "19.5"
-    up = dict(Config="UPipe", Source="ours")
+    up = dict(Config="UPipe", Source="ours", Setup="llama3-8b, 3M tokens, 8 ranks")
     assert _cell(t, "Model GiB", **up) == "15.0"
     assert _cell(t, "Activations GiB", **up) == "20.0"
     assert _cell(t, "Other GiB", **up) == "11.0"
     assert _cell(t, "Result", **up) == "fits"
     assert _cell(t, "Result", Config="+AC", Source="ours") == OOM
     assert "ALST" in t.df["Config"].tolist() and len(t.df[(t.df["Config"] == "ALST") & (t.df["Source"] == "ours")]) == 0
+    assert _cell(t, "Total GiB", **up) == "46.0"
 
 
 def test_fig5_attention_and_u_ablation_tables(results_dir):
     rows = load_rows(results_dir, quiet=True)
     f5 = tables.fig5_table(rows)
-    assert _cell(f5, "8M", Quantity="USP-Hybrid 8×2 peak GiB", Source="paper (by eye ±1 GiB)") == OOM
-    assert _cell(f5, "2M", Quantity="usp-upipe[ulysses_degree=8] peak GiB", Source="ours") == "26.0"
-    assert _cell(f5, "512K", Quantity="usp-upipe[ulysses_degree=8] peak GiB", Source="ours") == MISSING
-    assert _cell(f5, "2M", Quantity="UPipe / USP throughput", Source="ours") == "0.980"
+    paper_setup = dict(Setup="llama3-8b, 16 ranks")
+    assert _cell(f5, "8M", Quantity="USP-Hybrid 8×2 peak GiB", Source="paper (by eye ±1 GiB)", **paper_setup) == OOM
+    up = dict(Quantity="usp-upipe[ulysses_degree=8] peak GiB", Source="ours")
+    assert _cell(f5, "2M", **up) == "26.0"
+    assert _cell(f5, "512K", **up) == MISSING
+    assert _cell(f5, "2M", Quantity="UPipe / USP throughput", Source="ours", **paper_setup) == "0.980"
+    cpu = dict(Setup="tiny-llama, 4 ranks")
+    assert _cell(f5, "1K", Quantity="UPipe / USP throughput", Source="ours", **cpu) == "0.900"
+    assert not (f5.df[f5.df["Setup"] == "tiny-llama, 4 ranks"]["Source"].str.startswith("paper")).any()
+
     at = tables.attn_memory_table(rows)
-    red = at.df[(at.df["Model"] == "llama3-8b") & at.df["Quantity"].str.startswith("reduction")]
+    assert at.df["Setup"].iloc[0].startswith("llama3-8b (H=32, G=8), C=8")
+    red = at.df[at.df["Setup"].str.startswith("llama3-8b") & at.df["Quantity"].str.startswith("reduction")]
     u8 = red[red["Variant"] == "UPipe U=8 (= C)"].iloc[0]
     assert u8["128K"] == f"{1 - 1.375 / 1.875:.1%}" and u8["paper"].startswith("75.0%")
-    qwen = at.df[at.df["Model"] == "qwen3-32b"].iloc[0]
-    assert qwen["paper"].startswith("87.5%")
+    assert at.df[at.df["Setup"].str.startswith("qwen3-32b")].iloc[0]["paper"].startswith("87.5%")
+    tiny = at.df[at.df["Setup"] == "tiny-llama (H=8, G=4), C=2"]
+    assert _cell(at, "2K", Setup="tiny-llama (H=8, G=4), C=2", Variant="Ulysses") == "0.01"
+    assert "per-stage" not in " ".join(tiny["paper"])  # the paper's 75% is not claimed at another scale
+
     ua = tables.u_ablation_table(rows)
-    assert _cell(ua, "128K", Variant="UPipe U=8", Quantity="tokens/s per GPU") == "2900.00"
+    assert ua.df["Setup"].iloc[0] == "llama3-8b, 4 ranks, training step"
+    assert _cell(ua, "128K", Variant="UPipe U=8", Quantity="tokens/s per device") == "2900.00"
+    assert _cell(ua, "2K", Setup="tiny-llama, 2 ranks, attention block", Variant="UPipe U=4",
+                 Quantity="tokens/s per device") == "4500.00"
+
+
+def test_fig1_cpu_variant_is_its_own_setup(results_dir):
+    t = tables.fig1_table(load_rows(results_dir, quiet=True))
+    tiny = t.df[t.df["Setup"] == "tiny-llama, 64K tokens, 8 ranks"]
+    assert len(tiny) == 1 and tiny.iloc[0]["Source"] == "ours" and tiny.iloc[0]["Config"] == "UPipe"
+    assert tiny.iloc[0]["Total GiB"] == "0.020"
 
 
 def test_compare_methods_marks_the_chosen_method(results_dir):
@@ -127,6 +148,9 @@ def test_compare_methods_marks_the_chosen_method(results_dir):
     assert sim["Max context (search)"] == "5.25M"
     mem = tables.compare_methods(rows, metric="mem_gib", model="llama3-8b", world_size=8, scope="model")
     assert mem.df[(mem.df["Method"] == "ulysses") & (mem.df["Mode, device"].str.startswith("real"))].iloc[0]["128K"] == "25.00"
+    assert "5.25M" not in t.df.columns  # a max-context search's probe length gets no column by default
+    every = tables.compare_methods(rows, model="llama3-8b", world_size=8, scope="model", lengths="all")
+    assert _cell(every, "5.25M", Method="upipe", **{"Mode, device": "simulated, h100-80g"}) == "fits"
     none = tables.compare_methods(rows, highlight="not-a-method")
     assert "No rows of 'not-a-method'" in none.to_markdown()
 
