@@ -1,0 +1,597 @@
+"""One function per regenerated figure; each returns a ``Plot`` (paper and ours together).
+
+Paper values are hollow (dashed lines with open markers, hatched unfilled bars) and say
+"paper" in the legend; ours are solid and say their mode and device. OOM is drawn as an
+"x" on the axis floor (lines) or written on the bar, and a missing value is not drawn.
+"""
+from __future__ import annotations
+
+import matplotlib.transforms as mtransforms
+import numpy as np
+import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter
+
+from .load import human_size, load_paper
+from .select import PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, family, groups, lookup, number
+from .style import (CAPACITY_COLOR, Plot, display_name, method_color, new_figure, note_box, ours_bar_style,
+                    ours_line_style, paper_bar_style, paper_line_style, seq_axis)
+from .tables import (FIG1_CONFIGS, FIG1_NAMES, PAPER_ATTN, PAPER_FIG1, PAPER_FIG5, _rows, activation_gib,
+                     attn_rows, attn_setups, fig1_rows, fig1_setups, fig5_rows, fig5_setups, heads_of,
+                     our_max_context, setup_name, split_categories, table3_rows, u_ablation_rows, u_setups,
+                     variant_name)
+
+H100_GIB = 81559 / 1024  # what nvidia-smi reports for an H100 80GB, in GiB
+OURS_MARKERS = ["s", "^", "D", "v", "P", "*"]
+
+
+def _oom_marks(ax, xs, color, hollow: bool = False) -> None:
+    """OOM points: an 'x' on the axis floor at each length that ran out of memory; several
+    at one length stack upwards so none hides another. ``hollow``: a paper value."""
+    if not xs:
+        return
+    stack = ax.__dict__.setdefault("_oom_stack", {})
+    trans = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+    for x in xs:
+        level = stack.get(x, 0)
+        stack[x] = level + 1
+        ax.scatter([x], [0.035 + 0.055 * level], transform=trans, marker="X", s=60, zorder=5, clip_on=False,
+                   facecolor="white" if hollow else color, edgecolor=color if hollow else "black",
+                   linewidth=1.2 if hollow else 0.5)
+
+
+def below(ax, handles=None, labels=None, ncol: int = 2) -> None:
+    """The axes' legend under it, in columns, so it never hides data."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=ncol,
+                  frameon=False)
+
+
+def plain_log_y(ax) -> None:
+    """Log y axis labelled with plain numbers (300, not 3×10²)."""
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "235" else ""))
+
+
+def _legend_extras(paper_oom: bool, ours_oom: bool = False) -> list:
+    out = []
+    if paper_oom:
+        out.append(Line2D([], [], marker="X", linestyle="", markerfacecolor="white", markeredgecolor="grey",
+                          markersize=8, label="OOM — paper (on the axis floor)"))
+    if ours_oom:
+        out.append(Line2D([], [], marker="X", linestyle="", color="grey", markeredgecolor="black",
+                          markersize=8, label="OOM — ours (on the axis floor)"))
+    return out
+
+
+def _run_hint(ax, sweeps: str) -> None:
+    note_box(ax, f"no rows of ours yet\n{sweeps}", loc="bottom")
+
+
+# ----------------------------------------------------------------------------- Table 3
+
+def table3_plot(rows=None) -> Plot:
+    """Table 3 as curves: tokens/s per GPU vs sequence length, paper (dashed, open) vs ours."""
+    rows = _rows(rows)
+    paper = load_paper("table3_throughput")
+    fig, axes = new_figure(2, 1, width=6.8, height=6.2)
+    used = []
+    for ax, setup in zip(axes[0], TABLE3_SETUPS):
+        p = paper[paper["model"] == setup.model]
+        paper_oom = ours_oom = False
+        for pm in PAPER_METHODS:
+            pp = p[p["method"] == pm]
+            ok = pp[pp["status"] == "ok"]
+            ax.plot(ok["seq_len"], ok["tokens_per_s_per_gpu"], label=f"{display_name(pm)} — paper",
+                    **paper_line_style(method_color(pm)))
+            oom = pp[pp["status"] == "oom"]["seq_len"].tolist()
+            paper_oom |= bool(oom)
+            _oom_marks(ax, oom, method_color(pm), hollow=True)
+        ours = table3_rows(rows, setup)
+        used.append(ours)
+        drawn = 0
+        for i, (key, sub) in enumerate(groups(ours)):
+            color = method_color(sub["method"].iloc[0])
+            xs, ys, oom = [], [], []
+            for s in sorted(sub["seq_len"].unique()):
+                r = lookup(sub, s)
+                v = number(r, "tokens_per_s_per_device")
+                if v is not None:
+                    xs.append(s), ys.append(v)
+                elif r["status"] == "oom":
+                    oom.append(s)
+            if xs:
+                ax.plot(xs, ys, label=f"{key[0]} — ours ({key[1]})",
+                        **ours_line_style(color, OURS_MARKERS[i % len(OURS_MARKERS)]))
+                drawn += 1
+            if oom and xs:  # OOM marks only for series that measure throughput (not simulated ones)
+                _oom_marks(ax, oom, color)
+                ours_oom = True
+        ax.set_yscale("log")
+        plain_log_y(ax)
+        seq_axis(ax, PAPER_LENGTHS)
+        ax.set_xlabel("sequence length (tokens, K = 1024)")
+        ax.set_ylabel("throughput (tokens/s per GPU)")
+        ax.set_title(f"Table 3: {setup.model}, {setup.gpus} GPUs")
+        if not drawn:
+            msg = "no throughput rows of ours yet" if not len(ours) else \
+                "our rows here have no throughput (e.g. simulated: memory only)"
+            note_box(ax, f"{msg}\npython -m sweeps run sweeps/configs/table3-{setup.model}.yaml", loc="top")
+        handles, labels = ax.get_legend_handles_labels()
+        extra = _legend_extras(paper_oom, ours_oom)
+        below(ax, handles + extra, labels + [e.get_label() for e in extra])
+    fig.suptitle("Training throughput vs sequence length (paper: dashed, open markers; ours: solid)")
+    fig.tight_layout()
+    used_df = pd.concat(used) if any(len(u) for u in used) else rows.iloc[0:0]
+    return Plot("table3_throughput", "Table 3 as curves", fig,
+                ["Ours: rows with the paper's levers on a GPU preset; CPU rows are in table3_cpu.md."], used_df)
+
+
+# ----------------------------------------------------------------------------- max context
+
+def max_context_plot(rows=None) -> Plot:
+    """Max context per method: paper (hatched) vs our searches and runs (solid), log2 axis.
+    Panels: Table 3's two setups and Fig. 5's Llama3-8B on 16 GPUs (8×2)."""
+    import matplotlib.pyplot as plt
+
+    rows = _rows(rows)
+    paper = load_paper("max_context")
+    fig5 = load_paper("fig5_multinode")
+    claims = fig5[fig5["kind"] == "max_context_claim"]
+    ours = our_max_context(rows)
+    panels = [(s.model, s.gpus, f"{s.model}, {s.gpus} GPUs (Table 3)") for s in TABLE3_SETUPS]
+    panels.append(("llama3-8b", 16, "llama3-8b, 16 GPUs, 8×2 mesh (Fig. 5)"))
+    seen = {(m, g) for m, g, _ in panels}
+    for m, g in sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])} - seen) if len(ours) else []:
+        panels.append((m, g, f"{m}, {g} ranks (ours only: no paper values at this scale)"))
+    order = {m: i for i, m in enumerate(PAPER_METHODS)}
+    content = []
+    for model, gpus, title in panels:
+        bars = []  # (family, label, value, lower_bound, is_paper, color)
+        for r in paper[(paper["model"] == model) & (paper["gpus"] == gpus)].itertuples():
+            bars.append((family(r.method), f"{display_name(r.method)} — paper", int(r.max_seq_len),
+                         "lower bound" in str(r.note), True, method_color(r.method)))
+        for r in claims[(claims["model"] == model) & (claims["gpus"] == gpus)].itertuples():
+            name = "USP-Hybrid 8×2" if r.method == "usp" else "UPipe 8×2"
+            bars.append((family(r.method), f"{name} — paper", int(r.seq_len), False, True, method_color(r.method)))
+        o = ours[(ours["model"] == model) & (ours["world_size"] == gpus)] if len(ours) else ours
+        for r in (o.itertuples() if len(o) else []):
+            if r.status == "error" or pd.isna(r.max_seq_len):
+                continue
+            how = ("search" if r.kind == "search" else "longest run") + (
+                ", attention block" if r.scope == "attention" else "")
+            bars.append((family(r.method), f"{r.label} — ours, {how} ({r.mode_label})", int(r.max_seq_len),
+                         bool(r.lower_bound), False, method_color(r.method)))
+        bars.sort(key=lambda b: (order.get(b[0], len(order)), not b[4], b[1]))
+        content.append((model, gpus, title, bars, len(o)))
+    heights = [len(c[3]) + 2.2 for c in content]
+    fig = plt.figure(figsize=(10, 0.3 * sum(heights) + 1.2))
+    grid = fig.add_gridspec(len(content), 1, height_ratios=heights)
+    all_values = [b[2] for c in content for b in c[3] if b[2] > 0]
+    lo = min(all_values + [128 * 2**10]) / 2
+    hi = max(all_values + [8 * 2**20]) * 2.5
+    ticks = [2**k for k in range(int(np.log2(lo)), int(np.log2(hi)) + 1)]
+    for k, (model, gpus, title, bars, n_ours) in enumerate(content):
+        ax = fig.add_subplot(grid[k])
+        ax.grid(True, axis="x", alpha=0.3, linewidth=0.6)
+        ax.set_axisbelow(True)
+        ys = np.arange(len(bars))[::-1] + 1.0  # slot 0 (bottom) stays free for a note
+        for y, b in zip(ys, bars):
+            style = paper_bar_style(b[5]) if b[4] else ours_bar_style(b[5])
+            width = max(b[2], lo * 1.001)
+            ax.barh(y, width - lo, left=lo, height=0.72, **style)
+            text = ("≥ " if b[3] else "") + (human_size(b[2]) if b[2] else "none fits")
+            ax.text(width * 1.08, y, text, va="center", fontsize=8)
+        ax.set_yticks(ys, [b[1] for b in bars], fontsize=7.5)
+        ax.set_ylim(-0.2 if n_ours else -0.6, len(bars) + 0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [human_size(t) for t in ticks], fontsize=7.5)
+        ax.set_xlim(lo, hi)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("maximum context (tokens, log2 scale" + ("; bars start at the axis edge)"
+                                                                if k == len(content) - 1 else ")"), fontsize=9)
+        if not n_ours:
+            prefix = "fig5-multinode" if gpus == 16 and model == "llama3-8b" else f"maxctx-{model}"
+            ax.text(0.5, 0.5 / (len(bars) + 1.2), f"no rows of ours yet: python -m sweeps run "
+                    f"sweeps/configs/{prefix}.yaml", transform=ax.transAxes, ha="center", va="center",
+                    fontsize=7.5, color="#555555")
+        if k == 0:
+            ax.legend(handles=[Patch(**paper_bar_style("black"), label="paper (hatched)"),
+                               Patch(**ours_bar_style("grey"), label="ours (solid)")],
+                      fontsize=7.5, loc="lower right")
+    fig.suptitle("Maximum context per method (≥: lower bound)")
+    fig.tight_layout()
+    return Plot("max_context", "Maximum context per method", fig, [], rows[rows["kind"] == "max_context"]
+                if len(rows) else rows)
+
+
+# ----------------------------------------------------------------------------- Fig. 1
+
+SEGMENTS = (("model", "model (weights, grads, optimizer)", "#4c72b0"),
+            ("act", "activations (paper: attention activations)", "#dd8452"),
+            ("other", "other", "#55a868"))
+
+
+def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, capacity: bool) -> None:
+    """One setup: per configuration, the paper's stacked bar (hatched) then ours, one per mode.
+    The y axis stops a little above the tallest paper bar or the H100's capacity (or above our
+    bars when there is no paper); a taller bar is cut there and labelled with its height."""
+    modes = sorted(ours["mode_label"].unique()) if len(ours) else []
+    n = (1 if paper is not None else 0) + max(1, len(modes))
+    width = 0.8 / n
+    x = np.arange(len(FIG1_CONFIGS))
+    if paper is not None:
+        paper_top = float(paper["total_gib"].max()) if paper["total_gib"].notna().any() else 0.0
+        ymax = max(paper_top, H100_GIB) * 1.45
+    else:
+        ymax = max([float(v) for v in ours["mem_gib"] if pd.notna(v)] + [1e-3]) * 1.35
+    used_total = False
+    for i, cfg in enumerate(FIG1_CONFIGS):
+        x0 = x[i] - 0.4 + width / 2
+        if paper is not None and cfg in paper.index:
+            p = paper.loc[cfg]
+            bottom = 0.0
+            for key, _, color in SEGMENTS:
+                v = p[{"model": "model_gib", "act": "attn_act_gib", "other": "other_gib"}[key]]
+                if pd.notna(v):
+                    ax.bar(x0, v, width, bottom=bottom, **paper_bar_style(color))
+                    bottom += v
+            text = f"OOM\n({p['oom_required_gib']:g})" if p["status"] == "oom" else f"{bottom:.1f}"
+            ax.text(x0, bottom + ymax * 0.01, text, ha="center", va="bottom", fontsize=7.5,
+                    color="#b00000" if p["status"] == "oom" else "black")
+        for j, ml in enumerate(modes):
+            xo = x0 + width * (j + (1 if paper is not None else 0))
+            sub = ours[(ours["config"] == cfg) & (ours["mode_label"] == ml)]
+            if not len(sub):
+                continue
+            r = sub.sort_values("time").iloc[-1]
+            if r["status"] == "error" or pd.isna(r["mem_gib"]):
+                ax.text(xo, ymax * 0.01, "error" if r["status"] == "error" else "OOM, no peak", ha="center",
+                        va="bottom", fontsize=7, rotation=90, color="#b00000")
+                continue
+            split = split_categories(r["peak_by_category"])
+            total = float(r["mem_gib"] if split is None else r["peak_gib"])
+            if split is None:  # a real CUDA run records the peak, not its categories
+                ax.bar(xo, total, width, **ours_bar_style("#999999"))
+                used_total = True
+            else:
+                bottom = 0.0
+                for (_, _, color), v in zip(SEGMENTS, split):
+                    ax.bar(xo, v, width, bottom=bottom, **ours_bar_style(color))
+                    bottom += v
+            cut = total > ymax * 0.86
+            digits = 1 if total >= 1 else 3
+            text = (f"↑ {total:.0f}" if cut else f"{total:.{digits}f}") + ("\nOOM" if r["status"] == "oom" else "")
+            ax.text(xo, min(total, ymax * 0.86) + ymax * 0.01, text, ha="center", va="bottom", fontsize=7.5,
+                    color="#b00000" if r["status"] == "oom" else "black",
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8) if cut else None)
+    if capacity:
+        ax.axhline(H100_GIB, color=CAPACITY_COLOR, linestyle=":", linewidth=1.2)
+        ax.text(len(FIG1_CONFIGS) - 0.45, H100_GIB + 0.8, "H100 capacity (79.6 GiB)", ha="right", va="bottom",
+                fontsize=8, color=CAPACITY_COLOR)
+    ax.set_xticks(x, [FIG1_NAMES[c] for c in FIG1_CONFIGS])
+    ax.set_xlim(-0.6, len(FIG1_CONFIGS) - 0.4)
+    ax.set_ylim(0, ymax)
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    ax.set_xlabel("configuration" + (" (left bar: paper; then ours, one bar per mode)" if paper is not None
+                                     else " (ours, one bar per mode)"))
+    ax.set_title(title)
+    handles = [Patch(**ours_bar_style(c), label=name) for _, name, c in SEGMENTS]
+    if used_total:
+        handles.append(Patch(**ours_bar_style("#999999"), label="total only (real run: no categories)"))
+    if paper is not None:
+        handles.append(Patch(**paper_bar_style("black"), label="paper (hatched, unfilled)"))
+    first = 2 if paper is not None else 1
+    handles += [Patch(facecolor="white", edgecolor="white", label=f"ours, bar {j + first} of each group: {ml}")
+                for j, ml in enumerate(modes)]
+    ax.legend(handles=handles, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+
+def fig1_plot(rows=None) -> Plot:
+    """Fig. 1: stacked peak memory per configuration, paper (hatched) vs ours (solid); a second
+    panel for each smaller-scale variant of ours (no paper values there)."""
+    rows = _rows(rows)
+    paper = load_paper("fig1_memory_breakdown").set_index("config")
+    ours = fig1_rows(rows)
+    setups = fig1_setups(ours)
+    fig, axes = new_figure(1, len(setups), width=10.5, height=5.6)
+    for ax, setup in zip(axes[:, 0], setups):
+        mine = ours[ours["setup"] == setup] if len(ours) else ours
+        if setup == PAPER_FIG1:
+            _fig1_panel(ax, mine, paper, "Fig. 1: peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs", True)
+            if not len(mine):
+                note_box(ax, "no rows of ours yet\npython -m sweeps run sweeps/configs/fig1-memory-breakdown.yaml",
+                         loc="top right")
+        else:
+            _fig1_panel(ax, mine, None, f"ours only, smaller scale: {setup_name(*setup)} (no paper values)", False)
+    fig.tight_layout()
+    return Plot("fig1_memory_breakdown", "Fig. 1 memory breakdown", fig,
+                ["OOM (n): the paper's label, probably GiB required."], ours)
+
+
+# ----------------------------------------------------------------------------- Fig. 5
+
+def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) -> None:
+    lengths = sorted((set(paper["seq_len"].astype(int)) if paper is not None else set())
+                     | (set(ours["seq_len"]) if len(ours) else set()))
+    modes = sorted(ours["mode_label"].unique()) if len(ours) else []
+    x = np.arange(len(lengths))
+    series = ([("paper", m) for m in ("usp", "upipe")] if paper is not None else []) + \
+        [(ml, m) for ml in modes for m in ("usp", "usp-upipe")]
+    width = 0.8 / max(1, len(series))
+    colors = {"usp": method_color("usp"), "upipe": method_color("upipe"), "usp-upipe": method_color("upipe")}
+    top = 0.0
+    for k, (src, m) in enumerate(series):
+        xs = x - 0.4 + width * (k + 0.5)
+        for i, s in enumerate(lengths):
+            if src == "paper":
+                hit = paper[(paper["method"] == m) & (paper["seq_len"] == s)]
+                status = hit["status"].iloc[0] if len(hit) else None
+                v = hit["peak_mem_gib"].iloc[0] if len(hit) else None
+                style = paper_bar_style(colors[m])
+            else:
+                r = lookup(ours[(ours["method"] == m) & (ours["mode_label"] == src)], s)
+                status = r["status"] if r is not None else None
+                v = r["mem_gib"] if r is not None else None
+                style = ours_bar_style(colors[m])
+            if status == "oom":
+                ax.text(xs[i], 0, " OOM", rotation=90, ha="center", va="bottom", fontsize=7.5, color="#b00000")
+            elif status == "ok" and pd.notna(v):
+                ax.bar(xs[i], v, width, **style)
+                top = max(top, float(v))
+    if paper is not None:
+        ax.axhline(80, color=CAPACITY_COLOR, linestyle="--", linewidth=1.0)
+        ax.text(-0.45, 81, "80 GB HBM (H100)", fontsize=8, color=CAPACITY_COLOR, va="bottom")
+        ax.set_ylim(0, 100)
+    else:
+        ax.set_ylim(0, max(top, 1e-3) * 1.3)
+    ax.set_xticks(x, [human_size(s) for s in lengths])
+    ax.set_xlim(-0.6, len(lengths) - 0.4)
+    ax.set_xlabel("sequence length (tokens, K = 1024)")
+    ax.set_ylabel("peak memory per GPU (GiB, bars)")
+    ax2 = ax.twinx()
+    pos = {s: i for i, s in enumerate(lengths)}
+    if paper is not None:
+        p = paper[paper["method"] == "upipe"].sort_values("seq_len")
+        ax2.plot([pos[s] for s in p["seq_len"]], p["norm_throughput"], **paper_line_style("black"),
+                 label="UPipe / USP throughput — paper")
+    ratio_lines = 0
+    for j, ml in enumerate(modes):
+        u = ours[(ours["method"] == "usp-upipe") & (ours["mode_label"] == ml)]
+        b = ours[(ours["method"] == "usp") & (ours["mode_label"] == ml)]
+        pts = []
+        for s in lengths:
+            a, c = number(lookup(u, s), "tokens_per_s_per_device"), number(lookup(b, s), "tokens_per_s_per_device")
+            if a and c:
+                pts.append((pos[s], a / c))
+        if pts:
+            ax2.plot(*zip(*pts), **ours_line_style("black", OURS_MARKERS[j % len(OURS_MARKERS)]),
+                     label=f"UPipe / USP throughput — ours ({ml})")
+            ratio_lines += 1
+    ratios = [v for line in ax2.get_lines() for v in line.get_ydata()]
+    ax2.set_ylim(min([0.8] + [v - 0.05 for v in ratios]), max([1.1] + [v + 0.05 for v in ratios]))
+    ax2.set_ylabel("throughput normalised to USP (lines)")
+    handles = []
+    if paper is not None:
+        handles += [Patch(**paper_bar_style(colors["usp"]), label="USP-Hybrid 8×2 — paper (by eye)"),
+                    Patch(**paper_bar_style(colors["upipe"]), label="UPipe 8×2 — paper (by eye)")]
+    for ml in modes:
+        labels = {m: sorted(ours[(ours["method"] == m) & (ours["mode_label"] == ml)]["label"].unique())
+                  for m in ("usp", "usp-upipe")}
+        handles += [Patch(**ours_bar_style(colors["usp"]), label=f"{', '.join(labels['usp']) or 'usp'} — ours ({ml})"),
+                    Patch(**ours_bar_style(colors["upipe"]),
+                          label=f"{', '.join(labels['usp-upipe']) or 'usp-upipe'} — ours ({ml})")]
+    h2, _ = ax2.get_legend_handles_labels()
+    ax.legend(handles=handles + h2, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2,
+              frameon=False)
+    ax.set_title(title)
+    if modes and not ratio_lines:
+        note_box(ax, "our rows have no throughput (memory only): no ours ratio line", loc="top right")
+
+
+def fig5_plot(rows=None) -> Plot:
+    """Figure 5: memory bars (left axis) and UPipe/USP throughput (right axis), paper vs ours;
+    a further panel for each smaller-scale variant of ours."""
+    rows = _rows(rows)
+    paper = load_paper("fig5_multinode")
+    paper = paper[paper["kind"] == "point"]
+    ours = fig5_rows(rows)
+    setups = fig5_setups(ours)
+    fig, axes = new_figure(1, len(setups), width=9.5, height=6.4)
+    for ax, setup in zip(axes[:, 0], setups):
+        mine = ours[ours["setup"] == setup] if len(ours) else ours
+        if setup == PAPER_FIG5:
+            _fig5_panel(ax, mine, paper, "Figure 5: Llama3-8B, 16 GPUs (8 Ulysses × 2 Ring), UPipe vs USP-Hybrid")
+            if not len(mine):
+                note_box(ax, "no rows of ours yet\npython -m sweeps run sweeps/configs/fig5-multinode.yaml",
+                         loc="top right")
+        else:
+            _fig5_panel(ax, mine, None, f"ours only, smaller scale: {setup_name(setup[0], None, setup[1])} "
+                                        "(no paper values)")
+    fig.tight_layout()
+    return Plot("fig5_multinode", "Figure 5", fig, [], ours)
+
+
+# ----------------------------------------------------------------------------- attention memory
+
+def attn_memory_plot(rows=None) -> Plot:
+    """Per-rank peak of one attention block vs length (top) and reduction vs Ulysses (bottom),
+    with the paper's 75% / 87.5% as dashed reference lines; one column per setup (the paper's
+    two, then any other of ours, e.g. the CPU variant)."""
+    rows = _rows(rows)
+    ours = attn_rows(rows)
+    reduction = load_paper("attn_memory_reduction")
+    setups = attn_setups(ours)
+    fig, axes = new_figure(len(setups), 2, width=6.2, height=5.6)
+    default_lengths = [128 * 2**10, 512 * 2**10, 2**20, 2 * 2**20, 4 * 2**20]
+    palette = ["#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2"]
+    for col, (model, ws) in enumerate(setups):
+        h, g = heads_of(rows, model)
+        top, bot = axes[0][col], axes[1][col]
+        sub = ours[(ours["model"] == model) & (ours["world_size"] == ws)] if len(ours) else ours
+        lengths = sorted(sub["seq_len"].unique()) if len(sub) else default_lengths
+        modes = sorted(sub["mode_label"].unique()) if len(sub) else []
+        us = sorted({u for u in sub["u"] if u is not None}) if len(sub) else []
+        cmap = dict(zip(us, palette))
+        for mi, ml in enumerate(modes):
+            msub = sub[sub["mode_label"] == ml]
+            base = msub[msub["u"].isna()]
+            for u in [None] + us:
+                vs = base if u is None else msub[msub["u"] == u]
+                if not len(vs):
+                    continue
+                color = method_color("ulysses") if u is None else cmap[u]
+                style = ours_line_style(color, OURS_MARKERS[mi % len(OURS_MARKERS)])
+                pts = [(s, number(lookup(vs, s), "peak_gib")) for s in lengths]
+                pts = [(s, v) for s, v in pts if v is not None]
+                if pts:
+                    top.plot(*zip(*pts), **style, label=f"{variant_name(u, h, ws)} — ours ({ml})")
+                _oom_marks(top, [s for s in lengths if (r := lookup(vs, s)) is not None and r["status"] == "oom"],
+                           color)
+                if u is None or not len(base):
+                    continue
+                red = []
+                for s in lengths:
+                    a, b = activation_gib(lookup(vs, s)), activation_gib(lookup(base, s))
+                    if a is not None and b:
+                        red.append((s, 100 * (1 - a / b)))
+                if red:
+                    bot.plot(*zip(*red), **style, label=f"U={u} vs Ulysses — ours ({ml})")
+        ref = reduction[(reduction["model"] == model) & (reduction["ulysses_degree"] == ws)]
+        if len(ref):
+            r = ref.iloc[0]
+            bot.axhline(100 * r["reduction"], color="black", linestyle="--", linewidth=1.4,
+                        label=f"paper: {r['reduction']:.1%} at U=C={int(r['head_chunk_u'])} "
+                              f"(1 − U/H, per-stage intermediates)")
+        top.set_yscale("log", base=2)
+        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        for ax in (top, bot):
+            seq_axis(ax, lengths)
+            ax.set_xlabel("sequence length (tokens, K = 1024)")
+        top.set_ylabel("peak memory per rank (GiB, log2)")
+        bot.set_ylabel("reduction vs Ulysses (%, peak − weights)")
+        lows = [v for line in bot.get_lines() for v in line.get_ydata() if np.isfinite(v)]
+        bot.set_ylim(min([0.0] + lows) - 5, 100)
+        bot.axhline(0, color="grey", linewidth=0.8)
+        scale = "" if (model, ws) in PAPER_ATTN else " — ours only, smaller scale"
+        top.set_title(f"{model} (H={h}, G={g}), one attention block, C={ws}{scale}", fontsize=10)
+        bot.set_title(f"{model}, C={ws}: memory UPipe saves", fontsize=10)
+        if not modes:
+            note_box(top, "no rows of ours yet\npython -m sweeps run sweeps/configs/attn-memory.yaml")
+        else:
+            below(top, ncol=1)
+        below(bot, ncol=1)
+    fig.suptitle("Attention-block micro-benchmark (ours: solid; paper reference: dashed)")
+    fig.tight_layout()
+    return Plot("attn_memory", "Attention-block memory", fig, [], ours)
+
+
+# ----------------------------------------------------------------------------- U ablation
+
+def u_ablation_plot(rows=None) -> Plot:
+    """Per setup (row of panels): throughput, throughput relative to Ulysses at the same length
+    (where the differences show) and peak memory over sequence length, one line per U."""
+    rows = _rows(rows)
+    ours = u_ablation_rows(rows)
+    setups = u_setups(ours) or [("llama3-8b", 4, "model")]
+    fig, axes = new_figure(3, len(setups), width=5.4, height=5.4)
+    metric = "tokens_per_s_per_device"
+    palette = ["#fcae91", "#fb6a4a", "#de2d26", "#a50f15", "#67000d"]
+    for row_axes, (model, ws, scope) in zip(axes, setups):
+        sub = ours[(ours["model"] == model) & (ours["world_size"] == ws) & (ours["scope"] == scope)] \
+            if len(ours) else ours
+        h, _ = heads_of(rows, model)
+        lengths = sorted(sub["seq_len"].unique()) if len(sub) else [128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20]
+        modes = sorted(sub["mode_label"].unique()) if len(sub) else []
+        us = sorted({u for u in sub["u"] if u is not None}) if len(sub) else []
+        cmap = dict(zip(us, palette[-len(us):] if len(us) <= len(palette) else palette * 2))
+        drawn = [0, 0, 0]
+        for mi, ml in enumerate(modes):
+            msub = sub[sub["mode_label"] == ml]
+            base = msub[msub["u"].isna()]
+            for u in [None] + us:
+                vs = base if u is None else msub[msub["u"] == u]
+                if not len(vs):
+                    continue
+                color = method_color("ulysses") if u is None else cmap[u]
+                style = ours_line_style(color, OURS_MARKERS[mi % len(OURS_MARKERS)])
+                series = {
+                    0: [(s, number(lookup(vs, s), metric)) for s in lengths],
+                    1: [(s, (number(lookup(vs, s), metric) or 0) / number(lookup(base, s), metric))
+                        for s in lengths if len(base) and number(lookup(base, s), metric)],
+                    2: [(s, number(lookup(vs, s), "mem_gib")) for s in lengths],
+                }
+                for k, pts in series.items():
+                    pts = [(s, v) for s, v in pts if v]
+                    if pts:
+                        row_axes[k].plot(*zip(*pts), **style, label=f"{variant_name(u, h, ws)} — ours ({ml})")
+                        drawn[k] += 1
+                oom = [s for s in lengths if (r := lookup(vs, s)) is not None and r["status"] == "oom"]
+                _oom_marks(row_axes[0], oom, color)
+                _oom_marks(row_axes[2], oom, color)
+        what = "training step" if scope == "model" else "attention block"
+        for k, ax in enumerate(row_axes):
+            seq_axis(ax, lengths)
+            ax.set_xlabel("sequence length (tokens, K = 1024)")
+            if drawn[k]:
+                below(ax, ncol=1)
+            else:
+                note_box(ax, ("no rows of ours yet" if not len(sub) else "no rows with this figure")
+                         + "\npython -m sweeps run sweeps/configs/u-ablation.yaml")
+        row_axes[0].set_ylabel("throughput (tokens/s per device)")
+        row_axes[1].set_ylabel("throughput / Ulysses' at the same length")
+        row_axes[2].set_ylabel("peak memory per device (GiB)")
+        if drawn[1]:
+            row_axes[1].axhline(1.0, color="grey", linewidth=0.8)
+        for ax, t in zip(row_axes, ("throughput", "throughput relative to Ulysses", "peak memory")):
+            ax.set_title(f"{t}: {model}, {ws} ranks, {what}", fontsize=9.5)
+    fig.suptitle("U ablation (ours only: the paper has no U ablation numbers)")
+    fig.tight_layout()
+    return Plot("u_ablation", "U ablation", fig, [], ours)
+
+
+# ----------------------------------------------------------------------------- memory vs length
+
+def memory_vs_seq_plot(rows=None) -> Plot:
+    """Peak memory per GPU vs sequence length per method (Table 3 setups), with the paper's
+    two 128K anchors (open markers) and the H100's capacity."""
+    rows = _rows(rows)
+    anchors = load_paper("memory_anchors")
+    fig, axes = new_figure(2, 1, width=6.8, height=6.4)
+    used = []
+    for ax, setup in zip(axes[0], TABLE3_SETUPS):
+        for a in anchors[anchors["model"] == setup.model].itertuples():
+            ax.plot([a.seq_len], [a.peak_mem_gib], linestyle="", **{k: v for k, v in
+                    paper_line_style(method_color(a.method)).items() if k != "linestyle"},
+                    label=f"{display_name(a.method)} at 128K — paper (unconfirmed)")
+        ours = table3_rows(rows, setup)
+        used.append(ours)
+        any_oom = False
+        for i, (key, sub) in enumerate(groups(ours)):
+            color = method_color(sub["method"].iloc[0])
+            pts = [(s, number(lookup(sub, s), "mem_gib")) for s in sorted(sub["seq_len"].unique())]
+            pts = [(s, v) for s, v in pts if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), **ours_line_style(color, OURS_MARKERS[i % len(OURS_MARKERS)]),
+                        label=f"{key[0]} — ours ({key[1]})")
+            oom = [s for s in sorted(sub["seq_len"].unique()) if lookup(sub, s)["status"] == "oom"]
+            _oom_marks(ax, oom, color)
+            any_oom |= bool(oom)
+        ax.axhline(H100_GIB, color=CAPACITY_COLOR, linestyle=":", linewidth=1.2, label="H100 capacity (79.6 GiB)")
+        seq_axis(ax, PAPER_LENGTHS)
+        ax.set_ylim(0, 100)
+        ax.set_xlabel("sequence length (tokens, K = 1024)")
+        ax.set_ylabel("peak memory per GPU (GiB)")
+        ax.set_title(f"{setup.model}, {setup.gpus} GPUs")
+        if not len(ours):
+            _run_hint(ax, f"python -m sweeps run sweeps/configs/table3-{setup.model}.yaml")
+        handles, labels = ax.get_legend_handles_labels()
+        extra = _legend_extras(False, any_oom)
+        below(ax, handles + extra, labels + [e.get_label() for e in extra], ncol=1)
+    fig.suptitle("Peak memory vs sequence length (reserved where measured, else allocated)")
+    fig.tight_layout()
+    used_df = pd.concat(used) if any(len(u) for u in used) else rows.iloc[0:0]
+    return Plot("memory_vs_seq", "Peak memory vs sequence length", fig, [], used_df)

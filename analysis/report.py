@@ -1,0 +1,200 @@
+"""Regenerate every table and figure into one folder, with an index (``README.md``).
+
+``ARTEFACTS`` is the list: what each output regenerates in the paper, the function that
+builds it and the sweeps whose rows it reads. ``make_all`` writes them all from whatever
+rows exist (none at all gives the paper-only versions, with our cells missing).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import yaml
+
+from . import figures, tables
+from .load import REPO, describe_bad_lines, load_rows
+
+CONFIGS = REPO / "sweeps" / "configs"
+
+
+@dataclass(frozen=True)
+class Artefact:
+    name: str  # output file stem (Table/Plot.name)
+    paper: str  # the paper's table or figure it regenerates
+    build: Callable
+    sweeps: tuple[str, ...]  # sweep-name prefixes whose rows it draws
+    kind: str  # "table" | "figure"
+    cpu: str = "also"  # the sweeps' CPU-scale variants (``*-cpu``): "also" drawn, "no" not, "only"
+
+
+ARTEFACTS: tuple[Artefact, ...] = (
+    Artefact("table3_llama3-8b", "Table 3, top half: tokens/s per GPU, Llama3-8B, 8×H100",
+             lambda r: tables.table3(r, "llama3-8b"), ("table3-llama3-8b",), "table", "no"),
+    Artefact("table3_qwen3-32b", "Table 3, bottom half: tokens/s per GPU, Qwen3-32B, 16×H100",
+             lambda r: tables.table3(r, "qwen3-32b"), ("table3-qwen3-32b",), "table", "no"),
+    Artefact("table3_ratios", "Table 3, each method's throughput / Ulysses' (derived; comparable across hardware)",
+             tables.table3_ratios, ("table3-llama3-8b", "table3-qwen3-32b"), "table", "no"),
+    Artefact("table3_cpu", "Table 3 on CPU (ours: small models, gloo ranks) with ratios to Ulysses",
+             tables.table3_cpu, ("table3",), "table", "only"),
+    Artefact("table3_throughput", "Table 3 drawn as curves (tokens/s per GPU vs length)",
+             figures.table3_plot, ("table3-llama3-8b", "table3-qwen3-32b"), "figure", "no"),
+    Artefact("max_context", "Max context per method (derived from Table 3; Fig. 5's 8M vs 6M claim)",
+             tables.max_context_table, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "table"),
+    Artefact("max_context", "Max context per method, as bars",
+             figures.max_context_plot, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "figure"),
+    Artefact("memory_vs_seq", "Peak memory vs length per method (PAPER.md §5.3; paper: two 128K anchors)",
+             tables.memory_vs_seq_table, ("table3-llama3-8b", "table3-qwen3-32b"), "table", "no"),
+    Artefact("memory_vs_seq", "Peak memory vs length per method, as curves",
+             figures.memory_vs_seq_plot, ("table3-llama3-8b", "table3-qwen3-32b"), "figure", "no"),
+    Artefact("fig1_memory_breakdown", "Fig. 1 (number probable): memory breakdown, Llama3-8B, 3M, 8 GPUs",
+             tables.fig1_table, ("fig1-memory-breakdown",), "table"),
+    Artefact("fig1_memory_breakdown", "Fig. 1 (number probable), stacked bars",
+             figures.fig1_plot, ("fig1-memory-breakdown",), "figure"),
+    Artefact("fig5_multinode", "Figure 5: UPipe vs USP-Hybrid, Llama3-8B, 16 GPUs (8×2)",
+             tables.fig5_table, ("fig5-multinode",), "table"),
+    Artefact("fig5_multinode", "Figure 5, memory bars + normalised throughput",
+             figures.fig5_plot, ("fig5-multinode",), "figure"),
+    Artefact("attn_memory", "Attention-memory micro-benchmark (the 75% / 87.5% claims)",
+             tables.attn_memory_table, ("attn-memory",), "table"),
+    Artefact("attn_memory", "Attention-memory micro-benchmark, over length and U",
+             figures.attn_memory_plot, ("attn-memory",), "figure"),
+    Artefact("u_ablation", "U ablation (authors' rebuttal branch; no paper numbers)",
+             tables.u_ablation_table, ("u-ablation",), "table"),
+    Artefact("u_ablation", "U ablation, throughput and memory vs U",
+             figures.u_ablation_plot, ("u-ablation",), "figure"),
+    Artefact("compare_methods", "none: every method present, throughput (the 'compare my method' table)",
+             tables.compare_methods, ("any",), "table"),
+    Artefact("compare_methods_mem_gib", "none: every method present, peak memory",
+             lambda r: tables.compare_methods(r, metric="mem_gib"), ("any",), "table"),
+)
+
+
+def expected_files() -> list[str]:
+    """Every file ``make_all`` writes (names only)."""
+    out = ["README.md"]
+    for a in ARTEFACTS:
+        out += [f"{a.name}.md", f"{a.name}.csv"] if a.kind == "table" else [f"{a.name}.png", f"{a.name}.svg"]
+    return out
+
+
+def sweep_configs(configs_dir: Path = CONFIGS) -> list[dict]:
+    """name, path, mode, device of every sweep spec (read as plain YAML; unreadable ones skipped)."""
+    out = []
+    for path in sorted(Path(configs_dir).glob("*.yaml")):
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(raw, dict):
+            out.append({"name": str(raw.get("name", path.stem)), "path": path, "mode": raw.get("mode", "?"),
+                        "device": str(raw.get("device", "cpu"))})
+    return out
+
+
+def sweep_command(cfg: dict) -> str:
+    """The command that (re)generates a sweep's rows; GPU sweeps in real mode go to Slurm."""
+    try:
+        rel = cfg["path"].relative_to(REPO)
+    except ValueError:
+        rel = cfg["path"]
+    executor = "slurm" if cfg["mode"] == "real" and cfg["device"] != "cpu" else "local"
+    return f"python -m sweeps run {rel} --executor {executor}"
+
+
+def is_cpu_variant(cfg: dict) -> bool:
+    return cfg["name"].endswith("-cpu") or cfg["device"] == "cpu"
+
+
+def _commands(art: Artefact, configs: list[dict]) -> list[str]:
+    """Markdown: the commands (in backticks) regenerating the rows an artefact draws."""
+    if art.sweeps == ("any",):
+        return ["any sweep (e.g. the Table 3 and max-context ones), or `python -m bench run ...`"]
+    picked = sorted((c for c in configs if any(c["name"].startswith(p) for p in art.sweeps)),
+                    key=lambda c: (is_cpu_variant(c), c["name"]))
+    if art.cpu == "no":
+        picked = [c for c in picked if not is_cpu_variant(c)]
+    elif art.cpu == "only":
+        picked = [c for c in picked if is_cpu_variant(c)]
+    out = [f"`{sweep_command(c)}`" + (" (CPU variant)" if is_cpu_variant(c) and art.cpu != "only" else "")
+           for c in picked]
+    if out:
+        return out
+    if art.cpu == "only":
+        return ["a CPU variant of the Table 3 sweep (`sweeps/configs/table3-*-cpu.yaml`, `device: cpu`), "
+                "run with `--executor local`"]
+    return [f"(no sweep spec named {', '.join(art.sweeps)}* yet)"]
+
+
+def _rel(path: Path) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def write_index(out_dir: Path, done: list[tuple[Artefact, object, list[Path]]], rows: pd.DataFrame,
+                results_dir: Path) -> Path:
+    configs = sweep_configs()
+    lines = [
+        "# paper_figs: the paper's tables and figures, regenerated",
+        "",
+        "Written by `python -m analysis figs` (`make figs`) from the rows under "
+        f"`{_rel(results_dir)}` ({len(rows)} rows after keeping the newest per trial"
+        + (f"; {len(rows.attrs.get('bad_lines', []))} corrupt lines skipped" if rows.attrs.get("bad_lines") else "")
+        + "). Do not edit by hand: run the sweeps below, then `make figs`.",
+        "",
+        "Conventions: **paper** values are hollow (hatched unfilled bars, dashed lines with open markers) and "
+        "say `paper`; **ours** are solid and name their mode (real / emulated / simulated) and device. "
+        "In tables, `—` is a missing cell (no row, or not reported), `OOM` ran out of memory, `fits` ran "
+        "without OOM in a mode that does not measure that figure (simulated: memory only), `error` failed. "
+        "Nothing is interpolated. Sequence lengths: K = 1024, M = 1024² tokens.",
+        "",
+        "| Output | Regenerates | Rows come from | Modes of the rows drawn |",
+        "|---|---|---|---|",
+    ]
+    for art, obj, paths in done:
+        files = ", ".join(f"[{p.name}]({p.name})" for p in paths)
+        cmds = "<br>".join(_commands(art, configs))
+        lines.append(f"| {files} | {art.paper} | {cmds} | {obj.modes} |")
+    bad = describe_bad_lines(rows)
+    if bad:
+        lines += ["", "Corrupt lines skipped (not fatal):", ""] + [f"- `{b}`" for b in bad]
+    lines += ["", "Regenerate everything here: `make figs` or "
+              "`python -m analysis figs --results results --out paper_figs`.", ""]
+    path = out_dir / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def make_all(results_dir: str | Path | None = None, out_dir: str | Path | None = None,
+             verbose: bool = True) -> list[Path]:
+    """Build every artefact from the rows under ``results_dir`` into ``out_dir``; returns the paths."""
+    results_dir = Path(results_dir) if results_dir is not None else REPO / "results"
+    out_dir = Path(out_dir) if out_dir is not None else REPO / "paper_figs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(results_dir)
+    if verbose:
+        print(f"read {len(rows)} rows from {_rel(results_dir)}"
+              + (f" ({len(rows.attrs['bad_lines'])} corrupt lines skipped)" if rows.attrs.get("bad_lines") else ""))
+    done = []
+    written: list[Path] = []
+    for art in ARTEFACTS:
+        obj = art.build(rows)
+        paths = obj.write(out_dir)
+        if hasattr(obj, "fig"):
+            plt.close(obj.fig)
+        done.append((art, obj, paths))
+        written += paths
+        if verbose:
+            for p in paths:
+                print(f"wrote {_rel(p)}  ({art.paper}; ours: {obj.modes})")
+    index = write_index(out_dir, done, rows, results_dir)
+    written.append(index)
+    if verbose:
+        print(f"wrote {_rel(index)}  (index)")
+    return written
