@@ -1,0 +1,34 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+# ---
+
+# %% [markdown]
+# # Fig. 1: peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs
+#
+# From FSDP + Ulysses without levers up to UPipe with every lever. Paper bars are hatched; ours
+# are solid, split by the memory tracker's categories (model / activations / other) where the
+# row has them (simulated and CPU rows), a single grey total otherwise (real CUDA rows).
+#
+# Rows: `python -m sweeps run sweeps/configs/fig1-memory-breakdown.yaml --executor local`.
+
+# %% tags=["parameters"]
+RESULTS = None  # folder of result rows; None: the repository's results/
+
+# %%
+import os
+
+from analysis import figures, tables
+from analysis.load import RESULTS as DEFAULT_RESULTS, load_rows, modes_summary
+
+rows = load_rows(RESULTS or os.environ.get("ANALYSIS_RESULTS") or DEFAULT_RESULTS)
+print(f"{len(rows)} rows; {modes_summary(rows)}")
+
+# %%
+tables.fig1_table(rows)
+
+# %%
+figures.fig1_plot(rows)
