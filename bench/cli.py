@@ -116,6 +116,8 @@ def build_parser() -> Parser:
     mc.add_argument("--granularity", type=parse_size, default=128 << 10, help="answer exact to this (default 128K)")
     mc.add_argument("--max-seq-len", type=parse_size, default=16 << 20, help="search limit (default 16M)")
     mc.add_argument("--start", type=parse_size, default=None, help="first length tried (default: granularity)")
+    mc.add_argument("--in-process", action="store_true",
+                    help="simulated trials in this process (faster; default: each in its own process)")
     sub.add_parser("list", help="methods, models, device presets and link models")
     return parser
 
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             _emit([run_trial(trial)], args, out)
             return 0
         # max-context
-        from .maxctx import search
+        from .maxctx import default_runner, isolated_runner, search
 
         trial = _trial(args, args.granularity)
         try:
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                 if zero and args.json:
                     print(json.dumps(row.to_dict(), sort_keys=True), flush=True)
 
-            final = search(trial, args.granularity, args.max_seq_len, args.start, on_row=on_row)
+            runner = default_runner if args.in_process else isolated_runner
+            final = search(trial, args.granularity, args.max_seq_len, args.start, runner=runner, on_row=on_row)
         except ValueError as err:
             raise UsageError(f"python -m bench max-context: error: {err}") from None
         if not zero:

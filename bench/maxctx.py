@@ -10,8 +10,10 @@ they are one step apart. The answer is exact to ``g``: ``max_context`` fits and
 Isolation: every trial in real or emulated mode runs in its own process (real mode then
 spawns its ranks from there), so an out-of-memory error, or the out-of-memory killer,
 ends that trial only; a child that dies without reporting becomes an ``oom`` (killed by
-SIGKILL) or ``error`` row. Simulated trials run in this process: they allocate nothing
-and every failure is caught into a row. Every trial is a row, OOMs included; a final
+SIGKILL) or ``error`` row. Simulated trials allocate nothing and every failure is caught
+into a row, so they may run in this process (``default_runner``); the CLI isolates them
+too unless told ``--in-process`` (``isolated_runner``), since a method could keep state,
+such as cached subgroups, from one trial's process group into the next. Every trial is a row, OOMs included; a final
 ``max_context`` row carries the answer and the figures of the longest fitting trial.
 An ``error`` trial (not a memory failure) stops the search: its answer is then only a
 lower bound, and the final row says so with status ``error``.
@@ -94,6 +96,15 @@ def default_runner(trial: Trial) -> Row:
     """In-process for simulated trials, or when this process is already a launched rank
     (torchrun/submitit: there is no separate process to give each trial); else isolated."""
     if trial.mode == "simulated" or launch.launched_env() is not None:
+        return run_trial(trial)
+    return run_isolated(trial)
+
+
+def isolated_runner(trial: Trial) -> Row:
+    """Every trial in its own process, simulated ones too (unless this process is a launched
+    rank). Costs an interpreter start per trial, but no state survives from one trial to the
+    next: a method that caches process groups across trials cannot see a destroyed one."""
+    if launch.launched_env() is not None:
         return run_trial(trial)
     return run_isolated(trial)
 

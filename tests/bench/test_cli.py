@@ -48,7 +48,7 @@ def test_run_json_attention_scope(tmp_path):
 def test_max_context_json(tmp_path):
     out = tmp_path / "mc.jsonl"
     p = bench("max-context", "--method", "upipe", "--model", "llama3-8b", "--world-size", "8", "--scope",
-              "attention", "--granularity", "2M", "--start", "4M", "--max-seq-len", "64M", "--json",
+              "attention", "--granularity", "2M", "--start", "4M", "--max-seq-len", "64M", "--json", "--in-process",
               "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in p.stdout.strip().splitlines()]
