@@ -19,7 +19,7 @@ from .style import (CAPACITY_COLOR, Plot, display_name, method_color, new_figure
                     ours_line_style, paper_bar_style, paper_line_style, seq_axis)
 from .tables import (FIG1_CONFIGS, FIG1_NAMES, PAPER_ATTN, PAPER_FIG1, PAPER_FIG5, _rows, activation_gib,
                      attn_rows, attn_setups, fig1_rows, fig1_setups, fig5_rows, fig5_setups, heads_of,
-                     our_max_context, setup_name, split_categories, table3_rows, u_ablation_rows, u_setups,
+                     max_context_rows, setup_name, split_categories, table3_rows, u_ablation_rows, u_setups,
                      variant_name)
 
 H100_GIB = 81559 / 1024  # what nvidia-smi reports for an H100 80GB, in GiB
@@ -141,7 +141,7 @@ def max_context_plot(rows=None) -> Plot:
     paper = load_paper("max_context")
     fig5 = load_paper("fig5_multinode")
     claims = fig5[fig5["kind"] == "max_context_claim"]
-    ours = our_max_context(rows)
+    ours = max_context_rows(rows)
     panels = [(s.model, s.gpus, f"{s.model}, {s.gpus} GPUs (Table 3)") for s in TABLE3_SETUPS]
     panels.append(("llama3-8b", 16, "llama3-8b, 16 GPUs, 8×2 mesh (Fig. 5)"))
     seen = {(m, g) for m, g, _ in panels}
@@ -159,10 +159,11 @@ def max_context_plot(rows=None) -> Plot:
             bars.append((family(r.method), f"{name} — paper", int(r.seq_len), False, True, method_color(r.method)))
         o = ours[(ours["model"] == model) & (ours["world_size"] == gpus)] if len(ours) else ours
         for r in (o.itertuples() if len(o) else []):
-            if r.status == "error" or pd.isna(r.max_seq_len):
+            if pd.isna(r.max_seq_len):
                 continue
             how = ("search" if r.kind == "search" else "longest run") + (
-                ", attention block" if r.scope == "attention" else "")
+                ", attention block" if r.scope == "attention" else "") + (
+                ", stopped by an error" if r.status == "error" else "")
             bars.append((family(r.method), f"{r.label} — ours, {how} ({r.mode_label})", int(r.max_seq_len),
                          bool(r.lower_bound), False, method_color(r.method)))
         bars.sort(key=lambda b: (order.get(b[0], len(order)), not b[4], b[1]))
@@ -203,7 +204,7 @@ def max_context_plot(rows=None) -> Plot:
                                Patch(**ours_bar_style("grey"), label="ours (solid)")],
                       fontsize=7.5, loc="lower right")
     fig.suptitle("Maximum context per method (≥: lower bound)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     return Plot("max_context", "Maximum context per method", fig, [], rows[rows["kind"] == "max_context"]
                 if len(rows) else rows)
 
@@ -228,6 +229,8 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
         ymax = max(paper_top, H100_GIB) * 1.45
     else:
         ymax = max([float(v) for v in ours["mem_gib"] if pd.notna(v)] + [1e-3]) * 1.35
+    scale, unit = (1024.0, "MiB") if paper is None and ymax < 1 else (1.0, "GiB")
+    ymax *= scale
     used_total = False
     for i, cfg in enumerate(FIG1_CONFIGS):
         x0 = x[i] - 0.4 + width / 2
@@ -253,15 +256,15 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
                         va="bottom", fontsize=7, rotation=90, color="#b00000")
                 continue
             split = split_categories(r["peak_by_category"])
-            total = float(r["mem_gib"] if split is None else r["peak_gib"])
+            total = scale * float(r["mem_gib"] if split is None else r["peak_gib"])
             if split is None:  # a real CUDA run records the peak, not its categories
                 ax.bar(xo, total, width, **ours_bar_style("#999999"))
                 used_total = True
             else:
                 bottom = 0.0
                 for (_, _, color), v in zip(SEGMENTS, split):
-                    ax.bar(xo, v, width, bottom=bottom, **ours_bar_style(color))
-                    bottom += v
+                    ax.bar(xo, scale * v, width, bottom=bottom, **ours_bar_style(color))
+                    bottom += scale * v
             cut = total > ymax * 0.86
             digits = 1 if total >= 1 else 3
             text = (f"↑ {total:.0f}" if cut else f"{total:.{digits}f}") + ("\nOOM" if r["status"] == "oom" else "")
@@ -275,7 +278,7 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
     ax.set_xticks(x, [FIG1_NAMES[c] for c in FIG1_CONFIGS])
     ax.set_xlim(-0.6, len(FIG1_CONFIGS) - 0.4)
     ax.set_ylim(0, ymax)
-    ax.set_ylabel("peak memory per GPU (GiB)")
+    ax.set_ylabel(f"peak memory per device ({unit})")
     ax.set_xlabel("configuration" + (" (left bar: paper; then ours, one bar per mode)" if paper is not None
                                      else " (ours, one bar per mode)"))
     ax.set_title(title)
@@ -324,6 +327,8 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
     width = 0.8 / max(1, len(series))
     colors = {"usp": method_color("usp"), "upipe": method_color("upipe"), "usp-upipe": method_color("upipe")}
     top = 0.0
+    small = paper is None and max([float(v) for v in ours["mem_gib"] if pd.notna(v)] + [0.0]) < 1
+    scale, unit = (1024.0, "MiB") if small else (1.0, "GiB")
     for k, (src, m) in enumerate(series):
         xs = x - 0.4 + width * (k + 0.5)
         for i, s in enumerate(lengths):
@@ -340,8 +345,8 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
             if status == "oom":
                 ax.text(xs[i], 0, " OOM", rotation=90, ha="center", va="bottom", fontsize=7.5, color="#b00000")
             elif status == "ok" and pd.notna(v):
-                ax.bar(xs[i], v, width, **style)
-                top = max(top, float(v))
+                ax.bar(xs[i], scale * v, width, **style)
+                top = max(top, scale * float(v))
     if paper is not None:
         ax.axhline(80, color=CAPACITY_COLOR, linestyle="--", linewidth=1.0)
         ax.text(-0.45, 81, "80 GB HBM (H100)", fontsize=8, color=CAPACITY_COLOR, va="bottom")
@@ -351,7 +356,7 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
     ax.set_xticks(x, [human_size(s) for s in lengths])
     ax.set_xlim(-0.6, len(lengths) - 0.4)
     ax.set_xlabel("sequence length (tokens, K = 1024)")
-    ax.set_ylabel("peak memory per GPU (GiB, bars)")
+    ax.set_ylabel(f"peak memory per device ({unit}, bars)")
     ax2 = ax.twinx()
     pos = {s: i for i, s in enumerate(lengths)}
     if paper is not None:
@@ -436,6 +441,8 @@ def attn_memory_plot(rows=None) -> Plot:
         modes = sorted(sub["mode_label"].unique()) if len(sub) else []
         us = sorted({u for u in sub["u"] if u is not None}) if len(sub) else []
         cmap = dict(zip(us, palette))
+        small = len(sub) and max([float(v) for v in sub["peak_gib"] if pd.notna(v)] + [0.0]) < 1
+        scale, unit = (1024.0, "MiB") if small else (1.0, "GiB")
         for mi, ml in enumerate(modes):
             msub = sub[sub["mode_label"] == ml]
             base = msub[msub["u"].isna()]
@@ -446,7 +453,7 @@ def attn_memory_plot(rows=None) -> Plot:
                 color = method_color("ulysses") if u is None else cmap[u]
                 style = ours_line_style(color, OURS_MARKERS[mi % len(OURS_MARKERS)])
                 pts = [(s, number(lookup(vs, s), "peak_gib")) for s in lengths]
-                pts = [(s, v) for s, v in pts if v is not None]
+                pts = [(s, scale * v) for s, v in pts if v is not None]
                 if pts:
                     top.plot(*zip(*pts), **style, label=f"{variant_name(u, h, ws)} — ours ({ml})")
                 _oom_marks(top, [s for s in lengths if (r := lookup(vs, s)) is not None and r["status"] == "oom"],
@@ -466,12 +473,15 @@ def attn_memory_plot(rows=None) -> Plot:
             bot.axhline(100 * r["reduction"], color="black", linestyle="--", linewidth=1.4,
                         label=f"paper: {r['reduction']:.1%} at U=C={int(r['head_chunk_u'])} "
                               f"(1 − U/H, per-stage intermediates)")
-        top.set_yscale("log", base=2)
-        top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ys = [v for line in top.get_lines() for v in line.get_ydata() if np.isfinite(v) and v > 0]
+        log = not ys or max(ys) / min(ys) >= 4  # a log axis needs a range to show ticks on
+        if log:
+            top.set_yscale("log", base=2)
+            top.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         for ax in (top, bot):
             seq_axis(ax, lengths)
             ax.set_xlabel("sequence length (tokens, K = 1024)")
-        top.set_ylabel("peak memory per rank (GiB, log2)")
+        top.set_ylabel(f"peak memory per rank ({unit}{', log2' if log else ''})")
         bot.set_ylabel("reduction vs Ulysses (%, peak − weights)")
         lows = [v for line in bot.get_lines() for v in line.get_ydata() if np.isfinite(v)]
         bot.set_ylim(min([0.0] + lows) - 5, 100)
@@ -492,63 +502,77 @@ def attn_memory_plot(rows=None) -> Plot:
 # ----------------------------------------------------------------------------- U ablation
 
 def u_ablation_plot(rows=None) -> Plot:
-    """Per setup (row of panels): throughput, throughput relative to Ulysses at the same length
-    (where the differences show) and peak memory over sequence length, one line per U."""
+    """Per setup (a row of panels), against the chunk size U on the x axis (Ulysses at the right
+    end), one line per sequence length: throughput, throughput relative to Ulysses at the same
+    length, and peak memory."""
+    import matplotlib
+
     rows = _rows(rows)
     ours = u_ablation_rows(rows)
     setups = u_setups(ours) or [("llama3-8b", 4, "model")]
-    fig, axes = new_figure(3, len(setups), width=5.4, height=5.4)
+    fig, axes = new_figure(3, len(setups), width=5.4, height=5.0)
     metric = "tokens_per_s_per_device"
-    palette = ["#fcae91", "#fb6a4a", "#de2d26", "#a50f15", "#67000d"]
     for row_axes, (model, ws, scope) in zip(axes, setups):
         sub = ours[(ours["model"] == model) & (ours["world_size"] == ws) & (ours["scope"] == scope)] \
             if len(ours) else ours
         h, _ = heads_of(rows, model)
-        lengths = sorted(sub["seq_len"].unique()) if len(sub) else [128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20]
-        modes = sorted(sub["mode_label"].unique()) if len(sub) else []
         us = sorted({u for u in sub["u"] if u is not None}) if len(sub) else []
-        cmap = dict(zip(us, palette[-len(us):] if len(us) <= len(palette) else palette * 2))
+        variants = us + ([None] if len(sub) and sub["u"].isna().any() else [])
+        xs = {u: k for k, u in enumerate(variants)}
+        lengths = sorted(sub["seq_len"].unique()) if len(sub) else []
+        modes = sorted(sub["mode_label"].unique()) if len(sub) else []
+        cmap = matplotlib.colormaps["viridis"]
+        small = len(sub) and max([float(v) for v in sub["mem_gib"] if pd.notna(v)] + [0.0]) < 1
+        scale, unit = (1024.0, "MiB") if small else (1.0, "GiB")
         drawn = [0, 0, 0]
         for mi, ml in enumerate(modes):
             msub = sub[sub["mode_label"] == ml]
             base = msub[msub["u"].isna()]
-            for u in [None] + us:
-                vs = base if u is None else msub[msub["u"] == u]
-                if not len(vs):
-                    continue
-                color = method_color("ulysses") if u is None else cmap[u]
+            for li, s in enumerate(lengths):
+                color = cmap(0.15 + 0.7 * li / max(1, len(lengths) - 1))
                 style = ours_line_style(color, OURS_MARKERS[mi % len(OURS_MARKERS)])
-                series = {
-                    0: [(s, number(lookup(vs, s), metric)) for s in lengths],
-                    1: [(s, (number(lookup(vs, s), metric) or 0) / number(lookup(base, s), metric))
-                        for s in lengths if len(base) and number(lookup(base, s), metric)],
-                    2: [(s, number(lookup(vs, s), "mem_gib")) for s in lengths],
-                }
-                for k, pts in series.items():
-                    pts = [(s, v) for s, v in pts if v]
-                    if pts:
-                        row_axes[k].plot(*zip(*pts), **style, label=f"{variant_name(u, h, ws)} — ours ({ml})")
+                b = number(lookup(base, s), metric) if len(base) else None
+                pts = {0: [], 1: [], 2: []}
+                oom = []
+                for u in variants:
+                    r = lookup(base if u is None else msub[msub["u"] == u], s)
+                    t, m = number(r, metric), number(r, "mem_gib")
+                    if t:
+                        pts[0].append((xs[u], t))
+                        if b:
+                            pts[1].append((xs[u], t / b))
+                    if m:
+                        pts[2].append((xs[u], scale * m))
+                    if r is not None and r["status"] == "oom":
+                        oom.append(xs[u])
+                label = f"{human_size(s)} tokens" + (f" — ours ({ml})" if len(modes) > 1 else "")
+                for k, p in pts.items():
+                    if p:
+                        row_axes[k].plot(*zip(*p), **style, label=label)
                         drawn[k] += 1
-                oom = [s for s in lengths if (r := lookup(vs, s)) is not None and r["status"] == "oom"]
                 _oom_marks(row_axes[0], oom, color)
                 _oom_marks(row_axes[2], oom, color)
         what = "training step" if scope == "model" else "attention block"
+        labels = ["Ulysses" if u is None else f"U={u}" + (" (=C)" if u == ws else "") + (" (=H)" if u == h else "")
+                  for u in variants]
         for k, ax in enumerate(row_axes):
-            seq_axis(ax, lengths)
-            ax.set_xlabel("sequence length (tokens, K = 1024)")
+            ax.set_xticks(range(len(variants)), labels, fontsize=8)
+            ax.set_xlim(-0.5, max(len(variants), 1) - 0.5)
+            ax.set_xlabel("UPipe chunk size U (heads per stage); Ulysses at the right")
             if drawn[k]:
-                below(ax, ncol=1)
+                below(ax, ncol=2)
             else:
                 note_box(ax, ("no rows of ours yet" if not len(sub) else "no rows with this figure")
                          + "\npython -m sweeps run sweeps/configs/u-ablation.yaml")
         row_axes[0].set_ylabel("throughput (tokens/s per device)")
         row_axes[1].set_ylabel("throughput / Ulysses' at the same length")
-        row_axes[2].set_ylabel("peak memory per device (GiB)")
+        row_axes[2].set_ylabel(f"peak memory per device ({unit})")
         if drawn[1]:
             row_axes[1].axhline(1.0, color="grey", linewidth=0.8)
+        who = f"ours, {modes[0]}" if len(modes) == 1 else "ours"
         for ax, t in zip(row_axes, ("throughput", "throughput relative to Ulysses", "peak memory")):
-            ax.set_title(f"{t}: {model}, {ws} ranks, {what}", fontsize=9.5)
-    fig.suptitle("U ablation (ours only: the paper has no U ablation numbers)")
+            ax.set_title(f"{t}: {model}, {ws} ranks, {what}\n({who})", fontsize=9.5)
+    fig.suptitle("U ablation, one line per sequence length (ours only: the paper has no U ablation numbers)")
     fig.tight_layout()
     return Plot("u_ablation", "U ablation", fig, [], ours)
 

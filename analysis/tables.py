@@ -217,10 +217,11 @@ def our_max_context(rows: pd.DataFrame) -> pd.DataFrame:
                 if k == "max_seq_len" and v.isdigit():
                     limit = int(v)
         mc = r.get("max_context")
-        lower = limit is not None and not is_missing(mc) and int(mc) >= limit
+        # an error ends a search early: what it reached is then only a lower bound
+        lower = r["status"] == "error" or (limit is not None and not is_missing(mc) and int(mc) >= limit)
         recs.append(dict(model=r["model"], world_size=r["world_size"], scope=r["scope"], label=r["label"],
                          method=r["method"], mode_label=r["mode_label"], kind="search", status=r["status"],
-                         max_seq_len=None if r["status"] == "error" else mc, lower_bound=lower))
+                         max_seq_len=mc, lower_bound=lower))
     t = trials(rows, scope="model")
     if len(t):
         t = t[has_paper_levers(t)]
@@ -236,6 +237,29 @@ def our_max_context(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame.from_records(recs)
 
 
+def max_ctx_cell(r) -> str:
+    """A max-context result as text: ``5.25M``, ``≥ 32M``, ``≥ 1M (search stopped by an error)``."""
+    text = _max_ctx_text(r["max_seq_len"], bool(r["lower_bound"]))
+    return f"{text} (search stopped by an error)" if r["status"] == "error" else text
+
+
+def paper_setups() -> set[tuple[str, int]]:
+    """(model, GPUs) the paper reports max context for: Table 3's two and Fig. 5's 8×2 mesh."""
+    return {(s.model, s.gpus) for s in TABLE3_SETUPS} | {("llama3-8b", 16)}
+
+
+def max_context_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """What the max-context table and figure show of ours: every search, and the longest run
+    without OOM only on the paper's setups (elsewhere it is just the longest length tried)."""
+    ours = our_max_context(rows)
+    if not len(ours):
+        return ours
+    on_paper = pd.Series([(m, int(w)) in paper_setups() for m, w in zip(ours["model"], ours["world_size"])],
+                         index=ours.index, dtype=bool)
+    keep = (ours["kind"] == "search") | on_paper
+    return ours[keep]
+
+
 def max_context_table(rows=None) -> Table:
     """Max context per method: the paper's (derived from Table 3; Fig. 5's claims) vs our
     max-context searches and the longest length our runs fit."""
@@ -243,7 +267,7 @@ def max_context_table(rows=None) -> Table:
     paper = load_paper("max_context")
     fig5 = load_paper("fig5_multinode")
     claims = fig5[fig5["kind"] == "max_context_claim"]
-    ours = our_max_context(rows)
+    ours = max_context_rows(rows)
     setups = {(r.model, int(r.gpus)) for r in paper.itertuples()} | {(r.model, int(r.gpus)) for r in claims.itertuples()}
     if len(ours):
         setups |= {(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])}
@@ -269,10 +293,9 @@ def max_context_table(rows=None) -> Table:
             note = ("search ended at its upper limit" if r.kind == "search" and r.lower_bound else
                     "no OOM row above it: a lower bound" if r.kind == "runs" and r.lower_bound else "")
             if r.status == "error":
-                note = "the search failed (error row)"
+                note = "the search stopped at an error row (see its message)"
             entries.append((family(r.method), 2 if r.kind == "search" else 3,
-                            [model, gpus, r.label, src, r.mode_label,
-                             "error" if r.status == "error" else _max_ctx_text(r.max_seq_len, r.lower_bound), note]))
+                            [model, gpus, r.label, src, r.mode_label, max_ctx_cell(r._asdict()), note]))
         entries.sort(key=lambda e: (family_order(e[0]), e[1], e[2][2]))
         out += [e[2] for e in entries]
     notes = ["Paper: the longest Table 3 length each method ran (≥: the table's last column ran, so the true "
@@ -482,8 +505,12 @@ def heads_of(rows: pd.DataFrame, model: str) -> tuple[int, int]:
 
 
 def attn_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """One attention block (scope ``attention``), Ulysses and UPipe, any model and world size."""
-    return _with_u(trials(rows, scope="attention"))
+    """One attention block (scope ``attention``), Ulysses and UPipe, any model and world size;
+    not the probes of a max-context search (their lengths are the bisection's, not a grid)."""
+    t = trials(rows, scope="attention")
+    if len(t):
+        t = t[~t["search_probe"].astype(bool)]
+    return _with_u(t)
 
 
 def attn_setups(ours: pd.DataFrame) -> list[tuple[str, int]]:
@@ -689,9 +716,7 @@ def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: s
                & (mx["mode_label"] == ml)] if len(mx) else mx
         search = m[m["kind"] == "search"] if len(m) else m
         runs = m[m["kind"] == "runs"] if len(m) else m
-        s_txt = MISSING if not len(search) else (
-            "error" if search.iloc[0]["status"] == "error" else
-            _max_ctx_text(search.iloc[0]["max_seq_len"], bool(search.iloc[0]["lower_bound"])))
+        s_txt = MISSING if not len(search) else max_ctx_cell(search.iloc[0])
         r_txt = MISSING if not len(runs) or sc != "model" else _max_ctx_text(runs.iloc[0]["max_seq_len"],
                                                                             bool(runs.iloc[0]["lower_bound"]))
         sub = t[(t["label"] == label) & (t["model"] == mdl) & (t["world_size"] == ws) & (t["scope"] == sc)

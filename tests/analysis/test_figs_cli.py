@@ -60,7 +60,7 @@ def test_figures_label_paper_and_ours(results_dir):
                 legend = ax.get_legend()
                 if legend is not None:
                     labels += [t.get_text() for t in legend.get_texts()]
-                labels += [t.get_text() for t in ax.get_yticklabels()]
+                labels += [t.get_text() for t in ax.get_yticklabels()] + [ax.get_title()]
             text = " ".join(labels)
             if plot.name != "u_ablation":  # the paper has no U ablation numbers
                 assert "paper" in text, (plot.name, text)
