@@ -55,7 +55,9 @@ def mesh_groups(group, ulysses_degree: int):
     if size == 1:
         return None, None
     ranks = dist.get_process_group_ranks(group)  # global ranks, in group-rank order
-    key = (tuple(ranks), ulysses_degree)
+    # the group object is part of the key: a cached subgroup must not outlive its parent
+    # (simulations create and destroy a fake process group per trial in one process)
+    key = (tuple(ranks), ulysses_degree, group)
     if key not in _MESHES:
         u = ulysses_degree
         ulysses = [ranks[i * u : (i + 1) * u] for i in range(size // u)]

@@ -84,6 +84,8 @@ class TrialJob(submitit.helpers.Checkpointable):
 
     def __call__(self, trial: Trial, rows_path: str, tasks: int, timeout_s: float | None = None) -> dict[str, Any]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **_distributed_env(tasks))
+        if tasks <= 1:  # one task runs every rank itself: hide the job so bench spawns its own ranks
+            env = {k: v for k, v in env.items() if not k.startswith(("SUBMITIT_", "SLURM_"))}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
         cmd = [sys.executable, "-m", "bench", *bench_argv(trial, Path(rows_path))]
         print("trial:", trial.label, "\ncommand:", " ".join(cmd), flush=True)

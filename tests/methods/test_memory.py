@@ -66,3 +66,16 @@ def test_upipe_memory_grows_with_chunk_size():
     spec = methods.AttnSpec(**SHAPES["llama3-8b"], causal=True)
     peaks = [simulate_block("upipe", spec, chunk_heads=u)[0] for u in (8, 16, 32)]
     assert peaks[0] < peaks[1] < peaks[2], peaks
+
+
+@pytest.mark.parametrize("name", ["usp", "usp-upipe"])
+def test_hybrids_simulate_in_successive_fake_groups(name):
+    """Subgroups cached by a hybrid must not outlive the process group they were cut from
+    (max-context searches simulate trial after trial in one process)."""
+    spec = methods.AttnSpec(dim=128, n_heads=8, n_kv_heads=2, head_dim=16)
+    for _ in range(2):
+        with fake_process_group(4) as group, fake_tensors(torch.bfloat16):
+            block = methods.build(name, spec, group=group, ulysses_degree=2)
+            x = torch.randn(1, 64, spec.dim, requires_grad=True)
+            block(x).sum().backward()
+            assert x.grad.shape == x.shape

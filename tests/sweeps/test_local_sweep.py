@@ -90,3 +90,14 @@ def test_sigkill_midway_then_rerun_gives_exactly_one_row_per_trial(tmp_path):
     rows = read_rows(rows_path, on_error="raise")  # raises on any corrupt line
     keys = sorted((r.method, r.seq_len) for r in rows)
     assert keys == sorted((m, s) for m in ("ulysses", "upipe") for s in (2048, 4096, 8192)), keys
+
+
+def test_local_real_trial_spawns_its_own_gloo_ranks(tmp_path):
+    """A local job is one task: bench must spawn the trial's ranks itself, not take the
+    submitit job (1 task) for the launched world."""
+    path = write_spec(tmp_path, mode="real", dtype="fp32", device="cpu", seq_lens=["512"],
+                      step={"warmup": 1, "iters": 1})
+    out = sweep_cli("run", str(path), "--executor", "local")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
+    assert (row.status, row.mode, row.world_size) == ("ok", "real", 2), row.message
