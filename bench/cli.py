@@ -97,6 +97,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-loss", action="store_true")
     p.add_argument("--tiles", type=int, default=0, help="tiles of the tiled MLP/norms (0: ceil(local tokens/dim))")
     p.add_argument("--loss-chunk", type=parse_size, default=2048, help="tokens per loss chunk")
+    p.add_argument("--kernel-workspace", choices=["none", "fa2", "fa3"], default="none",
+                   help="simulated mode: model the attention backward's scratch buffers (bench.workspace)")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=2, help="timed steps (real/emulated)")
     p.add_argument("--out", default=None, help="JSON Lines file to append rows to "
@@ -133,7 +135,7 @@ def _trial(args, seq_len: int):
             scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, ac=ac,
             ac_offload=ac and not args.no_offload, tiled_mlp=not args.no_tiled_mlp,
             tiled_norm=not args.no_tiled_norm, mlp_tiles=args.tiles, chunked_loss=not args.no_chunked_loss,
-            loss_chunk=args.loss_chunk,
+            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace,
         )
     except ValueError as err:
         raise UsageError(str(err)) from None

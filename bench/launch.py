@@ -5,7 +5,8 @@ list of every rank's result (rank order):
 
 * launched: this process is one rank of a job started by ``torchrun`` (``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK`` in the environment) or by
-  submitit (``submitit.JobEnvironment``), or ``torch.distributed`` is already initialised.
+  submitit with several tasks (``submitit.JobEnvironment``), or ``torch.distributed`` is
+  already initialised. A one-task job counts as not launched: it spawns its ranks.
   The default process group is initialised from that environment (NCCL when CUDA is
   available, gloo otherwise), ``fn`` runs here, and the results are all-gathered.
 * otherwise: ``world_size`` processes are spawned on this host (``torch.multiprocessing``,
@@ -61,6 +62,8 @@ def launched_env() -> dict[str, Any] | None:
 
             job = submitit.JobEnvironment()
         except Exception:  # noqa: BLE001 - not inside a submitit job after all
+            return None
+        if job.num_tasks <= 1:  # a one-task job spawns its own ranks
             return None
         hosts = list(getattr(job, "hostnames", None) or ["127.0.0.1"])
         port = 20000 + (abs(hash(str(job.job_id))) % 20000)
@@ -169,6 +172,8 @@ def run_ranks(world_size: int, fn: Callable, *args, backend: str | None = None,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
     """``fn(group, *args)`` on every rank; every rank's result in rank order (see module doc)."""
     info = launched_env()
+    if info is not None and info["world_size"] == 1 and world_size > 1 and not dist.is_initialized():
+        info = None  # a single launched process (torchrun --nproc-per-node 1): spawn the ranks here
     if info is not None:
         if info["world_size"] != world_size:
             raise ValueError(

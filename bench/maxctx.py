@@ -35,11 +35,10 @@ GiB = 2**30
 
 
 def human(n: int) -> str:
-    """Tokens as ``128K``/``1.5M`` (K = 1024) when exact, else the integer."""
+    """Tokens as ``128K``/``1.5M``/``6.125M`` (K = 1024) when exact to 3 decimals, else the integer."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and (n * 4) % size == 0:
-            value = n / size
-            return f"{value:g}{unit}"
+        if n >= size and (n * 1000) % size == 0:
+            return f"{n / size:g}{unit}"
     return str(n)
 
 

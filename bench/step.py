@@ -19,6 +19,8 @@
 * ``chunked_loss``: cross-entropy over chunks of ``loss_chunk`` tokens; the
   ``[tokens, vocab]`` logits never exist.
 * AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1).
+* ``kernel_workspace`` (simulation only): the attention kernel's backward scratch buffers,
+  which fake kernels do not allocate (``bench.workspace``: ``none``, ``fa2``, ``fa3``).
 
 Two scopes: ``model`` (embedding -> blocks -> loss, backward, optimizer step) and
 ``attention`` (one attention block forward + backward on random input, weights in the
@@ -65,6 +67,7 @@ class StepConfig:
     chunked_loss: bool = True
     loss_chunk: int = 2048
     lr: float = 3e-4
+    kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.workspace)
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -79,6 +82,10 @@ class StepConfig:
             raise ValueError(f"loss_chunk must be >= 1 token, got {self.loss_chunk}")
         if self.ac_offload and not self.ac:
             raise ValueError("ac_offload offloads activation checkpoints: it needs ac=True")
+        from .workspace import MODELS
+
+        if self.kernel_workspace not in MODELS:
+            raise ValueError(f"kernel_workspace must be one of {list(MODELS)}, got {self.kernel_workspace!r}")
 
     @classmethod
     def plain(cls, **overrides) -> "StepConfig":
@@ -97,6 +104,8 @@ class StepConfig:
         d = dataclasses.asdict(self)
         for k in ("scope", "batch", "dtype"):
             d.pop(k)
+        if d["kernel_workspace"] == "none":  # the default is left out: keys of earlier rows stay valid
+            d.pop("kernel_workspace")
         return d
 
     @classmethod

@@ -42,6 +42,7 @@ from .hardware import CommCounter, DevicePreset, LinkModel, get_device, get_link
 from .models import ModelConfig, flops_per_device, get_config
 from .rows import Environment, Figures, Row, cpu_name, environment
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
+from .workspace import KernelWorkspace
 from .step import (StepConfig, build_attention, build_model, make_batch, maybe_prime_optimizer,
                    step_fn)
 
@@ -125,6 +126,11 @@ class Trial:
             )
         if self.step.fsdp and self.step.scope == "model" and self.world_size == 1:
             pass  # FSDP over one rank is allowed (it only casts)
+        if self.step.kernel_workspace != "none" and self.mode != "simulated":
+            raise ValueError(
+                f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
+                f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
+            )
         if self.iters < 1 or self.warmup < 1:
             raise ValueError("iters and warmup must both be >= 1 (the first step is never timed)")
 
@@ -193,9 +199,10 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
             maybe_prime_optimizer(*built)
         run = step_fn(trial.step.scope, built, batch, trial.step, group)
         counter = CommCounter()
+        workspace = KernelWorkspace(trial.step.kernel_workspace)
 
         def tracked():
-            with counter:
+            with counter, workspace:  # inside the tracker, so it sees the workspace buffers
                 run()
 
         peaks = track_peaks(tracked, *_externals(trial, built))
@@ -332,6 +339,8 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if trial.step.ac_offload and trial.step.scope == "model" and (
             preset.kind == "cpu" and trial.mode != "simulated"):
         notes.append("ac_offload has no effect on a CPU device (the checkpoints are already in host memory)")
+    if trial.mode == "simulated" and trial.step.kernel_workspace != "none":
+        notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} (bench.workspace)")
     if trial.mode == "simulated":
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
                      "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")
@@ -370,7 +379,8 @@ def run_trial(trial: Trial) -> Row:
         result = _guarded(_emulated, trial)
     else:
         try:
-            per_rank = launch.run_ranks(trial.world_size, real_rank, trial)
+            backend = "nccl" if trial.preset().kind == "cuda" else "gloo"
+            per_rank = launch.run_ranks(trial.world_size, real_rank, trial, backend=backend)
             result = _combine_ranks(per_rank)
         except launch.RankError as err:
             killed = err.exitcode is not None and err.exitcode in (-9, 137)

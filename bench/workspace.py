@@ -1,0 +1,89 @@
+"""Attention-kernel workspaces, which simulation does not otherwise see.
+
+Under FakeTensorMode a kernel allocates exactly what its fake implementation returns. A
+real flash-attention **backward** also allocates scratch buffers for the duration of the
+call, and at long context they are large: an fp32 accumulator for dQ (twice the bytes of
+dQ itself), and with grouped-query attention fp32 (FA3) or query-head-expanded (FA2)
+buffers for dK and dV. Which buffers, and how large, is a property of the kernel library,
+so the model is a stated option (``StepConfig.kernel_workspace``, recorded in the row's
+levers), applied only in simulated mode:
+
+* ``none``: nothing beyond the returned tensors (what torch's fake kernels allocate).
+* ``fa2`` (flash-attn 2 ``mha_bwd``, also what torch's CUDA flash backward is built on):
+  ``dq_accum`` fp32 ``[B, S_q', H_q, d']`` and ``softmax_d`` fp32 ``[B, H_q, S_q']``; with
+  GQA (``H_q != H_k``), ``dk_expanded`` and ``dv_expanded`` ``[B, S_k, H_q, d]`` in the input
+  dtype.
+* ``fa3`` (flash-attn 3 Hopper backward, the kernel of the paper's runs): ``dq_accum`` fp32
+  ``[B, H_q, S_q' * d']``, ``softmax_lse_log2`` and ``dpsum`` fp32 ``[B, H_q, S_q']``; with
+  GQA, ``dk_accum`` and ``dv_accum`` fp32 ``[B, H_k, S_k' * d']``.
+
+``S'`` is the length rounded up to 128 and ``d'`` the head dim rounded up to 32 (no change
+for the paper's 128). The buffers are allocated just before the backward op runs and freed
+when it returns, so the memory tracker sees them exactly while the kernel would hold them.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MODELS = ("none", "fa2", "fa3")
+
+
+def _up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def workspace_shapes(model: str, q: torch.Tensor, k: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Scratch buffers of one backward call; ``q``/``k`` in the ops' ``[B, H, S, d]`` layout."""
+    if model == "none":
+        return []
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    sq_r, sk_r, d_r = _up(sq, 128), _up(sk, 128), _up(d, 32)
+    f32 = torch.float32
+    if model == "fa2":
+        out = [((b, sq_r, hq, d_r), f32), ((b, hq, sq_r), f32)]
+        if hq != hk:
+            out += [((b, sk, hq, d), q.dtype), ((b, sk, hq, d), q.dtype)]
+        return out
+    if model == "fa3":
+        out = [((b, hq, sq_r * d_r), f32), ((b, hq, sq_r), f32), ((b, hq, sq_r), f32)]
+        if hq != hk:
+            out += [((b, hk, sk_r * d_r), f32), ((b, hk, sk_r * d_r), f32)]
+        return out
+    raise ValueError(f"unknown kernel workspace model {model!r}; choose one of {list(MODELS)}")
+
+
+def _backward_ops() -> set:
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            aten._scaled_dot_product_flash_attention_backward.default}
+
+
+class KernelWorkspace(TorchDispatchMode):
+    """Allocates the modelled scratch buffers around every flash-attention backward call.
+
+    Enter it inside the memory tracker (so the tracker sees the allocations). ``calls`` and
+    ``peak_call_bytes`` say how much was modelled."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        if model not in MODELS:
+            raise ValueError(f"unknown kernel workspace model {model!r}; choose one of {list(MODELS)}")
+        self.model = model
+        self.ops = _backward_ops()
+        self.calls = 0
+        self.peak_call_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.ops or self.model == "none":
+            return func(*args, **kwargs)
+        q, k = args[1], args[2]
+        buffers = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in workspace_shapes(self.model, q, k)]
+        self.calls += 1
+        self.peak_call_bytes = max(self.peak_call_bytes, sum(t.numel() * t.element_size() for t in buffers))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            del buffers
