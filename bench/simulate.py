@@ -39,11 +39,15 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator["dist.Process
 @contextlib.contextmanager
 def fake_tensors(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
     """Fake-tensor mode with ``dtype`` as the default dtype (modules are created in it:
-    ``.to(dtype)`` after construction fails under fake mode)."""
+    ``.to(dtype)`` after construction fails under fake mode). Methods that offload to host
+    memory offload to the ``meta`` device meanwhile (``methods.hostmem``), so the tracker
+    counts those bytes apart from the simulated device's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from methods.hostmem import simulated_host
+
     previous = torch.get_default_dtype()
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with FakeTensorMode(allow_non_fake_inputs=False), simulated_host("meta"):
         torch.set_default_dtype(dtype)
         try:
             yield

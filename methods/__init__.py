@@ -15,7 +15,7 @@ import pkgutil
 from .registry import MethodInfo, all_infos, get_info, register, unregister
 from .spec import AttnSpec
 
-_INFRA = {"base", "comm", "kernels", "reference", "registry", "rope", "spec"}
+_INFRA = {"base", "comm", "hostmem", "kernels", "reference", "registry", "rope", "spec"}
 for _mod in pkgutil.iter_modules(__path__):
     if _mod.name not in _INFRA and not _mod.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_mod.name}")

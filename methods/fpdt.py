@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comm
+from . import comm, hostmem
 from .base import AttentionMethod, MethodOptions, head_rows, project
 from .kernels import merge_partials
 from .registry import register
@@ -96,6 +96,9 @@ class ChunkStore:
 
     def put(self, key, t: torch.Tensor) -> None:
         self._ready.pop(key, None)
+        if self.offload and hostmem.simulated() is not None:
+            self._items[key] = hostmem.to_simulated_host(t)  # simulation: host memory is meta
+            return
         if self.stream is None:
             self._items[key] = t
             return
@@ -116,6 +119,8 @@ class ChunkStore:
         self._ready[key] = (dev, done)
 
     def get(self, key) -> torch.Tensor:
+        if self._items[key].device.type == "meta" and self.device.type != "meta":
+            return hostmem.back_to(self._items[key], self.device)
         if self.stream is None:
             return self._items[key]
         self.prefetch(key)
@@ -135,7 +140,7 @@ class ChunkStore:
     # -- bookkeeping read by tests and reports
     def in_host_memory(self, key) -> bool:
         """Whether ``key`` is held as an offloaded copy in host memory."""
-        return self.offload and self._items[key].device.type == "cpu"
+        return self.offload and self._items[key].device.type in ("cpu", "meta")
 
     def location(self, key) -> torch.device:
         return self._items[key].device

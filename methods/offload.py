@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import hostmem
 from .base import MethodOptions
 from .registry import register
 from .spec import AttnSpec
@@ -102,7 +103,9 @@ class OffloadUlysses(Ulysses):
         if not self._wanted(t):
             self.stats.kept_tensors += 1
             return None, t
-        if t.device.type == "cpu":
+        if hostmem.simulated() is not None:
+            host = hostmem.to_simulated_host(t)  # simulation: host memory is the meta device
+        elif t.device.type == "cpu":
             host = t  # already in host memory
         else:
             host = torch.empty_like(t, device="cpu", pin_memory=True)
@@ -118,6 +121,8 @@ class OffloadUlysses(Ulysses):
         device, t = packed
         if device is None or t.device == device:
             return t
+        if t.device.type == "meta":
+            return hostmem.back_to(t, device)
         return t.to(device, non_blocking=True)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,74 +1,76 @@
-"""``make demo``: the suite's main job on its embedded default.
+"""``make demo``: the suite's main job on its embedded default, end to end on this machine.
 
-Stage 1 (this file, until the sweep/analysis stages land): every usable method is checked
-against the single-device reference on real gloo ranks (world sizes 2 and 4, causal GQA,
-fp32 and bf16; output, dx and every weight gradient), and UPipe's memory claim is
-simulated for the Llama3-8B and Qwen3-32B attention shapes at 1M tokens on 8 ranks.
+1. A local sweep of real CPU trials (``table3-llama3-8b-cpu``: every own method on 2 gloo
+   ranks, tiny model, the paper's training levers) and a simulated paper-scale max-context
+   search for every method (``demo-maxctx-llama3-8b``: Llama3-8B on 8 x H100-80GB), both
+   through submitit's local executor, rows appended to ``results/demo/``.
+2. ``analysis`` regenerates every table and figure into ``paper_figs/`` from all rows.
+3. A short summary: our figures beside the paper's, each with its mode and device.
+
+Finished trials are skipped, so a second ``make demo`` only redraws the figures.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
-import torch
-
-import methods
-from tests.distpool import RankPool
-from tests.methods.cases import SPECS, TOLERANCE, check_against_reference
-
-
-def correctness(pool: RankPool) -> bool:
-    ok = True
-    names = methods.available()
-    print(f"[real, gloo CPU] checking {len(names)} methods against the reference: {', '.join(names)}")
-    print(f"{'method':<12} {'ws':>3} {'dtype':<9} {'worst rel. error':>17}  verdict")
-    for name in names:
-        for ws in (2, 4):
-            for dtype in ("float32", "bfloat16"):
-                spec = dict(SPECS["gqa"], causal=True)
-                try:
-                    methods.validate(name, methods.AttnSpec(**spec), ws)
-                except ValueError as err:
-                    print(f"{name:<12} {ws:>3} {dtype:<9} {'-':>17}  skipped: {err}")
-                    continue
-                errs = pool.run(check_against_reference, name, spec, {}, dtype, world_size=ws)
-                worst = max(max(e.values()) for e in errs)
-                good = worst <= TOLERANCE[dtype]
-                ok &= good
-                print(f"{name:<12} {ws:>3} {dtype:<9} {worst:>17.2e}  {'ok' if good else 'FAIL'}")
-    return ok
+REPO = Path(__file__).resolve().parents[1]
+SPECS = ("table3-llama3-8b-cpu", "demo-maxctx-llama3-8b")
+OUT = REPO / "results" / "demo"
+PAPER_MAX_CONTEXT = {"ring": "3M", "ulysses": "3M", "fpdt": "4M", "upipe": "5M", "offload": "—"}
 
 
-def memory() -> None:
-    from bench.simulate import fake_process_group, fake_tensors, track_peak
+def _human(n: int | None) -> str:
+    if not n:
+        return "—"
+    for unit, mult in (("M", 2**20), ("K", 2**10)):
+        if n >= mult:
+            return f"{n / mult:g}{unit}"
+    return str(n)
 
-    shapes = {
-        "llama3-8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128),
-        "qwen3-32b": dict(dim=5120, n_heads=64, n_kv_heads=8, head_dim=128),
-    }
-    seq, ws = 1 << 20, 8
-    print(f"\n[simulated] attention block fwd+bwd, bf16, S=1M tokens, C={ws}: peak GiB per rank")
-    for shape, kw in shapes.items():
-        peaks = {}
-        for name in ("ulysses", "upipe"):
-            with fake_process_group(ws) as group, fake_tensors(torch.bfloat16):
-                block = methods.build(name, methods.AttnSpec(**kw), group=group)
-                x = torch.randn(1, seq // ws, kw["dim"], requires_grad=True)
-                dy = torch.randn_like(x)
-                peaks[name] = track_peak(lambda: block(x).backward(dy), block, x, dy).gib()
-        print(f"  {shape:<10} ulysses {peaks['ulysses']:6.2f}   upipe(U=C) {peaks['upipe']:6.2f}")
+
+def summary() -> None:
+    from bench.rows import read_rows
+
+    print("\n=== summary ===")
+    rows = read_rows(OUT / "table3-llama3-8b-cpu.jsonl", on_error="warn")
+    times = {(r.method, r.seq_len): r.figures.step_time_s for r in rows if r.status == "ok"}
+    print("[real, 2 gloo ranks on this CPU, tiny-llama] step time (s); paper: UPipe/Ulysses 0.98-1.02 on H100")
+    for seq in sorted({s for _, s in times}):
+        cells = "  ".join(f"{m} {times[(m, seq)]:.3f}" for m in ("ring", "ulysses", "fpdt", "upipe") if (m, seq) in times)
+        ratio = times.get(("upipe", seq), 0) / times[("ulysses", seq)] if ("ulysses", seq) in times else float("nan")
+        print(f"  {_human(seq):>5}: {cells}   upipe/ulysses {ratio:.2f}")
+    rows = read_rows(OUT / "demo-maxctx-llama3-8b.jsonl", on_error="warn")
+    print("[simulated, Llama3-8B, 8 x h100-80g, paper's levers] max context: ours (paper)")
+    for r in rows:
+        if r.kind == "max_context":
+            print(f"  {r.method:<8} {_human(r.figures.max_context):>6}  ({PAPER_MAX_CONTEXT.get(r.method, '—')})"
+                  + ("" if r.status == "ok" else f"  [{r.status}: {r.message.splitlines()[0][:80]}]"))
 
 
 def main() -> int:
+    os.chdir(REPO)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    from .runner import run_sweep
+    from .spec import load_spec
+
     start = time.time()
-    pool = RankPool(4)
-    try:
-        ok = correctness(pool)
-    finally:
-        pool.close()
-    memory()
-    print(f"\ndemo finished in {time.time() - start:.0f}s: {'all methods match the reference' if ok else 'MISMATCHES FOUND'}")
-    return 0 if ok else 1
+    failed = 0
+    for i, name in enumerate(SPECS, 1):
+        spec = load_spec(REPO / "sweeps" / "configs" / f"{name}.yaml", {"out": str(OUT / f"{name}.jsonl")})
+        print(f"\n=== [{i}/{len(SPECS)}] sweep {name} ({spec.mode}) ===", flush=True)
+        failed += run_sweep(spec, "local", max_parallel=1 if spec.mode == "real" else 2).failed
+    print(f"\n=== [figures] python -m analysis figs -> paper_figs/ ===", flush=True)
+    from analysis.report import make_all
+
+    make_all(REPO / "results", REPO / "paper_figs", verbose=False)
+    summary()
+    print(f"\ndemo finished in {time.time() - start:.0f}s: rows in {OUT.relative_to(REPO)}/, "
+          f"figures and tables in paper_figs/ (index: paper_figs/README.md)"
+          + (f"; {failed} trial(s) failed, see their error rows" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

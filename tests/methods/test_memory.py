@@ -79,3 +79,13 @@ def test_hybrids_simulate_in_successive_fake_groups(name):
             x = torch.randn(1, 64, spec.dim, requires_grad=True)
             block(x).sum().backward()
             assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("name,options", [("offload", {}), ("fpdt", {"num_chunks": 4})])
+def test_host_offloading_methods_free_device_memory_in_simulation(name, options):
+    """In simulation host memory is the meta device: what offload/fpdt move to the host must
+    leave the simulated device, so their device peak falls below plain Ulysses'."""
+    spec = methods.AttnSpec(**SHAPES["llama3-8b"], causal=True)
+    uly, _ = simulate_block("ulysses", spec)
+    act, _ = simulate_block(name, spec, **options)
+    assert act < uly, (name, act / GiB, uly / GiB)
