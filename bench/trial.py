@@ -14,9 +14,9 @@ Modes (recorded in every row):
   ``step_time = measured compute + modelled communication`` (no overlap assumed).
 * ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
   shape and world size with nothing allocated. The simulated accelerator is a fake CPU
-  device and host memory (activation offload) is the ``meta`` device, so the two are
-  counted apart. Step time is not simulated; the communication bytes and their modelled
-  time are recorded.
+  device and host memory is the ``meta`` device (for the checkpoint offload here, and for
+  the methods' own offloading through ``methods.hostmem``), so the two are counted apart.
+  Step time is not simulated; the communication bytes and their modelled time are recorded.
 
 A trial "fits" in simulated mode (and on a CPU device in the other modes, which have no
 out-of-memory error to catch) when its peak is within the preset's usable bytes; otherwise
@@ -48,9 +48,6 @@ from .step import (StepConfig, build_attention, build_model, make_batch, maybe_p
 
 MODES = ("real", "emulated", "simulated")
 GiB = 2**30
-# methods that move their own activations to host memory: under simulation the simulated
-# device is a fake CPU device, where they (rightly, for a CPU) move nothing
-HOST_OFFLOADING_METHODS = ("fpdt", "offload", "ds-fpdt")
 
 
 @dataclass(frozen=True)
@@ -344,9 +341,6 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if trial.mode == "simulated":
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
                      "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")
-    if trial.mode == "simulated" and trial.method in HOST_OFFLOADING_METHODS and preset.kind != "cpu":
-        notes.append(f"{trial.method} offloads to host memory only from a CUDA device; the simulated device is "
-                     "a fake CPU device, so its offloading is not modelled: the peak is an upper bound")
     if trial.mode == "emulated":
         notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
                      "modelled communication (no overlap)")
