@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"[{trial.mode} on {trial.world_size} x {trial.device}] {trial.method} {trial.model} "
                   f"seq {args.seq_len} ...", file=sys.stderr, flush=True)
-            _emit([run_trial(trial)], args, out)
+            row = run_trial(trial)
+            if row.options.get("chunk_heads_requested") == "auto":
+                print(row.notes[0], file=sys.stderr, flush=True)
+            _emit([row], args, out)
             return 0
         # max-context
         from .maxctx import default_runner, isolated_runner, search

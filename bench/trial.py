@@ -105,7 +105,12 @@ class Trial:
         cfg = self.config()
         preset = self.preset()
         self.link_model()
-        methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
+        if self.opts.get("chunk_heads") == "auto":  # resolved before the run (bench.autochunk)
+            from .autochunk import check_auto
+
+            check_auto(self)
+        else:
+            methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
         cls = self.method_cls()
         if check_seq_len:
             cls.check_seq_len(self.seq_len, self.world_size, cls.parse_options(**self.opts))
@@ -366,6 +371,10 @@ def run_trial(trial: Trial) -> Row:
     """Run one trial in its mode, in this process; never raises for a failing trial (the row
     says ``oom`` or ``error``). Invalid trials raise ``ValueError`` (call ``validate`` first)."""
     trial.validate()
+    if trial.opts.get("chunk_heads") == "auto":
+        from .autochunk import run_auto
+
+        return run_auto(trial, run_trial)
     t0 = time.perf_counter()
     if trial.mode == "simulated":
         result = _guarded(measure_simulated, trial)

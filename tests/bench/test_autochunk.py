@@ -1,0 +1,75 @@
+"""chunk_heads='auto' (bench.autochunk): resolved in bench, refused by the methods."""
+import dataclasses
+
+import pytest
+
+import methods
+from bench import cli, hardware
+from bench.autochunk import candidates, resolve_auto_chunk
+from bench.trial import Trial, run_trial
+
+MODEL, SEQ, WS = "tiny-llama", 65536, 4  # H=8, G=4: U in {8, 4} at C=4
+
+
+@pytest.fixture
+def small_device(monkeypatch):
+    """A simulated accelerator whose usable bytes sit between the peaks of U=4 and U=8."""
+    peaks = {u: run_trial(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": u})).figures.peak_bytes
+             for u in (8, 4)}
+    assert peaks[4] < peaks[8]
+
+    def add(name, usable):
+        monkeypatch.setitem(hardware.DEVICES, name, hardware.DevicePreset(
+            name, "cuda", int(usable / 0.9) + 1, 0.9, "nvlink-h100", "test device"))
+    add("mid", (peaks[4] + peaks[8]) / 2)
+    add("big", peaks[8] * 2)
+    add("small", peaks[4] / 2)
+    return peaks
+
+
+def test_methods_refuse_auto():
+    spec = methods.AttnSpec(dim=128, n_heads=8, n_kv_heads=4, head_dim=16)
+    for name in ("upipe", "usp-upipe"):
+        with pytest.raises(ValueError, match="resolved by bench"):
+            methods.validate(name, spec, 4, chunk_heads="auto")
+
+
+def test_candidates_largest_first():
+    assert candidates(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": "auto"})) == [8, 4]
+    usp = Trial.make("usp-upipe", MODEL, SEQ, 4, {"chunk_heads": "auto", "ulysses_degree": 2})
+    assert candidates(usp) == [8, 4, 2]
+
+
+@pytest.mark.parametrize("device,expected,fits", [("big", 8, True), ("mid", 4, True), ("small", 4, False)])
+def test_resolve_picks_largest_fitting(small_device, device, expected, fits):
+    trial = Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": "auto"}, device=device)
+    resolved, reason = resolve_auto_chunk(trial)
+    assert resolved.opts["chunk_heads"] == expected
+    assert ("no U fits" in reason) == (not fits)
+    assert "GiB" in reason and f"U={expected}" in reason
+
+
+def test_row_records_choice(small_device):
+    row = run_trial(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": "auto"}, device="mid"))
+    assert row.status == "ok"
+    assert row.options["chunk_heads"] == 4 and row.options["chunk_heads_requested"] == "auto"
+    assert row.notes[0].startswith("chunk_heads=auto -> 4")
+    from bench.rows import validate_row
+    validate_row(row.to_dict())
+
+
+def test_auto_other_method_is_refused():
+    with pytest.raises(ValueError, match="only for"):
+        Trial.make("ulysses", MODEL, SEQ, WS, {"chunk_heads": "auto"}).validate()
+
+
+def test_unchanged_without_auto():
+    trial = Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": 8})
+    assert resolve_auto_chunk(trial) == (trial, "")
+
+
+def test_cli_prints_choice(capsys):
+    rc = cli.main(["run", "--method", "upipe", "--model", MODEL, "--seq-len", "64K", "--world-size", "4",
+                   "--device", "cpu", "--opt", "chunk_heads=auto", "--no-save"])
+    assert rc == 0
+    assert "chunk_heads=auto -> 8" in capsys.readouterr().err
