@@ -101,6 +101,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="simulated mode: model the attention backward's scratch buffers (bench.workspace)")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=2, help="timed steps (real/emulated)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads per rank (real/emulated; default: cores / local ranks when spawned)")
     p.add_argument("--out", default=None, help="JSON Lines file to append rows to "
                    "(default results/bench/<mode>.jsonl)")
     p.add_argument("--no-save", action="store_true", help="do not append rows to any file")
@@ -121,6 +123,15 @@ def build_parser() -> Parser:
     mc.add_argument("--in-process", action="store_true",
                     help="simulated trials in this process (faster; default: each in its own process)")
     sub.add_parser("list", help="methods, models, device presets and link models")
+    pl = sub.add_parser("plan", help="max context and step time per method for a model on N GPUs (bench.plan)")
+    pl.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
+    pl.add_argument("--gpus", type=positive_int, required=True, help="context-parallel ranks C")
+    pl.add_argument("--device", default="h100-80g", help="device preset")
+    pl.add_argument("--nodes", type=positive_int, default=1, help="nodes (usp/usp-upipe across them when > 1)")
+    pl.add_argument("--max-seq-len", type=parse_size, default=32 << 20, help="search limit (default 32M)")
+    pl.add_argument("--granularity", type=parse_size, default=512 << 10, help="answer exact to this (default 512K)")
+    pl.add_argument("--out-dir", default="paper_figs", help="where plan_<model>_<gpus>x<device>.md/.png go")
+    pl.add_argument("--no-figs", action="store_true", help="print only")
     return parser
 
 
@@ -140,7 +151,8 @@ def _trial(args, seq_len: int):
     except ValueError as err:
         raise UsageError(str(err)) from None
     return Trial.make(args.method, args.model, seq_len, args.world_size, options, mode=args.mode,
-                      device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters)
+                      device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,
+                      threads=args.threads)
 
 
 def _out_path(args) -> Path | None:
@@ -169,7 +181,7 @@ def table(rows) -> str:
             f"{r.mode:9} {r.device:10} {r.world_size:>3} {r.method:10} {r.model[:16]:16} {r.scope:9} "
             f"{seq:>6} {r.status:6} {_fmt(f.peak_bytes, '9.2f', GiB)} {_fmt(f.host_peak_bytes, '9.2f', GiB)} "
             f"{_fmt(f.step_time_s, '8.3f')} {_fmt(f.tokens_per_s_per_device, '10.1f')} "
-            f"{_fmt(f.tflops_per_device, '8.3f')} "
+            f"{_fmt(f.tflops_per_device, '8.3g')} "
             f"{human(f.max_context) if f.max_context is not None else '-':>8}"
         )
         if r.status != "ok":
@@ -221,6 +233,18 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "list":
             return _list()
+        if args.command == "plan":
+            from .plan import plan
+
+            try:
+                res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
+                           None if args.no_figs else args.out_dir)
+            except ValueError as err:
+                raise UsageError(f"python -m bench plan: error: {err}") from None
+            print(res["text"])
+            for path in res.get("files", []):
+                print(f"wrote {path}", file=sys.stderr)
+            return 0
         out = _out_path(args)
         if args.command == "run":
             trial = _trial(args, args.seq_len)

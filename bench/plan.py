@@ -1,0 +1,457 @@
+"""``python -m bench plan``: which method, and how long a context, for a model on N GPUs.
+
+    python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
+    python -m bench plan --model qwen3-32b --gpus 16 --device h100-80g --nodes 2
+    python -m bench plan --model my_model.yaml --gpus 8 --device h200-141g [--max-seq-len 32M]
+
+For each of the suite's own methods and its main options (upipe with U = C and U = auto,
+ulysses, ring, fpdt, offload; with ``--nodes K > 1`` also usp and usp-upipe with
+ulysses_degree = gpus/nodes) it finds the simulated maximum context under the paper's
+record setup (``StepConfig()`` defaults: FSDP2, AC offloaded to host, tiled MLP/norm,
+chunked loss) at a coarse granularity (default 512K), and a step time at a common length.
+
+Layer extrapolation (exact for identical layers): a full-model simulation of a 32-64 layer
+model takes tens of seconds per trial, so every trial here simulates the model with 3 and
+4 layers and extrapolates rank 0's peak (and host peak and modelled communication time)
+linearly, ``peak(L) = p3 + (p4 - p3) * (L - 3)``: layers are identical, the first and last
+keep their checkpoints on the device (with 3 or more layers) and each further layer adds the
+same parameter, gradient, optimizer and host-checkpoint bytes. Inside the search, a length
+may reuse the per-layer increment measured at another length (one 3-layer simulation);
+the two lengths that bracket the answer are always simulated with both. ``tests/bench/test_plan.py`` checks it
+against a full simulation. Models with 4 layers or fewer are simulated whole.
+
+Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
+the peak (which grows smoothly with the length) proposes the next multiple inside the
+bracket [longest fit, shortest failure]; it ends when the two are one step apart, so the
+answer is exact to one step as in ``bench.maxctx``.
+
+Step time: a measured row from ``results/`` (mode real, same method/options/model/world
+size/device/length) when one exists; else the model ``model FLOPs per device / (peak
+bf16 FLOP/s x 0.4 MFU) + modelled communication`` (the simulated collectives through the
+device's link model) plus host traffic (twice the host peak over PCIe 5, 55 GB/s), both
+scaled linearly in the length from the longest fitting trial; no overlap, no per-stage
+launch overhead). The source is printed for every row.
+
+``chunk_heads=auto`` resolves to the largest U that fits (``bench.autochunk``); at the
+maximum context of U = C no larger U fits, so the auto row reports U = C's length and the U
+it resolves to at the common comparison length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+PEAK_BF16_FLOPS = {"h100-80g": 989e12, "h200-141g": 989e12, "a100-80g": 312e12, "cpu": 1e12}
+MFU = 0.4
+HOST_Bps = 55e9  # PCIe 5 x16, one direction, per GPU: host traffic = 2 x host peak bytes, no overlap
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+
+
+# --------------------------------------------------------------------------- layer extrapolation
+
+
+def layer_variant(cfg, n_layers: int, directory: str) -> str:
+    """A JSON config file of ``cfg`` with ``n_layers`` layers (same name)."""
+    path = Path(directory) / f"{cfg.name.replace('/', '_')}_L{n_layers}.json"
+    if not path.exists():
+        path.write_text(json.dumps({**cfg.to_dict(), "n_layers": n_layers}))
+    return str(path)
+
+
+@dataclass
+class Point:  # (exact, slope attributes are set by extrapolated)
+    seq_len: int
+    status: str  # ok / oom / error
+    peak_bytes: int
+    host_peak_bytes: int
+    comm_time_s: float
+    usable_bytes: int
+    message: str = ""
+
+
+LOW = 3  # layer counts simulated: 3 and 4 (step.py keeps the first and last block's checkpoints on
+# the device and offloads the others only when there are more than 2 blocks, so L >= 3 is one regime)
+
+
+def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
+    from .trial import _guarded, measure_simulated
+
+    key = (trial.seq_len, n_layers)
+    if key not in cache:
+        cfg = trial.config()
+        t = trial if n_layers == cfg.n_layers else dataclasses.replace(
+            trial, model=layer_variant(cfg, n_layers, workdir))
+        cache[key] = _guarded(measure_simulated, dataclasses.replace(t, mode="simulated"))
+    return cache[key]
+
+
+def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | None = None) -> Point:
+    """Rank 0's simulated figures for ``trial`` from 3- and 4-layer models, extrapolated to the
+    model's layers. ``slope`` (per-layer increments measured at another length) saves the
+    4-layer simulation: an approximation that ``search_max`` re-checks exactly at its answer."""
+    cache = {} if cache is None else cache
+    cfg = trial.config()
+    usable = trial.preset().usable()
+    keys = ("peak_bytes", "host_peak_bytes", "comm_time_s")
+    if cfg.n_layers <= LOW + 1:
+        r = _sim(trial, cfg.n_layers, workdir, cache)
+        vals, exact = {k: r.get(k) or 0 for k in keys}, True
+        rows = [r]
+    else:
+        r3 = _sim(trial, LOW, workdir, cache)
+        if slope is None or (trial.seq_len, LOW + 1) in cache:
+            r4 = _sim(trial, LOW + 1, workdir, cache)
+            slope = {k: (r4.get(k) or 0) - (r3.get(k) or 0) for k in keys} if r4["status"] == "ok" else {}
+            rows, exact = [r3, r4], True
+        else:
+            rows, exact = [r3], False
+        vals = {k: (r3.get(k) or 0) + slope.get(k, 0) * (cfg.n_layers - LOW) for k in keys}
+    bad = [r for r in rows if r["status"] == "error"]
+    if bad:
+        return Point(trial.seq_len, "error", 0, 0, 0.0, usable, bad[0].get("message", ""))
+    peak = int(vals["peak_bytes"])
+    p = Point(trial.seq_len, "ok" if peak <= usable else "oom", peak, int(vals["host_peak_bytes"]),
+              float(vals["comm_time_s"]), usable)
+    p.exact, p.slope = exact, slope  # type: ignore[attr-defined]
+    return p
+
+
+def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: int = 4 << 20):
+    """(max_context, best Point or None, points tried, step, error Point or None) by a secant
+    search (module docstring); the two points that bracket the answer are exact."""
+    step = math.lcm(granularity, trial.seq_multiple())
+    k_max = max_seq_len // step
+    if k_max < 1:
+        raise ValueError(f"--max-seq-len {max_seq_len} is below one step of {step} tokens")
+    points: dict[int, Point] = {}
+    cache: dict = {}
+    slope: dict | None = None
+
+    def at(k: int, exact: bool = False) -> Point:
+        nonlocal slope
+        if k not in points or (exact and not points[k].exact):
+            points[k] = extrapolated(trial.with_seq_len(k * step), workdir, cache, None if exact else slope)
+            if points[k].exact and points[k].status != "error":
+                slope = points[k].slope
+        return points[k]
+
+    lo, hi = 0, k_max + 1  # lo fits (0: none yet), hi fails (k_max + 1: beyond the limit)
+    k = min(k_max, max(1, first // step))
+    error = None
+    while True:
+        while hi - lo > 1:
+            p = at(k)
+            if p.status == "error":
+                error = p
+                break
+            if p.status == "ok":
+                lo = k
+            else:
+                hi = k
+            if hi - lo <= 1:
+                break
+            near = sorted(points, key=lambda j: abs(j - k))[:2]
+            if len(near) == 2 and points[near[0]].peak_bytes != points[near[1]].peak_bytes:
+                (k1, p1), (k2, p2) = [(j, points[j].peak_bytes) for j in near]
+                nxt = math.floor(k1 + (p.usable_bytes - p1) * (k2 - k1) / (p2 - p1))
+            else:
+                nxt = 2 * k if p.status == "ok" else k // 2
+            nxt = min(max(nxt, lo + 1), hi - 1)
+            if nxt in points:
+                nxt = (lo + hi) // 2
+            k = nxt
+        if error is not None:
+            break
+        # make the bracket exact; if an approximate point moves, search on
+        changed = False
+        for j in (lo, hi):
+            if 1 <= j <= k_max and not points[j].exact:
+                before = points[j].status
+                if at(j, exact=True).status != before:
+                    changed = True
+        if not changed:
+            break
+        lo = max([j for j, q in points.items() if q.status == "ok"], default=0)
+        hi = min([j for j, q in points.items() if q.status != "ok"] + [k_max + 1])
+        k = (lo + hi) // 2
+    best = points.get(lo)
+    return lo * step, best, len(cache), step, error
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+@dataclass
+class Entry:
+    label: str
+    method: str
+    options: dict
+    max_context: int = 0
+    peak_bytes: int | None = None
+    host_peak_bytes: int | None = None
+    comm_time_s: float | None = None  # at max_context
+    points: int = 0
+    error: str = ""
+    skipped: str = ""
+    step_time_s: float | None = None
+    time_source: str = ""
+    resolved_u: int | None = None
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def entries(cfg, gpus: int, nodes: int) -> list[Entry]:
+    out = [Entry(f"upipe U={gpus}", "upipe", {}), Entry("upipe U=auto", "upipe", {"chunk_heads": "auto"}),
+           Entry("ulysses", "ulysses", {}), Entry("ring", "ring", {})]
+    if nodes > 1:
+        u = gpus // nodes
+        out += [Entry(f"usp u={u}", "usp", {"ulysses_degree": u}),
+                Entry(f"usp-upipe u={u} U={u}", "usp-upipe", {"ulysses_degree": u}),
+                Entry(f"usp-upipe u={u} U=auto", "usp-upipe", {"ulysses_degree": u, "chunk_heads": "auto"})]
+    out += [Entry("fpdt", "fpdt", {}), Entry("offload", "offload", {})]
+    return out
+
+
+def _search_entry(args) -> Entry:
+    entry, model, gpus, device, granularity, max_seq_len, workdir = args
+    from .trial import Trial
+
+    t0 = time.perf_counter()
+    opts = dict(entry.options)
+    if opts.get("chunk_heads") == "auto":
+        opts["chunk_heads"] = None  # auto's limit is U = C's (module docstring)
+    trial = Trial.make(entry.method, model, granularity, gpus, opts, device=device)
+    try:
+        trial.validate(check_seq_len=False)
+        if entry.options.get("chunk_heads") == "auto":
+            from .autochunk import check_auto
+
+            check_auto(Trial.make(entry.method, model, granularity, gpus, entry.options, device=device))
+        found, best, n, _, err = search_max(trial, granularity, max_seq_len, workdir)
+    except ValueError as e:
+        entry.skipped = str(e).splitlines()[0][:160]
+        return entry
+    entry.max_context, entry.points = found, n
+    if best is not None:
+        entry.peak_bytes, entry.host_peak_bytes, entry.comm_time_s = best.peak_bytes, best.host_peak_bytes, best.comm_time_s
+    if err is not None:
+        entry.error = err.message[:160]
+    entry.seconds = time.perf_counter() - t0
+    return entry
+
+
+def _resolve_u_job(args):
+    return _resolve_u(*args)
+
+
+def _resolve_u(entry: Entry, model: str, gpus: int, device: str, seq_len: int, workdir: str) -> int | None:
+    """The U ``auto`` picks at ``seq_len`` (largest candidate whose extrapolated peak fits)."""
+    from .autochunk import candidates
+    from .trial import Trial
+
+    trial = Trial.make(entry.method, model, seq_len, gpus, entry.options, device=device)
+    cands = candidates(trial)
+    for u in cands:
+        t = Trial.make(entry.method, model, seq_len, gpus, {**entry.options, "chunk_heads": u}, device=device)
+        if extrapolated(t, workdir).status == "ok":
+            return u
+    return cands[-1] if cands else None
+
+
+# --------------------------------------------------------------------------- step time
+
+
+def measured_time(method: str, options: dict, model: str, gpus: int, device: str, seq_len: int):
+    """A measured step time from results/ (real mode, same trial), or None."""
+    from .rows import read_rows
+
+    best = None
+    for path in sorted(RESULTS_DIR.rglob("*.jsonl")):
+        try:
+            rows = read_rows(path)
+        except Exception:  # noqa: BLE001 - a file of another format
+            continue
+        for r in rows:
+            if (r.kind == "trial" and r.mode == "real" and r.status == "ok" and r.method == method
+                    and r.model == model and r.world_size == gpus and r.device == device
+                    and r.seq_len == seq_len and r.scope == "model" and r.figures.step_time_s
+                    and {k: v for k, v in r.options.items() if v is not None} ==
+                    {k: v for k, v in options.items() if v is not None}):
+                best = r.figures.step_time_s if best is None else min(best, r.figures.step_time_s)
+    return best
+
+
+def modelled_time(cfg, entry: Entry, gpus: int, device: str, seq_len: int) -> float:
+    from .models import flops_per_device
+
+    compute = flops_per_device(cfg, seq_len, gpus) / (PEAK_BF16_FLOPS.get(device, 989e12) * MFU)
+    scale = seq_len / entry.max_context if entry.max_context else 0.0
+    comm = (entry.comm_time_s or 0.0) * scale
+    host = 2 * (entry.host_peak_bytes or 0) * scale / HOST_Bps  # to the host and back
+    return compute + comm + host
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def human(n: int) -> str:
+    from .maxctx import human as h
+
+    return h(n)
+
+
+def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
+         granularity: int = 512 << 10, out_dir: str | None = "paper_figs", workers: int | None = None,
+         progress=sys.stderr) -> dict[str, Any]:
+    from .hardware import get_device
+    from .models import get_config
+
+    cfg = get_config(model)
+    preset = get_device(device)
+    if gpus % nodes:
+        raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
+    t0 = time.perf_counter()
+    todo = entries(cfg, gpus, nodes)
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as workdir:
+        searched = [e for e in todo if e.options.get("chunk_heads") != "auto"]
+        jobs = [(e, model, gpus, device, granularity, max_seq_len, workdir) for e in searched]
+        import multiprocessing as mp
+
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) if workers > 1 else None
+        try:
+            found = list(pool.map(_search_entry, jobs)) if pool else [_search_entry(j) for j in jobs]
+            by_key = {(e.method, json.dumps({k: v for k, v in e.options.items() if k != "chunk_heads"},
+                                            sort_keys=True)): e for e in found}
+            done = []
+            for e in todo:
+                if e.options.get("chunk_heads") != "auto":
+                    done.append(by_key[(e.method, json.dumps(e.options, sort_keys=True))])
+                    continue
+                base = by_key[(e.method, json.dumps({k: v for k, v in e.options.items() if k != "chunk_heads"},
+                                                    sort_keys=True))]  # auto's limit is U = u's
+                done.append(dataclasses.replace(base, label=e.label, options=e.options))
+                try:
+                    from .autochunk import check_auto
+                    from .trial import Trial
+
+                    check_auto(Trial.make(e.method, model, granularity, gpus, e.options, device=device))
+                except ValueError as err:
+                    done[-1].skipped = str(err).splitlines()[0][:160]
+            ok = [e for e in done if not e.skipped and e.max_context > 0]
+            longest = max((e.max_context for e in ok), default=0)
+            common = min((e.max_context for e in ok), default=0)
+            autos = [e for e in ok if e.options.get("chunk_heads") == "auto"]
+            args = [(e, model, gpus, device, common, workdir) for e in autos]
+            us = list(pool.map(_resolve_u_job, args)) if pool else [_resolve_u_job(a) for a in args]
+            for e, u in zip(autos, us):
+                e.resolved_u = u
+        finally:
+            if pool:
+                pool.shutdown()
+    for e in ok:
+        measured = measured_time(e.method, e.options, cfg.name, gpus, device, common)
+        if measured is not None:
+            e.step_time_s, e.time_source = measured, "measured"
+        else:
+            e.step_time_s, e.time_source = modelled_time(cfg, e, gpus, device, common), "model"
+    at_longest = [e for e in ok if e.max_context == longest]
+    fastest_longest = min(at_longest, key=lambda e: modelled_time(cfg, e, gpus, device, longest), default=None)
+    fastest_common = min(ok, key=lambda e: e.step_time_s, default=None)
+    result = {
+        "model": cfg.name, "gpus": gpus, "nodes": nodes, "device": device, "granularity": granularity,
+        "max_seq_len": max_seq_len, "entries": done, "longest": longest, "common": common,
+        "usable_gib": preset.usable() / GiB, "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
+        "fastest_longest": fastest_longest, "fastest_common": fastest_common,
+    }
+    result["text"] = render(result)
+    if out_dir:
+        result["files"] = write_outputs(result, Path(out_dir))
+    return result
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = [
+        f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
+        f"{res['usable_gib']:.1f} GiB usable per GPU; paper record setup (FSDP2, AC offloaded to host, "
+        f"tiled MLP/norm, chunked loss, bf16, batch 1)",
+        f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
+        f"search limit {human(res['max_seq_len'])}"
+        + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
+           if res["layers"] > 4 else ""),
+        f"step time at the common length {human(res['common']) if res['common'] else '-'} "
+        f"(longest that every method fits); source per row: measured = results/ real rows, "
+        f"model = FLOPs/(peak x {MFU:.0%} MFU) + link-modelled communication + 2 x host bytes / "
+        f"{HOST_Bps / 1e9:.0f} GB/s (no overlap; UPipe's per-stage launch overhead not modelled)",
+        "",
+        f"{'configuration':26} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} {'source':8} note",
+    ]
+    fastest = res["fastest_common"]
+    for e in res["entries"]:
+        if e.skipped:
+            lines.append(f"{e.label:26} {'-':>8} {'-':>9} {'-':>9} {'-':>8} {'-':>6} {'':8} skipped: {e.skipped}")
+            continue
+        limit = ">=" if e.max_context >= res["max_seq_len"] - res["granularity"] + 1 and e.max_context else ""
+        rel = e.step_time_s / fastest.step_time_s if fastest and e.step_time_s else None
+        note = []
+        if e.resolved_u is not None:
+            note.append(f"auto -> U={e.resolved_u} at {human(res['common'])}")
+        if e.error:
+            note.append(f"error: {e.error}")
+        peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
+        host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
+        lines.append(
+            f"{e.label:26} {limit + (human(e.max_context) if e.max_context else '0'):>8} {peak} {host} "
+            f"{(f'{e.step_time_s:8.2f}' if e.step_time_s else f'{chr(45):>8}')} "
+            f"{(f'{rel:6.2f}' if rel else f'{chr(45):>6}')} {e.time_source:8} {'; '.join(note)}")
+    fl = res["fastest_longest"]
+    if fl is None:
+        lines.append("recommendation: nothing fits (even one step of the search)")
+    else:
+        fits = [e.label for e in res["entries"] if not e.skipped and e.max_context == res["longest"]]
+        lines.append("")
+        lines.append(
+            f"recommendation: longest context: {human(res['longest'])} with {', '.join(fits)}; "
+            f"fastest at that length: {fl.label} (model); fastest at {human(res['common'])}: "
+            f"{res['fastest_common'].label} ({res['fastest_common'].time_source})")
+    lines.append(f"[plan took {res['seconds']:.1f}s]")
+    return "\n".join(lines)
+
+
+def write_outputs(res: dict[str, Any], out_dir: Path) -> list[str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"plan_{res['model'].replace('/', '_')}_{res['gpus']}x{res['device']}"
+    md = out_dir / f"{stem}.md"
+    md.write_text(f"# Plan: {res['model']} on {res['gpus']} x {res['device']}\n\n"
+                  f"Generated by `python -m bench plan` (bench/plan.py).\n\n```\n{res['text']}\n```\n")
+    files = [str(md)]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return files
+    shown = [e for e in res["entries"] if not e.skipped]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(shown) + 1.5))
+    ax.barh([e.label for e in shown], [e.max_context / 2**20 for e in shown], color="tab:blue")
+    for i, e in enumerate(shown):
+        ax.text(e.max_context / 2**20, i, f" {human(e.max_context) if e.max_context else '0'}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("simulated max context (M tokens, K = 1024)")
+    ax.set_title(f"{res['model']} on {res['gpus']} x {res['device']}: max context per method")
+    fig.tight_layout()
+    png = out_dir / f"{stem}.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return files + [str(png)]
