@@ -5,7 +5,9 @@ A result row names its device preset and, where communication time is modelled
 parameters, so every figure says what it assumed.
 
 **Device presets.** ``capacity_bytes`` is the device memory as ``nvidia-smi`` reports it;
-``usable_fraction`` is the share a run may fill. The simulation counts live tensors only:
+``usable_fraction`` is the share a run may fill. ``host_bytes`` is the host memory each GPU's
+rank may use for offloaded tensors (a node's memory over its GPUs); a simulated trial whose
+offloads exceed its usable share does not fit either. The simulation counts live tensors only:
 the CUDA context, NCCL buffers, kernel workspaces and the caching allocator's fragmentation
 are not modelled, so a simulated trial "fits" when its peak is at most
 ``usable_fraction * capacity``. 0.90 leaves about 8 GiB on an H100 for all of that (the
@@ -46,6 +48,11 @@ class DevicePreset:
     usable_fraction: float
     link: str  # default link model
     description: str
+    host_bytes: int = 0  # host (CPU) memory per device for offloads; 0: none apart (cpu)
+
+    def host_usable(self) -> int | None:
+        """Host bytes one rank's offloads may fill under simulation (``None``: not modelled)."""
+        return int(self.host_bytes * self.usable_fraction) if self.host_bytes else None
 
     def capacity(self, world_size: int = 1) -> int:
         """Bytes of one rank's device. ``cpu``: the host's memory shared by ``world_size`` ranks."""
@@ -73,11 +80,16 @@ DEVICES: dict[str, DevicePreset] = {
     d.name: d
     for d in (
         DevicePreset("h100-80g", "cuda", 81559 * MiB, 0.90, "nvlink-h100",
-                     "NVIDIA H100 SXM 80 GB HBM3 (81559 MiB as nvidia-smi reports it); 90% usable"),
+                     "NVIDIA H100 SXM 80 GB HBM3 (81559 MiB as nvidia-smi reports it); 90% usable; "
+                     "host memory 256 GiB per GPU (a DGX H100's 2 TiB over 8 GPUs), 90% usable",
+                     host_bytes=256 * GiB),
         DevicePreset("h200-141g", "cuda", 143771 * MiB, 0.90, "nvlink-h200",
-                     "NVIDIA H200 141 GB HBM3e (143771 MiB as nvidia-smi reports it); 90% usable"),
+                     "NVIDIA H200 141 GB HBM3e (143771 MiB as nvidia-smi reports it); 90% usable; "
+                     "host memory 256 GiB per GPU (a DGX H200's 2 TiB over 8 GPUs), 90% usable",
+                     host_bytes=256 * GiB),
         DevicePreset("a100-80g", "cuda", 81920 * MiB, 0.90, "nvlink-a100",
-                     "NVIDIA A100 SXM 80 GB HBM2e (81920 MiB); 90% usable"),
+                     "NVIDIA A100 SXM 80 GB HBM2e (81920 MiB); 90% usable; host memory 256 GiB per GPU "
+                     "(a DGX A100 640GB's 2 TiB over 8 GPUs), 90% usable", host_bytes=256 * GiB),
         DevicePreset("cpu", "cpu", 0, 0.80, "cpu-shm",
                      "this host's CPU; capacity = host memory / ranks on it (read at run time); 80% usable"),
     )

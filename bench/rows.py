@@ -58,6 +58,7 @@ class Figures:
     host_peak_bytes: int | None = None  # offloaded (host) memory of one rank
     capacity_bytes: int | None = None
     usable_bytes: int | None = None
+    host_usable_bytes: int | None = None  # simulated: host memory one rank's offloads may fill
     step_time_s: float | None = None
     compute_time_s: float | None = None
     comm_time_s: float | None = None  # modelled (emulated, simulated) with the row's link

@@ -64,6 +64,7 @@ class Trial:
     warmup: int = 1
     iters: int = 2
     seed: int = 0
+    threads: int | None = None  # torch CPU threads per rank (real/emulated); None: as launched
 
     @classmethod
     def make(cls, method: str, model: str, seq_len: int, world_size: int, options: dict | None = None,
@@ -222,6 +223,8 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
 
 def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, Any]:
     """Build, warm up, measure memory and time ``trial.iters`` steps on real tensors."""
+    if trial.threads:
+        torch.set_num_threads(trial.threads)
     built, batch = _build(trial, group, device, host="cpu", fake=False)
     run = step_fn(trial.step.scope, built, batch, trial.step, group)
     counter = CommCounter()
@@ -255,6 +258,7 @@ def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, An
     if loss is not None and trial.step.scope == "model":
         out["loss"] = float(loss)
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    out["threads"] = torch.get_num_threads()
     return out
 
 
@@ -338,6 +342,12 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
             status = "oom"
             message = (f"peak {f.peak_bytes / GiB:.2f} GiB exceeds the usable {f.usable_bytes / GiB:.2f} GiB "
                        f"({preset.usable_fraction:.0%} of {f.capacity_bytes / GiB:.2f} GiB, {preset.name})")
+    if trial.mode == "simulated":
+        f.host_usable_bytes = preset.host_usable()
+        if status == "ok" and f.host_usable_bytes and (f.host_peak_bytes or 0) > f.host_usable_bytes:
+            status = "oom"
+            message = (f"host memory: offloads of {f.host_peak_bytes / GiB:.2f} GiB per rank exceed the usable "
+                       f"{f.host_usable_bytes / GiB:.2f} GiB of host memory per GPU ({preset.name})")
     if trial.step.ac_offload and trial.step.scope == "model" and (
             preset.kind == "cpu" and trial.mode != "simulated"):
         notes.append("ac_offload has no effect on a CPU device (the checkpoints are already in host memory)")
@@ -351,6 +361,8 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
                      "modelled communication (no overlap)")
     if trial.step.scope == "attention":
         notes.append("scope attention: one attention block forward + backward; levers other than dtype unused")
+    if result.get("threads") and trial.mode != "simulated":
+        notes.append(f"torch CPU threads per rank: {result['threads']}")
     if result.get("step_times_s"):
         notes.append("timed steps (s): " + ", ".join(f"{t:.4f}" for t in result["step_times_s"]))
     kernel = trial.kernel_name()

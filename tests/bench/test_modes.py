@@ -43,7 +43,7 @@ def test_simulated_peak_matches_real_within_5_percent(pool, method, ws, dtype, s
 
 
 def test_emulated_row_adds_modelled_communication_to_measured_compute():
-    row = run_trial(Trial.make("upipe", "tiny-mha", 512, 4, mode="emulated", device="cpu", iters=1))
+    row = run_trial(Trial.make("upipe", "tiny-mha", 512, 4, mode="emulated", device="cpu", iters=1, threads=1))
     f = row.figures
     assert row.status == "ok", row.message
     assert row.mode == "emulated" and row.link["name"] == "cpu-shm"
@@ -53,6 +53,7 @@ def test_emulated_row_adds_modelled_communication_to_measured_compute():
     assert f.tokens_per_s_per_device == pytest.approx(128 / f.step_time_s)
     assert f.tflops_per_device == pytest.approx(f.flops_per_device / f.step_time_s / 1e12)
     assert f.peak_bytes > 0 and f.loss is not None
+    assert "torch CPU threads per rank: 1" in row.notes
 
 
 def test_simulated_oom_is_a_row_with_the_budget_in_the_message():
@@ -132,3 +133,14 @@ def test_kernel_workspace_model_adds_the_flash_backward_scratch():
     with pytest.raises(ValueError, match="in emulated mode the real kernel"):
         Trial.make("ulysses", "tiny-llama", 1024, 2, mode="emulated", device="cpu",
                    step=StepConfig(kernel_workspace="fa3")).validate()
+
+
+def test_host_memory_budget_under_simulation():
+    """Offloaded checkpoints beyond the preset's host memory per GPU make the trial not fit."""
+    from bench.hardware import DEVICES
+
+    row = run_trial(Trial.make("upipe", "tiny-llama", 2048, 2))
+    assert row.status == "ok" and row.figures.host_usable_bytes == DEVICES["h100-80g"].host_usable()
+    result = {"status": "ok", "peak_bytes": 1, "host_peak_bytes": 300 * 2**30}
+    over = trial_mod.build_row(Trial.make("upipe", "llama3-8b", 1 << 20, 8), result, 0.0)
+    assert over.status == "oom" and over.message.startswith("host memory: offloads of 300.00 GiB")
