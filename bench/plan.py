@@ -17,7 +17,8 @@ linearly, ``peak(L) = p3 + (p4 - p3) * (L - 3)``: layers are identical, the firs
 keep their checkpoints on the device (with 3 or more layers) and each further layer adds the
 same parameter, gradient, optimizer and host-checkpoint bytes. Inside the search, a length
 may reuse the per-layer increment measured at another length (one 3-layer simulation);
-the two lengths that bracket the answer are always simulated with both. ``tests/bench/test_plan.py`` checks it
+the longest fitting length is always simulated with both, and the shortest failing one
+too unless the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py`` checks it
 against a full simulation. Models with 4 layers or fewer are simulated whole.
 
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
@@ -126,9 +127,17 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     return p
 
 
+def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
+    """Per-layer increments equal to ``rel`` (peak and host peak)."""
+    if not a or not b:
+        return False
+    return all(abs(a.get(k, 0) - b.get(k, 0)) <= rel * max(1, abs(b.get(k, 0)))
+               for k in ("peak_bytes", "host_peak_bytes"))
+
+
 def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: int = 4 << 20):
     """(max_context, best Point or None, points tried, step, error Point or None) by a secant
-    search (module docstring); the two points that bracket the answer are exact."""
+    search (module docstring); the bracket is exact (module docstring)."""
     step = math.lcm(granularity, trial.seq_multiple())
     k_max = max_seq_len // step
     if k_max < 1:
@@ -164,8 +173,8 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
             if len(near) == 2 and points[near[0]].peak_bytes != points[near[1]].peak_bytes:
                 (k1, p1), (k2, p2) = [(j, points[j].peak_bytes) for j in near]
                 nxt = math.floor(k1 + (p.usable_bytes - p1) * (k2 - k1) / (p2 - p1))
-            else:
-                nxt = 2 * k if p.status == "ok" else k // 2
+            else:  # one point: proportional guess (peak grows at least linearly), one step past it
+                nxt = math.floor(k * p.usable_bytes / max(1, p.peak_bytes)) + (1 if p.status == "ok" else 0)
             nxt = min(max(nxt, lo + 1), hi - 1)
             if nxt in points:
                 nxt = (lo + hi) // 2
@@ -174,8 +183,11 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
             break
         # make the bracket exact; if an approximate point moves, search on
         changed = False
+        used = slope
         for j in (lo, hi):
             if 1 <= j <= k_max and not points[j].exact:
+                if j == hi and lo >= 1 and points[lo].exact and _same(points[lo].slope, used):
+                    continue  # the increment just re-measured at lo is the one hi used: hi is exact too
                 before = points[j].status
                 if at(j, exact=True).status != before:
                     changed = True
@@ -248,6 +260,13 @@ def _search_entry(args) -> Entry:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0
     return entry
+
+
+def _worker_init() -> None:
+    """One intra-op thread per worker: fake tensors compute nothing, and the workers share the cores."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _resolve_u_job(args):
@@ -325,10 +344,11 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as workdir:
         searched = [e for e in todo if e.options.get("chunk_heads") != "auto"]
+        searched.sort(key=lambda e: e.method not in ("ring", "usp", "usp-upipe", "fpdt"))  # slowest first
         jobs = [(e, model, gpus, device, granularity, max_seq_len, workdir) for e in searched]
         import multiprocessing as mp
 
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) if workers > 1 else None
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) if workers > 1 else None
         try:
             found = list(pool.map(_search_entry, jobs)) if pool else [_search_entry(j) for j in jobs]
             by_key = {(e.method, json.dumps({k: v for k, v in e.options.items() if k != "chunk_heads"},
@@ -408,6 +428,8 @@ def render(res: dict[str, Any]) -> str:
             note.append(f"auto -> U={e.resolved_u} at {human(res['common'])}")
         if e.error:
             note.append(f"error: {e.error}")
+        if e.points and e.options.get("chunk_heads") != "auto":
+            note.append(f"{e.points} sims, {e.seconds:.0f}s")
         peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
         host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
         lines.append(
