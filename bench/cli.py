@@ -78,7 +78,8 @@ def positive_int(text: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", required=True, help="attention method (python -m bench list)")
+    p.add_argument("--method", required=True, help="attention method (python -m bench list), or a named "
+                   "configuration: upipe-best (bench.presets)")
     p.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
     p.add_argument("--world-size", type=positive_int, required=True, help="context-parallel ranks C")
     p.add_argument("--mode", choices=["real", "emulated", "simulated"], default="simulated")
@@ -139,18 +140,20 @@ def _trial(args, seq_len: int):
     from .step import StepConfig
     from .trial import Trial
 
-    options = dict(args.opt)
+    from .presets import expand
+
     ac = not args.no_ac
+    levers = dict(ac=ac, ac_offload=ac and not args.no_offload, tiled_mlp=not args.no_tiled_mlp,
+                  tiled_norm=not args.no_tiled_norm, chunked_loss=not args.no_chunked_loss)
     try:
+        method, options, levers = expand(args.method, dict(args.opt), levers)  # named configurations
         step = StepConfig(
-            scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, ac=ac,
-            ac_offload=ac and not args.no_offload, tiled_mlp=not args.no_tiled_mlp,
-            tiled_norm=not args.no_tiled_norm, mlp_tiles=args.tiles, chunked_loss=not args.no_chunked_loss,
-            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace,
+            scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
+            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, **levers,
         )
     except ValueError as err:
-        raise UsageError(str(err)) from None
-    return Trial.make(args.method, args.model, seq_len, args.world_size, options, mode=args.mode,
+        raise UsageError(f"python -m bench: error: {err}") from None
+    return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
                       device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,
                       threads=args.threads)
 

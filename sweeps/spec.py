@@ -178,6 +178,17 @@ def _methods(raw: list) -> list[MethodEntry]:
             out.append(MethodEntry(str(item["name"]), tuple(sorted((item.get("options") or {}).items())),
                                    tuple(sorted((item.get("step") or {}).items()))))
         else:
+            out.append(None)
+        if out[-1] is not None:  # a named configuration (bench.presets, e.g. upipe-best)
+            from bench.presets import expand
+
+            e = out[-1]
+            try:
+                name, opts, step = expand(e.name, e.options_dict, dict(e.step))
+            except ValueError as err:
+                raise SpecError(f"methods[{i}]: {err}") from None
+            out[-1] = MethodEntry(name, tuple(sorted(opts.items())), tuple(sorted(step.items())))
+        if out[-1] is None:
             raise SpecError(
                 f"methods[{i}]: expected a method name or {{name: ..., options: {{...}}, step: {{...}}}}, "
                 f"got {item!r}"

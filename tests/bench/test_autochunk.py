@@ -73,3 +73,38 @@ def test_cli_prints_choice(capsys):
                    "--device", "cpu", "--opt", "chunk_heads=auto", "--no-save"])
     assert rc == 0
     assert "chunk_heads=auto -> 8" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- upipe-best (bench.presets)
+
+
+def test_upipe_best_cli(capsys):
+    rc = cli.main(["run", "--method", "upipe-best", "--model", MODEL, "--seq-len", "64K", "--world-size", "4",
+                   "--no-save", "--json"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    import json
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["method"] == "upipe" and row["options"]["chunk_heads_requested"] == "auto"
+    assert all(row["levers"][k] for k in ("ac", "ac_offload", "tiled_mlp", "tiled_norm", "chunked_loss"))
+    assert "chunk_heads=auto ->" in err
+
+
+def test_upipe_best_refuses_lever_off(capsys):
+    assert cli.main(["run", "--method", "upipe-best", "--model", MODEL, "--seq-len", "64K", "--world-size", "4",
+                     "--no-save", "--no-tiled-mlp"]) == 2
+    assert "upipe-best" in capsys.readouterr().err
+
+
+def test_upipe_best_in_sweeps():
+    from sweeps.spec import SpecError, parse_spec
+
+    base = {"name": "t", "kind": "run", "mode": "simulated", "models": [MODEL], "seq_lens": ["64K"],
+            "world_sizes": [4]}
+    spec = parse_spec({**base, "methods": ["upipe-best", {"name": "upipe-best", "options": {"kernel": "math"}}]})
+    (a, b) = spec.methods
+    assert a.name == "upipe" and a.options_dict == {"chunk_heads": "auto"}
+    assert dict(a.step)["ac_offload"] is True and dict(a.step)["tiled_mlp"] is True
+    assert b.options_dict == {"chunk_heads": "auto", "kernel": "math"}
+    with pytest.raises(SpecError, match="upipe-best"):
+        parse_spec({**base, "methods": [{"name": "upipe-best", "step": {"ac_offload": False}}]})
