@@ -21,6 +21,9 @@ the longest fitting length is always simulated with both, and the shortest faili
 too unless the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py`` checks it
 against a full simulation. Models with 4 layers or fewer are simulated whole.
 
+A length fits when rank 0's peak is within the preset's usable device bytes and its
+offloads within the preset's usable host bytes per GPU (``DevicePreset.host_usable``).
+
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
 the peak (which grows smoothly with the length) proposes the next multiple inside the
 bracket [longest fit, shortest failure]; it ends when the two are one step apart, so the
@@ -119,10 +122,15 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         vals = {k: (r3.get(k) or 0) + slope.get(k, 0) * (cfg.n_layers - LOW) for k in keys}
     bad = [r for r in rows if r["status"] == "error"]
     if bad:
-        return Point(trial.seq_len, "error", 0, 0, 0.0, usable, bad[0].get("message", ""))
-    peak = int(vals["peak_bytes"])
-    p = Point(trial.seq_len, "ok" if peak <= usable else "oom", peak, int(vals["host_peak_bytes"]),
-              float(vals["comm_time_s"]), usable)
+        p = Point(trial.seq_len, "error", 0, 0, 0.0, usable, bad[0].get("message", ""))
+        p.load = float("inf")  # type: ignore[attr-defined]
+        return p
+    peak, host = int(vals["peak_bytes"]), int(vals["host_peak_bytes"])
+    host_usable = trial.preset().host_usable() if hasattr(trial.preset(), "host_usable") else None
+    # the binding budget: device memory, or the preset's host memory per GPU for offloads
+    load = max(peak / usable, host / host_usable if host_usable else 0.0)
+    p = Point(trial.seq_len, "ok" if load <= 1.0 else "oom", peak, host, float(vals["comm_time_s"]), usable)
+    p.load = load  # type: ignore[attr-defined]
     p.exact, p.slope = exact, slope  # type: ignore[attr-defined]
     return p
 
@@ -170,11 +178,11 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
             if hi - lo <= 1:
                 break
             near = sorted(points, key=lambda j: abs(j - k))[:2]
-            if len(near) == 2 and points[near[0]].peak_bytes != points[near[1]].peak_bytes:
-                (k1, p1), (k2, p2) = [(j, points[j].peak_bytes) for j in near]
-                nxt = math.floor(k1 + (p.usable_bytes - p1) * (k2 - k1) / (p2 - p1))
-            else:  # one point: proportional guess (peak grows at least linearly), one step past it
-                nxt = math.floor(k * p.usable_bytes / max(1, p.peak_bytes)) + (1 if p.status == "ok" else 0)
+            if len(near) == 2 and points[near[0]].load != points[near[1]].load:
+                (k1, p1), (k2, p2) = [(j, points[j].load) for j in near]
+                nxt = math.floor(k1 + (1.0 - p1) * (k2 - k1) / (p2 - p1))
+            else:  # one point: proportional guess (memory grows at least linearly), one step past it
+                nxt = math.floor(k / max(1e-9, p.load)) + (1 if p.status == "ok" else 0)
             nxt = min(max(nxt, lo + 1), hi - 1)
             if nxt in points:
                 nxt = (lo + hi) // 2
@@ -391,7 +399,9 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     result = {
         "model": cfg.name, "gpus": gpus, "nodes": nodes, "device": device, "granularity": granularity,
         "max_seq_len": max_seq_len, "entries": done, "longest": longest, "common": common,
-        "usable_gib": preset.usable() / GiB, "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
+        "usable_gib": preset.usable() / GiB,
+        "host_note": (f" and {preset.host_usable() / GiB:.0f} GiB of host memory for offloads"
+                      if getattr(preset, "host_usable", lambda: None)() else ""), "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
     }
     result["text"] = render(result)
@@ -403,7 +413,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
 def render(res: dict[str, Any]) -> str:
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
-        f"{res['usable_gib']:.1f} GiB usable per GPU; paper record setup (FSDP2, AC offloaded to host, "
+        f"{res['usable_gib']:.1f} GiB usable per GPU{res['host_note']}; paper record setup (FSDP2, AC offloaded to host, "
         f"tiled MLP/norm, chunked loss, bf16, batch 1)",
         f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
