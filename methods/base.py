@@ -81,6 +81,16 @@ class AttentionParams(nn.Module):
     def k_norm_weight(self) -> torch.Tensor | None:
         return None if self.k_norm is None else self.k_norm.weight
 
+    def project_qkv(self, x: torch.Tensor, cos, sin, kv_heads: list[int] | None = None):
+        """Q, K, V of the local tokens (QK-norm and RoPE applied); ``kv_heads`` picks (and may
+        repeat, for replication) the KV heads, default all of them in order."""
+        d = self.spec.head_dim
+        wk, wv = self.wk.weight, self.wv.weight
+        if kv_heads is not None:
+            wk, wv = head_rows(wk, kv_heads, d), head_rows(wv, kv_heads, d)
+        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
+        return q, project(x, wk, d, self.k_norm_weight, cos, sin), project(x, wv, d)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
 

@@ -25,7 +25,7 @@ import sys
 import torch
 from torch import nn
 
-from .base import AttentionMethod, MethodOptions, head_rows, project
+from .base import AttentionMethod, MethodOptions
 from .kernels import attention
 from .registry import register
 from .spec import AttnSpec
@@ -102,9 +102,6 @@ class DeepSpeedUlysses(AttentionMethod):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
-        d = self.spec.head_dim
-        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
-        k = project(x, head_rows(self.wk.weight, self.kv_heads, d), d, self.k_norm_weight, cos, sin)
-        v = project(x, head_rows(self.wv.weight, self.kv_heads, d), d)
+        q, k, v = self.project_qkv(x, cos, sin, self.kv_heads)
         out = self.dist_attn(q, k, v, 0)  # batch_dim_idx=0: [batch, seq, heads, head_dim]
         return self.wo(out.flatten(2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionParams, project
+from .base import AttentionParams
 from .kernels import Kernel, attention, get_kernel
 from .spec import AttnSpec
 
@@ -23,9 +23,6 @@ class AttentionBlock(AttentionParams):
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
         cos, sin = self.rope(positions, x.dtype)
-        d = self.spec.head_dim
-        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
-        k = project(x, self.wk.weight, d, self.k_norm_weight, cos, sin)
-        v = project(x, self.wv.weight, d)
+        q, k, v = self.project_qkv(x, cos, sin)
         out = attention(q, k, v, self.spec.causal, self.kernel)
         return self.wo(out.flatten(2))

@@ -40,7 +40,7 @@ import sys
 import torch
 
 from . import comm
-from .base import AttentionMethod, MethodOptions, project
+from .base import AttentionMethod, MethodOptions
 from .ds_ulysses import require_group
 from .kernels import attention, get_kernel
 from .registry import register
@@ -125,10 +125,8 @@ class RingFlashAttnZigzag(AttentionMethod):
         if x.shape[1] % 2:
             raise ValueError(f"rfa-zigzag: local sequence length {x.shape[1]} must be even (two zigzag chunks)")
         cos, sin = self.rope_for(x, positions)
-        d, dt = self.spec.head_dim, self.compute_dtype(x)
-        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
-        k = project(x, self.wk.weight, d, self.k_norm_weight, cos, sin)
-        v = project(x, self.wv.weight, d)
+        dt = self.compute_dtype(x)
+        q, k, v = self.project_qkv(x, cos, sin)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if self.world_size == 1:  # see the module docstring: no self-send on gloo
             out = attention(q, k, v, True, self.kernel, self.scale)

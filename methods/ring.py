@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .base import AttentionMethod, project
+from .base import AttentionMethod
 from .kernels import merge_partials
 from .registry import register
 
@@ -191,9 +191,6 @@ class Ring(AttentionMethod):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
-        d = self.spec.head_dim
-        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
-        k = project(x, self.wk.weight, d, self.k_norm_weight, cos, sin)
-        v = project(x, self.wv.weight, d)
+        q, k, v = self.project_qkv(x, cos, sin)
         out = ring_attention(q, k, v, self.spec.causal, self.kernel, self.scale, self.group)
         return self.wo(out.flatten(2))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .base import AttentionMethod, MethodOptions, head_rows, project
+from .base import AttentionMethod, MethodOptions
 from .kernels import attention
 from .registry import register
 from .spec import AttnSpec
@@ -49,10 +49,7 @@ class Ulysses(AttentionMethod):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
-        d = self.spec.head_dim
-        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
-        k = project(x, head_rows(self.wk.weight, self.kv_heads, d), d, self.k_norm_weight, cos, sin)
-        v = project(x, head_rows(self.wv.weight, self.kv_heads, d), d)
+        q, k, v = self.project_qkv(x, cos, sin, self.kv_heads)
         q, k, v = (comm.seq_to_head(t, self.group) for t in (q, k, v))
         out = attention(q, k, v, self.spec.causal, self.kernel, self.scale)
         out = comm.head_to_seq(out, self.group)

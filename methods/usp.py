@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .base import AttentionMethod, MethodOptions, head_rows, project
+from .base import AttentionMethod, MethodOptions
 from .registry import register
 from .ring import ring_attention, zigzag_shard, zigzag_unshard
 from .spec import AttnSpec
@@ -154,10 +154,7 @@ class USP(AttentionMethod):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
-        d = self.spec.head_dim
-        q = project(x, self.wq.weight, d, self.q_norm_weight, cos, sin)
-        k = project(x, head_rows(self.wk.weight, self.kv_heads, d), d, self.k_norm_weight, cos, sin)
-        v = project(x, head_rows(self.wv.weight, self.kv_heads, d), d)
+        q, k, v = self.project_qkv(x, cos, sin, self.kv_heads)
         q, k, v = (comm.seq_to_head(t, self.ulysses_group) for t in (q, k, v))
         out = ring_attention(q, k, v, self.spec.causal, self.kernel, self.scale, self.ring_group)
         out = comm.head_to_seq(out, self.ulysses_group)
