@@ -25,6 +25,7 @@ Any other exception makes an ``error`` row: a trial never raises.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -203,9 +204,11 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         run = step_fn(trial.step.scope, built, batch, trial.step, group)
         counter = CommCounter()
         workspace = KernelWorkspace(trial.step.kernel_workspace)
+        modelled = trial.step.kernel_workspace != "none"
 
         def tracked():
-            with counter, workspace:  # inside the tracker, so it sees the workspace buffers
+            # the workspace mode inside the tracker, so that it sees the scratch buffers
+            with counter, (workspace if modelled else contextlib.nullcontext()):
                 run()
 
         peaks = track_peaks(tracked, *_externals(trial, built))
