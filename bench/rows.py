@@ -230,12 +230,22 @@ def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def requested_options(options: dict) -> dict:
+    """The method options as the user asked for them: a row of a trial run with
+    ``chunk_heads="auto"`` records the U it resolved to in ``chunk_heads`` and the request in
+    ``chunk_heads_requested`` (``bench.autochunk``); the trial asked for ``auto``."""
+    out = dict(options)
+    if "chunk_heads_requested" in out:
+        out["chunk_heads"] = out.pop("chunk_heads_requested")
+    return out
+
+
 def trial_key(row: Row | dict) -> tuple:
     """Hashable identity of the trial a row reports (inputs only, never outcomes)."""
     d = row.to_dict() if isinstance(row, Row) else row
     link = d.get("link")
     return (
-        d["kind"], d["method"], _canon(d.get("options") or {}), d["model"], d["scope"],
+        d["kind"], d["method"], _canon(requested_options(d.get("options") or {})), d["model"], d["scope"],
         int(d["seq_len"]), int(d.get("batch", 1)), int(d["world_size"]), d["mode"], d["dtype"],
         d["device"], _canon(d.get("levers") or {}), link["name"] if link else None,
         _canon(d.get("search")),

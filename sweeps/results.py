@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.rows import Environment, Figures, Row, append_rows, cpu_name, environment, read_rows
+from bench.rows import (Environment, Figures, Row, append_rows, cpu_name, environment, read_rows,
+                        requested_options)
 
 from .spec import Trial
 
@@ -35,7 +36,7 @@ def trial_id(trial: Trial) -> str:
 def row_matches(trial: Trial, row: Row) -> bool:
     if row.kind != ROW_KIND[trial.kind] or row.method != trial.method:
         return False
-    if _canon(row.options) != _canon(dict(trial.options)):
+    if _canon(requested_options(row.options)) != _canon(dict(trial.options)):
         return False
     if (row.model, row.scope, row.world_size, row.mode, row.dtype, row.device) != (
         trial.model, trial.scope, trial.world_size, trial.mode, trial.dtype, trial.device

@@ -65,3 +65,20 @@ def test_bad_arguments(argv, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err and len(err.splitlines()) == 1
+
+
+def test_search_stops_at_the_host_memory_budget(tiny_file, tmp_path, monkeypatch):
+    """With ample device memory, offloads beyond the preset's host bytes per GPU end the search:
+    the answer is the longest length whose extrapolated host peak fits, and one step more fails."""
+    from bench import hardware
+
+    trial = Trial.make("offload", tiny_file, 65536, 4)
+    host = extrapolated(trial.with_seq_len(96 << 10), str(tmp_path)).host_peak_bytes
+    assert host > 0
+    monkeypatch.setitem(hardware.DEVICES, "h", hardware.DevicePreset(
+        "h", "cuda", 1 << 50, 0.9, "nvlink-h100", "test", host_bytes=int(host / 0.9) + 8))
+    trial = Trial.make("offload", tiny_file, 65536, 4, device="h")
+    found, best, _, step, err = search_max(trial, 16 << 10, 1 << 20, str(tmp_path), first=16 << 10)
+    assert err is None and found == 96 << 10 and best.peak_bytes < trial.preset().usable()
+    over = extrapolated(trial.with_seq_len(found + step), str(tmp_path))
+    assert over.status == "oom" and over.host_peak_bytes > trial.preset().host_usable()

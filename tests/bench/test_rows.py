@@ -93,6 +93,13 @@ def test_trial_key_is_stable_and_ignores_outcomes():
     assert trial_key(json.loads(encode(a))) == trial_key(a)
 
 
+def test_trial_key_of_an_auto_row_is_the_request():
+    """A chunk_heads=auto row records the U it chose; the trial it answers asked for auto."""
+    auto = make_row(options={"chunk_heads": 8, "chunk_heads_requested": "auto"})
+    assert trial_key(auto) == trial_key(make_row(options={"chunk_heads": "auto"}))
+    assert trial_key(auto) != trial_key(make_row(options={"chunk_heads": 8}))
+
+
 def test_reader_skips_and_reports_corrupt_lines(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     append_rows(path, [make_row(seq_len=1024)])

@@ -101,3 +101,18 @@ def test_local_real_trial_spawns_its_own_gloo_ranks(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
     assert (row.status, row.mode, row.world_size) == ("ok", "real", 2), row.message
+
+
+def test_upipe_best_runs_through_a_sweep_and_resumes(tmp_path):
+    """The named configuration end to end: expanded in the spec, run by bench with its levers,
+    its row records the U that auto chose and why, and a rerun recognises the row as done."""
+    path = write_spec(tmp_path, scope="model", seq_lens=["16K"], world_sizes=[2], methods=["upipe-best"])
+    first = sweep_cli("run", str(path), "--executor", "local")
+    assert first.returncode == 0, first.stderr
+    (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
+    assert row.status == "ok" and row.method == "upipe"
+    assert row.options["chunk_heads_requested"] == "auto" and isinstance(row.options["chunk_heads"], int)
+    assert row.notes and row.notes[0].startswith(f"chunk_heads=auto -> {row.options['chunk_heads']}")
+    assert all(row.levers[k] for k in ("ac", "ac_offload", "tiled_mlp", "tiled_norm", "chunked_loss"))
+    second = sweep_cli("run", str(path), "--executor", "local")
+    assert second.returncode == 0 and "0 run" in second.stdout and "1 skipped" in second.stdout, second.stdout
