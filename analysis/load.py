@@ -184,7 +184,10 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df["mem_gib"] = df["peak_reserved_gib"].where(df["peak_reserved_gib"].notna(), df["peak_gib"])
     df["mem_basis"] = ["reserved" if pd.notna(r) else ("allocated" if pd.notna(a) else None)
                        for r, a in zip(df["peak_reserved_gib"], df["peak_gib"])]
-    df["label"] = [method_label(m, o) for m, o in zip(df["method"], df["options"])]
+    # a simulation with a kernel-scratch model (bench.workspace) is another series than one without
+    scratch = df["lever.kernel_workspace"] if "lever.kernel_workspace" in df else [None] * len(df)
+    df["label"] = [method_label(m, o) + (f" +{w} scratch" if isinstance(w, str) and w != "none" else "")
+                   for m, o, w in zip(df["method"], df["options"], scratch)]
     df["mode_label"] = [mode_label(m, d, n) for m, d, n in zip(df["mode"], df["device"], df["env.device_name"])]
     df["seq"] = [human_size(s) if s else "" for s in df["seq_len"]]
     df["time"] = pd.to_datetime(df["env.time"], utc=True, errors="coerce")
