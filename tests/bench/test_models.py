@@ -175,3 +175,14 @@ def test_chunked_loss_never_materialises_the_logits():
     full_logits = n * vocab * 4
     assert peaks["full"] > full_logits
     assert peaks["chunked"] < full_logits / 4, peaks
+
+
+def test_example_architecture_file():
+    """bench/model_configs/mistral-7b.yaml (the README's example of a user's file) loads under
+    its stem and has Mistral-7B-v0.3's published size, 7.25B parameters."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "model_configs" / "mistral-7b.yaml"
+    cfg = get_config(str(path))
+    assert cfg.name == "mistral-7b" and (cfg.n_heads, cfg.n_kv_heads, cfg.n_layers) == (32, 8, 32)
+    assert abs(cfg.n_params / 1e9 - 7.248) < 0.01
