@@ -108,3 +108,19 @@ def test_upipe_best_in_sweeps():
     assert b.options_dict == {"chunk_heads": "auto", "kernel": "math"}
     with pytest.raises(SpecError, match="upipe-best"):
         parse_spec({**base, "methods": [{"name": "upipe-best", "step": {"ac_offload": False}}]})
+
+
+@pytest.mark.parametrize("mode", ["real", "emulated"])
+def test_upipe_best_runs_in_the_measuring_modes(mode, capsys):
+    """upipe-best with real ranks (2 gloo processes) and emulated (one rank, fake peers) on CPU:
+    auto resolves U by simulation against the CPU preset, then the step really runs with it."""
+    import json
+
+    rc = cli.main(["run", "--method", "upipe-best", "--model", MODEL, "--seq-len", "2K", "--world-size", "2",
+                   "--mode", mode, "--device", "cpu", "--warmup", "1", "--iters", "1", "--no-save", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["mode"] == mode and row["status"] == "ok" and row["figures"]["step_time_s"] > 0
+    assert row["options"]["chunk_heads_requested"] == "auto" and row["options"]["chunk_heads"] in (2, 4, 8)
+    assert all(row["levers"][k] for k in ("ac", "ac_offload", "tiled_mlp", "tiled_norm", "chunked_loss"))
