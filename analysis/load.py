@@ -28,6 +28,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from bench.rows import BadLine, Figures, Row, read_rows, trial_key
+from bench.sizes import human
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
@@ -49,12 +50,7 @@ def human_size(n: Any) -> str:
     """``131072`` -> ``128K``, ``3145728`` -> ``3M``, ``1572864`` -> ``1.5M`` (K = 1024)."""
     if n is None or (isinstance(n, float) and n != n):
         return "—"
-    n = int(n)
-    for unit, mult in (("M", 2**20), ("K", 2**10)):
-        if n >= mult and n % (mult // 8) == 0:
-            value = n / mult
-            return f"{value:g}{unit}"
-    return str(n)
+    return human(int(n))  # exact to 3 decimals of K/M is exact to eighths: 1000 = 8 x 125
 
 
 def options_string(options: dict | None) -> str:

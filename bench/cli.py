@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
+
+from .sizes import scan
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results" / "bench"
 GiB = 2**30
@@ -36,11 +37,9 @@ class Parser(argparse.ArgumentParser):
 
 def parse_size(text: str) -> int:
     """``128K`` -> 131072, ``1.5M`` -> 1572864, ``4096`` -> 4096 (K = 1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
-    if not m:
+    value = scan(text)
+    if value is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (use e.g. 4096, 128K, 1M, 1.5M)")
-    number, unit = float(m.group(1)), m.group(2).upper()
-    value = number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit]
     if value != int(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of tokens")
     return int(value)
@@ -174,7 +173,7 @@ def table(rows) -> str:
     head = (f"{'mode':9} {'device':10} {'ws':>3} {'method':10} {'model':16} {'scope':9} {'seq':>6} "
             f"{'status':6} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'tok/s/dev':>10} "
             f"{'TFLOP/s':>8} {'max ctx':>8}")
-    from .maxctx import human
+    from .sizes import human
 
     lines = [head]
     for r in rows:

@@ -29,17 +29,10 @@ from typing import Callable, TextIO
 
 from . import launch
 from .rows import Figures, Row
+from .sizes import human
 from .trial import Trial, build_row, run_trial
 
 GiB = 2**30
-
-
-def human(n: int) -> str:
-    """Tokens as ``128K``/``1.5M``/``6.125M`` (K = 1024) when exact to 3 decimals, else the integer."""
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and (n * 1000) % size == 0:
-            return f"{n / size:g}{unit}"
-    return str(n)
 
 
 def _child(trial: Trial, conn) -> None:

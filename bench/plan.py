@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .sizes import human
+
 GiB = 2**30
 PEAK_BF16_FLOPS = {"h100-80g": 989e12, "h200-141g": 989e12, "a100-80g": 312e12, "cpu": 1e12}
 MFU = 0.4
@@ -329,12 +331,6 @@ def modelled_time(cfg, entry: Entry, gpus: int, device: str, seq_len: int) -> fl
 
 
 # --------------------------------------------------------------------------- the plan
-
-
-def human(n: int) -> str:
-    from .maxctx import human as h
-
-    return h(n)
 
 
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,

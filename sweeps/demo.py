@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.sizes import human
+
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ("table3-llama3-8b-cpu", "demo-maxctx-llama3-8b")
 OUT = REPO / "results" / "demo"
@@ -25,12 +27,7 @@ PAPER_MAX_CONTEXT = {"ring": "3M", "ulysses": "3M", "fpdt": "4M", "upipe": "5M",
 
 
 def _human(n: int | None) -> str:
-    if not n:
-        return "—"
-    for unit, mult in (("M", 2**20), ("K", 2**10)):
-        if n >= mult:
-            return f"{n / mult:g}{unit}"
-    return str(n)
+    return human(n) if n else "—"
 
 
 def summary() -> None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from bench.sizes import scan
+
 MODES = ("real", "emulated", "simulated")
 KINDS = ("run", "max-context")
 SCOPES = ("model", "attention")
@@ -42,7 +44,6 @@ SLURM_KEYS = {
 }
 MAXCTX_KEYS = {"granularity", "max_seq_len", "min_seq_len"}
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
 
 
 class SpecError(ValueError):
@@ -56,10 +57,9 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, int):
         size = value
     else:
-        m = _SIZE.match(str(value))
-        if not m:
+        size = scan(value)
+        if size is None:
             raise SpecError(f"{key}: expected a size like 4096, 128K, 1.5M, got {value!r}")
-        size = float(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
         if size != int(size):
             raise SpecError(f"{key}: {value!r} is not a whole number of tokens")
         size = int(size)

@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from bench.maxctx import human, run_isolated, search
+from bench.maxctx import run_isolated, search
+from bench.sizes import human
 from bench.step import StepConfig
 from bench.trial import Trial, build_row
 
