@@ -21,6 +21,7 @@ exactly as transcribed (``status`` says ``ok``/``oom``/``not_reported``; empty c
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterable
@@ -32,6 +33,12 @@ from bench.sizes import human
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
+
+
+def results_dir(given: str | Path | None = None) -> Path:
+    """The rows a notebook reads: its ``RESULTS`` parameter, else ``$ANALYSIS_RESULTS``, else
+    the repository's ``results/`` (so a notebook run by hand can be pointed elsewhere)."""
+    return Path(given or os.environ.get("ANALYSIS_RESULTS") or RESULTS)
 PAPER_DIR = RESULTS / "paper"
 GiB = 2**30
 

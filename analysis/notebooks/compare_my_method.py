@@ -24,12 +24,10 @@ WORLD_SIZE = None  # e.g. 8; None: the world size of METHOD's rows
 SCOPE = None  # "model" or "attention"; None: both
 
 # %%
-import os
-
 from analysis import tables
-from analysis.load import RESULTS as DEFAULT_RESULTS, load_rows, modes_summary
+from analysis.load import load_rows, modes_summary, results_dir
 
-rows = load_rows(RESULTS or os.environ.get("ANALYSIS_RESULTS") or DEFAULT_RESULTS)
+rows = load_rows(results_dir(RESULTS))
 mine = rows[rows["method"] == METHOD] if len(rows) else rows
 print(f"{len(rows)} rows in all; {len(mine)} of {METHOD!r}: {modes_summary(mine)}")
 

@@ -19,12 +19,10 @@
 RESULTS = None  # folder of result rows; None: the repository's results/
 
 # %%
-import os
-
 from analysis import figures, tables
-from analysis.load import RESULTS as DEFAULT_RESULTS, load_rows, modes_summary
+from analysis.load import load_rows, modes_summary, results_dir
 
-rows = load_rows(RESULTS or os.environ.get("ANALYSIS_RESULTS") or DEFAULT_RESULTS)
+rows = load_rows(results_dir(RESULTS))
 print(f"{len(rows)} rows; {modes_summary(rows)}")
 
 # %%
