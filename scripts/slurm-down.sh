@@ -19,12 +19,8 @@ STOP_TIMEOUT="${SLURM_DOWN_TIMEOUT:-30}"
 
 log() { echo "slurm-down: $*"; }
 
-# running PID: the process exists and is not a zombie waiting to be reaped.
-running() {
-    local state
-    state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null || true)
-    [[ -n $state && $state != Z && $state != X ]]
-}
+# running, pid_alive, terminate
+source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 
 if [[ "$(id -u)" -ne 0 ]]; then
     echo "slurm-down: FAILED: must be run as root (running as uid $(id -u))" >&2
@@ -39,22 +35,13 @@ for entry in "${STOP_ORDER[@]}"; do
         continue
     fi
     pid=$(tr -dc '0-9' <"$pidfile" || true)
-    if [[ -z $pid || ! -r /proc/$pid/comm || "$(cat "/proc/$pid/comm" 2>/dev/null)" != "$comm" ]]; then
+    if ! pid_alive "$pidfile" "$comm"; then
         log "$comm: not running (stale $pidfile${pid:+, pid $pid}); removing it"
         rm -f "$pidfile"
         continue
     fi
     log "$comm: sending SIGTERM to pid $pid"
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do
-        running "$pid" || break
-        sleep 0.1
-    done
-    if running "$pid"; then
-        log "$comm: still running after ${STOP_TIMEOUT} s; sending SIGKILL"
-        kill -KILL "$pid" 2>/dev/null || true
-        sleep 0.5
-    fi
+    terminate "$pid" "$comm" "$STOP_TIMEOUT"
     if running "$pid" && [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]]; then
         echo "slurm-down: FAILED: $comm (pid $pid) survived SIGKILL" >&2
         failed=1

@@ -102,39 +102,16 @@ node_is_up() {
     done
 }
 
-# running PID: the process exists and is not a zombie waiting to be reaped.
-running() {
-    local state
-    state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null || true)
-    [[ -n $state && $state != Z && $state != X ]]
-}
-
-# pid_alive PIDFILE COMM: the pid file names a live process whose command name is COMM.
-pid_alive() {
-    local pidfile=$1 comm=$2 pid
-    [[ -s $pidfile ]] || return 1
-    pid=$(tr -dc '0-9' <"$pidfile")
-    [[ -n $pid ]] || return 1
-    running "$pid" || return 1
-    [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]]
-}
+# running, pid_alive, terminate
+source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 
 # stop_pidfile PIDFILE COMM: SIGTERM the process of a pid file (if it is COMM), SIGKILL after 30 s.
 stop_pidfile() {
-    local pidfile=$1 comm=$2 pid i
+    local pidfile=$1 comm=$2 pid
     if pid_alive "$pidfile" "$comm"; then
         pid=$(tr -dc '0-9' <"$pidfile")
         log "stopping $comm (pid $pid)"
-        kill -TERM "$pid" 2>/dev/null || true
-        for ((i = 0; i < 300; i++)); do
-            running "$pid" || break
-            sleep 0.1
-        done
-        if running "$pid"; then
-            log "$comm (pid $pid) ignored SIGTERM for 30 s; sending SIGKILL"
-            kill -KILL "$pid" 2>/dev/null || true
-            sleep 0.5
-        fi
+        terminate "$pid" "$comm" 30
     fi
     rm -f "$pidfile"
 }
@@ -147,6 +124,21 @@ wait_pidfile() {
         sleep 0.1
     done
     die 1 "$comm did not start (no live process in $pidfile after ${secs} s)" "$logf"
+}
+
+# start_daemon COMM PIDFILE PORT LOG: start a Slurm daemon (it forks and writes PIDFILE) unless
+# the pid file already names a live COMM; its output goes to LOG.
+start_daemon() {
+    local comm=$1 pidfile=$2 port=$3 logf=$4
+    if pid_alive "$pidfile" "$comm"; then
+        log "$comm already running (pid $(cat "$pidfile"))"
+        return 0
+    fi
+    rm -f "$pidfile"
+    check_port "$port" "$comm"
+    log "starting $comm"
+    "$comm" >>"$logf" 2>&1 || die 1 "$comm failed to start" "$logf"
+    wait_pidfile "$pidfile" "$comm" 15 "$logf"
 }
 
 # port_in_use PORT: something accepts TCP connections on 127.0.0.1:PORT.
@@ -457,15 +449,7 @@ EOF
 if ((dbd_conf_changed)); then
     stop_pidfile "$SLURMDBD_PID" slurmdbd
 fi
-if pid_alive "$SLURMDBD_PID" slurmdbd; then
-    log "slurmdbd already running (pid $(cat "$SLURMDBD_PID"))"
-else
-    rm -f "$SLURMDBD_PID"
-    check_port 6819 slurmdbd
-    log "starting slurmdbd"
-    slurmdbd >>"$SLURMDBD_LOG" 2>&1 || die 1 "slurmdbd failed to start" "$SLURMDBD_LOG"
-    wait_pidfile "$SLURMDBD_PID" slurmdbd 15 "$SLURMDBD_LOG"
-fi
+start_daemon slurmdbd "$SLURMDBD_PID" 6819 "$SLURMDBD_LOG"
 dbd_ok=0
 for ((i = 0; i < 60; i++)); do
     if timeout 10 sacctmgr -n -P list cluster format=cluster >/dev/null 2>&1; then
@@ -507,24 +491,8 @@ if ((slurm_conf_changed)); then
     stop_pidfile "$SLURMD_PID" slurmd
     stop_pidfile "$SLURMCTLD_PID" slurmctld
 fi
-if pid_alive "$SLURMCTLD_PID" slurmctld; then
-    log "slurmctld already running (pid $(cat "$SLURMCTLD_PID"))"
-else
-    rm -f "$SLURMCTLD_PID"
-    check_port 6817 slurmctld
-    log "starting slurmctld"
-    slurmctld >>"$SLURMCTLD_LOG" 2>&1 || die 1 "slurmctld failed to start" "$SLURMCTLD_LOG"
-    wait_pidfile "$SLURMCTLD_PID" slurmctld 15 "$SLURMCTLD_LOG"
-fi
-if pid_alive "$SLURMD_PID" slurmd; then
-    log "slurmd already running (pid $(cat "$SLURMD_PID"))"
-else
-    rm -f "$SLURMD_PID"
-    check_port 6818 slurmd
-    log "starting slurmd"
-    slurmd >>"$SLURMD_LOG" 2>&1 || die 1 "slurmd failed to start" "$SLURMD_LOG"
-    wait_pidfile "$SLURMD_PID" slurmd 15 "$SLURMD_LOG"
-fi
+start_daemon slurmctld "$SLURMCTLD_PID" 6817 "$SLURMCTLD_LOG"
+start_daemon slurmd "$SLURMD_PID" 6818 "$SLURMD_LOG"
 
 # ---------------------------------------------------------------------------------------------
 # 7. Wait for the node to go idle.
