@@ -1,7 +1,7 @@
 """Loaders: result rows (JSON Lines under ``results/``) and the paper's numbers as DataFrames.
 
 ``load_rows`` reads every ``*.jsonl`` under a results folder (recursively, except
-``results/paper/``) through ``bench.rows.read_rows``, so every line is validated against
+``results/paper/``) through ``records.read_rows``, so every line is validated against
 the one row schema; a corrupt line is reported (printed and listed in
 ``df.attrs["bad_lines"]``) and skipped, never fatal. The result is flat: one column per
 trial key, one per figure (``peak_bytes``, ``step_time_s``, ``tokens_per_s_per_device``,
@@ -28,8 +28,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from bench.rows import BadLine, Figures, Row, read_rows, trial_key
-from bench.sizes import human
+from records import BadLine, Figures, GiB, Row, human, read_rows, trial_key
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
@@ -40,7 +39,6 @@ def results_dir(given: str | Path | None = None) -> Path:
     the repository's ``results/`` (so a notebook run by hand can be pointed elsewhere)."""
     return Path(given or os.environ.get("ANALYSIS_RESULTS") or RESULTS)
 PAPER_DIR = RESULTS / "paper"
-GiB = 2**30
 
 # Figures fields that are dictionaries: flattened to "<field>.<key>" columns.
 _DICT_FIGURES = ("peak_by_category", "comm_bytes_by_op")
@@ -140,7 +138,7 @@ def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bo
     ``keep="newest"``: one row per ``trial_key`` (the newest by ``env.time``; the
     ``replaced_rows`` column counts the older ones dropped); ``keep="all"``: every row.
     Corrupt lines are skipped, printed to stderr (unless ``quiet``) and listed as
-    ``bench.rows.BadLine`` in ``df.attrs["bad_lines"]``.
+    ``records.BadLine`` in ``df.attrs["bad_lines"]``.
     """
     if keep not in ("newest", "all"):
         raise ValueError(f"keep must be 'newest' or 'all', got {keep!r}")
@@ -187,7 +185,7 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df["mem_gib"] = df["peak_reserved_gib"].where(df["peak_reserved_gib"].notna(), df["peak_gib"])
     df["mem_basis"] = ["reserved" if pd.notna(r) else ("allocated" if pd.notna(a) else None)
                        for r, a in zip(df["peak_reserved_gib"], df["peak_gib"])]
-    # a simulation with a kernel-scratch model (bench.workspace) is another series than one without
+    # a simulation with a kernel-scratch model (bench.measure.workspace) is another series than one without
     scratch = df["lever.kernel_workspace"] if "lever.kernel_workspace" in df else [None] * len(df)
     df["label"] = [method_label(m, o) + (f" +{w} scratch" if isinstance(w, str) and w != "none" else "")
                    for m, o, w in zip(df["method"], df["options"], scratch)]

@@ -1,11 +1,19 @@
-"""Benchmarks of the context-parallel attention methods (DESIGN.md section 2).
+"""Benchmarks of the context-parallel attention methods, one trial at a time.
 
-* ``models``: Llama-style decoder over any method, named configs, parameter and FLOP counts.
-* ``step``: one training step with the paper's memory levers (``StepConfig``).
-* ``trial``: one trial in ``real``, ``emulated`` or ``simulated`` mode -> one result row.
-* ``rows``: the result-row schema, validated JSON Lines, ``trial_key``.
-* ``maxctx``: maximum-context search; ``launch``: real ranks; ``hardware``: device presets
-  and link models; ``workspace``: attention-kernel scratch model; ``simulate``: fake
-  tensors, fake process group, memory tracking.
-* ``python -m bench``: the CLI (``cli``).
+Layered so that each part imports only those above it (``tests/test_imports.py``):
+
+* ``bench.model``: the model under test (``config``: shapes, named configs, FLOPs;
+  ``decoder``: the Llama-style decoder over any registered method).
+* ``bench.training``: the training step (``config``: ``StepConfig``, the memory levers as data;
+  ``step``: FSDP2, checkpointing with host offload, tiling, chunked loss; ``presets``: named
+  configurations such as ``upipe-best``).
+* ``bench.measure``: one trial -> one row (``trial``: the ``Trial`` type; ``run``: the three
+  modes real / emulated / simulated; ``hardware``: device presets and link models;
+  ``simulate``: fake tensors, fake process group, memory tracking; ``launch``: real ranks;
+  ``workspace``: attention-kernel scratch model).
+* ``bench.search``: trials that decide other trials (``autochunk``: ``chunk_heads=auto``;
+  ``maxctx``: the max-context search; ``plan``: the planner).
+* ``bench.cli``: ``python -m bench``.
+
+Rows, sizes and the vocabulary live in ``records`` (torch-free).
 """

@@ -5,9 +5,11 @@
         [--dtype bf16] [--out FILE] [--json]
     python -m bench max-context ... [--granularity 128K] [--max-seq-len 16M] [--start 128K]
     python -m bench list            # methods, models, devices, links
+    python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
+    python -m bench trial '<Trial JSON>' --out FILE   # what a sweep's job runs
 
 Sizes accept ``K``/``M``/``G`` suffixes with K = 1024 (``128K``, ``1M``, ``1.5M``).
-Every run appends its validated rows (JSON Lines, ``bench.rows``) to ``--out``, by default
+Every run appends its validated rows (JSON Lines, ``records``) to ``--out``, by default
 ``results/bench/<mode>.jsonl`` in the repository (``--no-save``: none). Output: a short
 table on stdout (``--json``: one JSON row per line), progress on stderr. Every bad argument
 gets a one-line error and exit code 2, never a traceback.
@@ -20,10 +22,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .sizes import scan
+import methods
+from records import GiB, Kind, Row, append_rows, human, parse_size as parse_tokens
+
+from .measure.hardware import DEVICES, LINKS
+from .measure.launch import is_rank_zero
+from .measure.trial import Search, Trial
+from .model.config import CONFIGS
+from .search.autochunk import run
+from .search.maxctx import default_runner, isolated_runner, search
+from .search.plan import plan
+from .training.config import StepConfig
+from .training.presets import expand
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results" / "bench"
-GiB = 2**30
 
 
 class UsageError(Exception):
@@ -36,13 +48,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_size(text: str) -> int:
-    """``128K`` -> 131072, ``1.5M`` -> 1572864, ``4096`` -> 4096 (K = 1024)."""
-    value = scan(text)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (use e.g. 4096, 128K, 1M, 1.5M)")
-    if value != int(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of tokens")
-    return int(value)
+    """``128K`` -> 131072, ``1.5M`` -> 1572864, ``4096`` -> 4096 (K = 1024): ``records.sizes``."""
+    try:
+        return parse_tokens(text, "size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("size: ")) from None
 
 
 def parse_opt(text: str) -> tuple[str, Any]:
@@ -123,6 +133,12 @@ def build_parser() -> Parser:
     mc.add_argument("--in-process", action="store_true",
                     help="simulated trials in this process (faster; default: each in its own process)")
     sub.add_parser("list", help="methods, models, device presets and link models")
+    tr = sub.add_parser("trial", help="run a trial given as JSON (bench.measure.trial.Trial.to_json; what sweeps send)")
+    tr.add_argument("trial", help="the trial as JSON")
+    tr.add_argument("--out", default=None, help="JSON Lines file to append rows to (default results/bench/<mode>.jsonl)")
+    tr.add_argument("--no-save", action="store_true", help="do not append rows to any file")
+    tr.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
+    tr.add_argument("--in-process", action="store_true", help="a search's simulated probes in this process")
     pl = sub.add_parser("plan", help="max context and step time per method for a model on N GPUs (bench.plan)")
     pl.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
     pl.add_argument("--gpus", type=positive_int, required=True, help="context-parallel ranks C")
@@ -135,12 +151,7 @@ def build_parser() -> Parser:
     return parser
 
 
-def _trial(args, seq_len: int):
-    from .step import StepConfig
-    from .trial import Trial
-
-    from .presets import expand
-
+def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
     ac = not args.no_ac
     levers = dict(ac=ac, ac_offload=ac and not args.no_offload, tiled_mlp=not args.no_tiled_mlp,
                   tiled_norm=not args.no_tiled_norm, chunked_loss=not args.no_chunked_loss)
@@ -150,11 +161,11 @@ def _trial(args, seq_len: int):
             scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
             loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, **levers,
         )
+        return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
+                          device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,
+                          threads=args.threads, kind=Kind.MAX_CONTEXT if search else Kind.TRIAL, search=search)
     except ValueError as err:
         raise UsageError(f"python -m bench: error: {err}") from None
-    return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
-                      device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,
-                      threads=args.threads)
 
 
 def _out_path(args) -> Path | None:
@@ -173,8 +184,6 @@ def table(rows) -> str:
     head = (f"{'mode':9} {'device':10} {'ws':>3} {'method':10} {'model':16} {'scope':9} {'seq':>6} "
             f"{'status':6} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'tok/s/dev':>10} "
             f"{'TFLOP/s':>8} {'max ctx':>8}")
-    from .sizes import human
-
     lines = [head]
     for r in rows:
         f = r.figures
@@ -191,15 +200,12 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def _emit(rows, args, out: Path | None) -> None:
-    from .launch import is_rank_zero
-    from .rows import append_rows
-
+def _emit(rows, as_json: bool, out: Path | None) -> None:
     if not is_rank_zero():
         return
     if out is not None:
         append_rows(out, rows)
-    if args.json:
+    if as_json:
         for r in rows:
             print(json.dumps(r.to_dict(), sort_keys=True))
     else:
@@ -209,11 +215,6 @@ def _emit(rows, args, out: Path | None) -> None:
 
 
 def _list() -> int:
-    import methods
-
-    from .hardware import DEVICES, LINKS
-    from .models import CONFIGS
-
     print("methods:")
     for info in methods.available(detail=True):
         print(f"  {info.name:12} {info.status:20} {info.description}")
@@ -230,14 +231,54 @@ def _list() -> int:
     return 0
 
 
+def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = False) -> int:
+    """Run a validated trial (one step, or a max-context search) and emit its rows."""
+    what = "run" if trial.kind == Kind.TRIAL else "max-context"
+    try:
+        trial.validate()
+    except ValueError as err:
+        raise UsageError(f"python -m bench {what}: error: {err}") from None
+    if trial.kind == Kind.TRIAL:
+        print(f"[{trial.mode} on {trial.world_size} x {trial.device}] {trial.method} {trial.model} "
+              f"seq {trial.seq_len} ...", file=sys.stderr, flush=True)
+        row = run(trial)
+        if trial.auto_chunk is not None:
+            print(row.notes[0], file=sys.stderr, flush=True)
+        _emit([row], as_json, out)
+        return 0
+    zero = is_rank_zero()
+    rows: list[Row] = []
+
+    def on_row(row: Row) -> None:
+        rows.append(row)
+        if zero and out is not None:
+            append_rows(out, [row])
+        if zero and as_json:
+            print(json.dumps(row.to_dict(), sort_keys=True), flush=True)
+
+    try:
+        final = search(trial, runner=default_runner if in_process else isolated_runner, on_row=on_row)
+    except ValueError as err:
+        raise UsageError(f"python -m bench max-context: error: {err}") from None
+    if not zero:
+        return 0
+    if out is not None:
+        append_rows(out, [final])
+    if as_json:
+        print(json.dumps(final.to_dict(), sort_keys=True))
+    else:
+        print(table(rows + [final]))
+        if out is not None:
+            print(f"rows appended to {out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "list":
             return _list()
         if args.command == "plan":
-            from .plan import plan
-
             try:
                 res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
                            None if args.no_figs else args.out_dir)
@@ -247,58 +288,21 @@ def main(argv: list[str] | None = None) -> int:
             for path in res.get("files", []):
                 print(f"wrote {path}", file=sys.stderr)
             return 0
+        if args.command == "trial":
+            try:
+                trial = Trial.from_json(args.trial)
+            except ValueError as err:
+                raise UsageError(f"python -m bench trial: error: {err}") from None
+            out = None if args.no_save else Path(args.out) if args.out else DEFAULT_OUT_DIR / f"{trial.mode}.jsonl"
+            return execute(trial, out, args.json, args.in_process)
         out = _out_path(args)
         if args.command == "run":
-            trial = _trial(args, args.seq_len)
-            try:
-                trial.validate()
-            except ValueError as err:
-                raise UsageError(f"python -m bench run: error: {err}") from None
-            from .trial import run_trial
-
-            print(f"[{trial.mode} on {trial.world_size} x {trial.device}] {trial.method} {trial.model} "
-                  f"seq {args.seq_len} ...", file=sys.stderr, flush=True)
-            row = run_trial(trial)
-            if row.options.get("chunk_heads_requested") == "auto":
-                print(row.notes[0], file=sys.stderr, flush=True)
-            _emit([row], args, out)
-            return 0
-        # max-context
-        from .maxctx import default_runner, isolated_runner, search
-
-        trial = _trial(args, args.granularity)
+            return execute(_trial(args, args.seq_len), out, args.json)
         try:
-            trial.validate(check_seq_len=False)
-            if args.start is not None and args.start > args.max_seq_len:
-                raise ValueError(f"--start {args.start} is beyond --max-seq-len {args.max_seq_len}")
-            rows = []
-            from .launch import is_rank_zero
-            from .rows import append_rows
-
-            zero = is_rank_zero()
-
-            def on_row(row):
-                rows.append(row)
-                if zero and out is not None:
-                    append_rows(out, [row])
-                if zero and args.json:
-                    print(json.dumps(row.to_dict(), sort_keys=True), flush=True)
-
-            runner = default_runner if args.in_process else isolated_runner
-            final = search(trial, args.granularity, args.max_seq_len, args.start, runner=runner, on_row=on_row)
+            search_params = Search(args.granularity, args.max_seq_len, args.start)
         except ValueError as err:
             raise UsageError(f"python -m bench max-context: error: {err}") from None
-        if not zero:
-            return 0
-        if out is not None:
-            append_rows(out, [final])
-        if args.json:
-            print(json.dumps(final.to_dict(), sort_keys=True))
-        else:
-            print(table(rows + [final]))
-            if out is not None:
-                print(f"rows appended to {out}", file=sys.stderr)
-        return 0
+        return execute(_trial(args, args.granularity, search_params), out, args.json, args.in_process)
     except UsageError as err:
         print(str(err).splitlines()[0] if str(err) else "error", file=sys.stderr)
         return 2

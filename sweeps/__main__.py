@@ -1,8 +1,8 @@
 """``python -m sweeps``: run or watch a sweep spec (YAML) locally or on Slurm.
 
-    python -m sweeps run sweeps/configs/table3-cpu.yaml --executor local
+    python -m sweeps run sweeps/configs/table3-llama3-8b-cpu.yaml --executor local
     python -m sweeps run sweeps/configs/table3-llama3-8b.yaml --executor slurm --set slurm.partition=h100
-    python -m sweeps status sweeps/configs/table3-cpu.yaml
+    python -m sweeps status sweeps/configs/table3-llama3-8b-cpu.yaml
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 
 import yaml
 
+from .runner import _bar, run_sweep, status_counts
 from .spec import SpecError, load_spec
 
 
@@ -43,15 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec, _overrides(args.set))
         if args.command == "status":
-            from .runner import _bar, status_counts
-
             counts = status_counts(spec)
             total = sum(counts.values())
             print(f"{spec.name}: {_bar(counts['done'] + counts['failed'], total)}  "
                   + "  ".join(f"{k} {counts[k]}" for k in ("done", "running", "failed", "pending")))
             return 0
-        from .runner import run_sweep
-
         summary = run_sweep(spec, args.executor, args.dry_run, args.max_parallel, args.retry_errors)
     except (SpecError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -16,7 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.sizes import human
+from analysis.report import make_all
+from records import human, read_rows
+
+from .runner import run_sweep
+from .spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ("table3-llama3-8b-cpu", "demo-maxctx-llama3-8b")
@@ -31,8 +35,6 @@ def _human(n: int | None) -> str:
 
 
 def summary() -> None:
-    from bench.rows import read_rows
-
     print("\n=== summary ===")
     rows = read_rows(OUT / "table3-llama3-8b-cpu.jsonl", on_error="warn")
     times = {(r.method, r.seq_len): r.figures.step_time_s for r in rows if r.status == "ok"}
@@ -56,8 +58,6 @@ def summary() -> None:
 def main() -> int:
     os.chdir(REPO)
     os.environ.setdefault("MPLBACKEND", "Agg")
-    from .runner import run_sweep
-    from .spec import load_spec
 
     start = time.time()
     failed = 0
@@ -67,7 +67,6 @@ def main() -> int:
         print(f"\n=== [{i}/{len(SPECS)}] sweep {name} ({spec.mode}) ===", flush=True)
         failed += run_sweep(spec, "local", max_parallel=1 if spec.mode == "real" else 2).failed
     print(f"\n=== [figures] python -m analysis figs -> paper_figs/ ===", flush=True)
-    from analysis.report import make_all
 
     make_all(REPO / "results", REPO / "paper_figs", verbose=False)
     summary()

@@ -6,8 +6,9 @@ job with C tasks (one per GPU); each task exports the torchrun-style environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) from
 submitit's ``JobEnvironment`` and the bench process initialises ``torch.distributed``
 from it (NCCL on GPU, gloo on CPU). Locally a trial is one task and bench spawns its own
-ranks. Rows are appended to the sweep's rows file by bench itself (atomically), so a row
-exists exactly when a trial finished.
+ranks. The trial crosses the process boundary as JSON (``Trial.to_json``, read back by
+``python -m bench trial``). Rows are appended to the sweep's rows file by bench itself
+(atomically), so a row exists exactly when a trial finished.
 """
 from __future__ import annotations
 
@@ -19,52 +20,14 @@ from typing import Any
 
 import submitit
 
-from .spec import Trial
+from bench.measure.trial import Trial
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-# spec `step:` keys -> bench CLI flags; the levers are on by default, so only "off" has a flag
-_OFF_FLAGS = {
-    "fsdp": "--no-fsdp", "ac": "--no-ac", "ac_offload": "--no-offload", "tiled_mlp": "--no-tiled-mlp",
-    "tiled_norm": "--no-tiled-norm", "chunked_loss": "--no-chunked-loss",
-}
-_VALUE_FLAGS = {"mlp_tiles": "--tiles", "loss_chunk": "--loss-chunk", "batch": "--batch",
-                "warmup": "--warmup", "iters": "--iters"}
-STEP_KEYS = set(_OFF_FLAGS) | set(_VALUE_FLAGS)
-
-
-def step_flags(step: dict[str, Any]) -> list[str]:
-    """``bench`` flags for a spec's training-step levers (unknown keys are refused)."""
-    flags: list[str] = []
-    for key, value in sorted(step.items()):
-        if key in _OFF_FLAGS:
-            if not isinstance(value, bool):
-                raise ValueError(f"step.{key}: expected true or false, got {value!r}")
-            flags += [] if value else [_OFF_FLAGS[key]]
-        elif key in _VALUE_FLAGS:
-            flags += [_VALUE_FLAGS[key], str(value)]
-        else:
-            raise ValueError(f"step.{key}: unknown training-step lever; allowed: {sorted(STEP_KEYS)}")
-    return flags
-
-
 def bench_argv(trial: Trial, rows_path: Path) -> list[str]:
-    """The ``python -m bench`` command line of a trial."""
-    argv = [
-        "run" if trial.kind == "run" else "max-context",
-        "--method", trial.method, "--model", trial.model, "--world-size", str(trial.world_size),
-        "--mode", trial.mode, "--scope", trial.scope, "--dtype", trial.dtype, "--device", trial.device,
-        "--out", str(rows_path), "--json",
-    ]
-    if trial.kind == "run":
-        argv += ["--seq-len", str(trial.seq_len)]
-    for key, value in trial.options:
-        argv += ["--opt", f"{key}={value}"]
-    argv += step_flags(dict(trial.step))
-    for key, value in trial.max_context:
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv
+    """The ``python -m bench`` command line of a trial: the trial itself, as JSON."""
+    return ["trial", trial.to_json(), "--out", str(rows_path), "--json"]
 
 
 def _distributed_env(tasks: int) -> dict[str, str]:

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -19,9 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .jobs import TrialJob
+import submitit
+
+from bench.measure.trial import Trial
+
+from .jobs import TrialJob, bench_argv
 from .results import error_row_for, finished, trial_id
-from .spec import SweepSpec, Trial
+from .spec import SweepSpec
 
 EXECUTORS = ("local", "slurm", "debug")
 
@@ -53,13 +62,9 @@ def _save_jobs(spec: SweepSpec, jobs: dict[str, dict]) -> None:
 
 def make_executor(spec: SweepSpec, kind: str, folder: Path, trial: Trial | None = None):
     """A submitit executor for ``kind``; Slurm resources from the spec's ``slurm:`` block."""
-    import submitit
-
     if kind not in EXECUTORS:
         raise ValueError(f"executor {kind!r} is not one of {list(EXECUTORS)}")
     if kind == "slurm":
-        import shutil
-
         if shutil.which("sbatch") is None:
             raise ValueError(
                 "executor 'slurm' needs Slurm's sbatch on PATH; on this machine run "
@@ -113,9 +118,6 @@ def _pid_alive(pid: int) -> bool:
 
 def _kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants (children first found through /proc)."""
-    import os
-    import signal
-
     def children(p: int) -> list[int]:
         out = []
         try:
@@ -141,8 +143,6 @@ def _kill_tree(pid: int) -> None:
 def _job_alive(info: dict) -> bool:
     if info.get("executor") != "slurm":
         return bool(info.get("alive_hint")) and _pid_alive(int(info["job_id"]))
-    import subprocess
-
     res = subprocess.run(["squeue", "-h", "-j", str(info["job_id"]), "-o", "%T"], capture_output=True, text=True)
     return res.returncode == 0 and bool(res.stdout.strip())
 
@@ -163,10 +163,9 @@ def run_sweep(
     print(f"sweep {spec.name}: {len(trials)} trials, {skipped} already have rows in {spec.rows_path}, "
           f"{len(todo)} to run ({executor})", file=stream)
     if dry_run:
-        from .jobs import bench_argv
-
         for t in todo:
-            print("  python -m bench " + " ".join(bench_argv(t, spec.rows_path)), file=stream)
+            print("  python -m bench " + " ".join(shlex.quote(a) for a in bench_argv(t, spec.rows_path)),
+                  file=stream)
         return SweepSummary(len(trials), skipped, 0, 0, 0)
     spec.rows_path.parent.mkdir(parents=True, exist_ok=True)
     folder = spec.rows_path.parent / "logs" / spec.name
@@ -177,8 +176,6 @@ def run_sweep(
         info = jobs_state.get(trial_id(trial))
         if info and _job_alive(info):
             if info["executor"] == "slurm":
-                import submitit
-
                 running.append((trial, submitit.SlurmJob(folder=str(folder), job_id=info["job_id"])))
                 print(f"  adopted running job {info['job_id']} for {trial.label}", file=stream)
                 continue
@@ -228,5 +225,5 @@ def _record_failure(spec: SweepSpec, trial: Trial, job, err: Exception, stream: 
         return
     log = str(getattr(job.paths, "stderr", ""))
     lines = [line for line in str(err).strip().splitlines() if line.strip()][-10:]
-    error_row_for(trial, spec.rows_path, message="\n".join(lines), log_path=log)
+    error_row_for(trial, spec.name, spec.rows_path, message="\n".join(lines), log_path=log)
     print(f"\n  FAILED {trial.label} (job {job.job_id}); log: {log}", file=stream)

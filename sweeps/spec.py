@@ -1,25 +1,28 @@
 """Sweep specs: a YAML file crossing methods, models, sequence lengths and world sizes.
 
-A spec is validated on load; every error names the bad key and what is allowed. Example::
+A spec is validated on load and expands into ``bench.measure.trial.Trial`` objects, the same
+trials ``python -m bench`` runs, with typed method options; every error names the bad key and
+what is allowed. Example::
 
     name: table3-llama3-8b          # rows go to results/<name>.jsonl unless `out:` says otherwise
-    kind: run                       # run (one row per trial) | max-context (a search per trial)
+    kind: trial                     # trial (one row per trial) | max_context (a search per trial)
     mode: real                      # real | emulated | simulated
     scope: model                    # model | attention
     dtype: bf16
-    device: h100-80g                # device preset (bench/devices)
+    device: h100-80g                # device preset (python -m bench list)
     models: [llama3-8b]
     seq_lens: [128K, 256K, 1M]      # human sizes, K = 1024
     world_sizes: [8]                # ranks (GPUs) per trial
     methods:
       - upipe                       # a bare name: default options
       - {name: upipe, options: {chunk_heads: 16}}
-    step: {ac: true, ac_offload: true, tiled_mlp: true}        # training-step levers (bench StepConfig)
-    max_context: {granularity: 256K, max_seq_len: 16M}         # kind: max-context only
+    step: {ac: true, ac_offload: true, tiled_mlp: true}        # training-step levers (StepConfig), warmup, iters
+    max_context: {granularity: 256K, max_seq_len: 16M}         # kind: max_context only (Search)
     slurm: {partition: gpu, account: null, time_min: 60, gpus_per_node: 8, constraint: h100}
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -28,12 +31,11 @@ from typing import Any
 
 import yaml
 
-from bench.sizes import scan
+from bench.measure.trial import Search, Trial
+from bench.training.config import StepConfig
+from bench.training.presets import expand
+from records import DType, Kind, Mode, Scope, parse_size as parse_tokens
 
-MODES = ("real", "emulated", "simulated")
-KINDS = ("run", "max-context")
-SCOPES = ("model", "attention")
-DTYPES = ("bf16", "fp32")
 TOP_KEYS = {
     "name", "kind", "mode", "scope", "dtype", "device", "models", "seq_lens", "world_sizes",
     "methods", "step", "max_context", "slurm", "out", "description",
@@ -42,8 +44,9 @@ SLURM_KEYS = {
     "partition", "account", "time_min", "gpus_per_node", "cpus_per_task", "mem_gb",
     "constraint", "qos", "max_parallel", "tasks_per_gpu",
 }
-MAXCTX_KEYS = {"granularity", "max_seq_len", "min_seq_len"}
-
+TRIAL_KEYS = {"warmup", "iters"}  # per-trial settings a spec's `step:` may also set
+STEP_KEYS = {f.name for f in dataclasses.fields(StepConfig)} - {"scope", "dtype"} | TRIAL_KEYS
+OLD_KINDS = {"run": Kind.TRIAL, "max-context": Kind.MAX_CONTEXT}
 
 
 class SpecError(ValueError):
@@ -51,28 +54,11 @@ class SpecError(ValueError):
 
 
 def parse_size(value: Any, key: str = "size") -> int:
-    """``128K`` -> 131072, ``1.5M`` -> 1572864, ``4096`` -> 4096 (K = 1024)."""
-    if isinstance(value, bool):
-        raise SpecError(f"{key}: expected a size like 128K or 1M, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        size = scan(value)
-        if size is None:
-            raise SpecError(f"{key}: expected a size like 4096, 128K, 1.5M, got {value!r}")
-        if size != int(size):
-            raise SpecError(f"{key}: {value!r} is not a whole number of tokens")
-        size = int(size)
-    if size <= 0:
-        raise SpecError(f"{key}: must be positive, got {value!r}")
-    return size
-
-
-def format_size(n: int) -> str:
-    for unit, mult in (("M", 2**20), ("K", 2**10)):
-        if n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
+    """``128K`` -> 131072, ``1.5M`` -> 1572864, ``4096`` -> 4096 (K = 1024): ``records.sizes``."""
+    try:
+        return parse_tokens(value, key)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -84,32 +70,6 @@ class MethodEntry:
     @property
     def options_dict(self) -> dict[str, Any]:
         return dict(self.options)
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One unit of work: a `bench run` (or a `bench max-context` search)."""
-
-    sweep: str
-    kind: str
-    method: str
-    options: tuple[tuple[str, Any], ...]
-    model: str
-    seq_len: int
-    world_size: int
-    mode: str
-    scope: str
-    dtype: str
-    device: str
-    step: tuple[tuple[str, Any], ...] = ()
-    max_context: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
-        what = f"{self.method}[{opts}]" if opts else self.method
-        size = "max-context" if self.kind == "max-context" else format_size(self.seq_len)
-        return f"{what} {self.model} {size} x{self.world_size} {self.mode}"
 
 
 @dataclass
@@ -134,20 +94,23 @@ class SweepSpec:
     def rows_path(self) -> Path:
         return Path(self.out) if self.out else Path("results") / f"{self.name}.jsonl"
 
+    def trial(self, entry: MethodEntry, model: str, world_size: int, seq_len: int) -> Trial:
+        """One trial of the spec (``ValueError`` when the entry's options or levers are invalid)."""
+        levers = {**self.step, **dict(entry.step)}
+        per_trial = {k: levers.pop(k) for k in TRIAL_KEYS if k in levers}
+        if levers.get("ac") is False:
+            levers.setdefault("ac_offload", False)  # no checkpoints, nothing to offload (as --no-ac)
+        step = StepConfig(scope=self.scope, dtype=self.dtype, **levers)
+        search = Search(**self.max_context) if self.kind == Kind.MAX_CONTEXT else None
+        return Trial.make(entry.name, model, search.granularity if search else seq_len, world_size,
+                          entry.options_dict, mode=self.mode, device=self.device, step=step, kind=self.kind,
+                          search=search, **per_trial)
+
     def trials(self) -> list[Trial]:
         """The cross product, in a stable order (methods outermost, then models, sizes, lengths)."""
-        lengths = self.seq_lens if self.kind == "run" else [0]
-        out = []
-        for m, model, ws, seq in itertools.product(self.methods, self.models, self.world_sizes, lengths):
-            out.append(
-                Trial(
-                    sweep=self.name, kind=self.kind, method=m.name, options=m.options, model=model,
-                    seq_len=seq, world_size=ws, mode=self.mode, scope=self.scope, dtype=self.dtype,
-                    device=self.device, step=tuple(sorted({**self.step, **dict(m.step)}.items())),
-                    max_context=tuple(sorted(self.max_context.items())),
-                )
-            )
-        return out
+        lengths = self.seq_lens if self.kind == Kind.TRIAL else [0]
+        return [self.trial(m, model, ws, seq)
+                for m, model, ws, seq in itertools.product(self.methods, self.models, self.world_sizes, lengths)]
 
 
 def _choice(raw: dict, key: str, allowed: tuple[str, ...], default: str | None = None) -> str:
@@ -179,9 +142,7 @@ def _methods(raw: list) -> list[MethodEntry]:
                                    tuple(sorted((item.get("step") or {}).items()))))
         else:
             out.append(None)
-        if out[-1] is not None:  # a named configuration (bench.presets, e.g. upipe-best)
-            from bench.presets import expand
-
+        if out[-1] is not None:  # a named configuration (bench.training.presets, e.g. upipe-best)
             e = out[-1]
             try:
                 name, opts, step = expand(e.name, e.options_dict, dict(e.step))
@@ -206,16 +167,20 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
     name = raw.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name or ""):
         raise SpecError(f"name: expected a file-name-safe string (letters, digits, . _ -), got {name!r}")
-    kind = _choice(raw, "kind", KINDS, "run")
+    if raw.get("kind") in OLD_KINDS:
+        raise SpecError(f"kind: {raw['kind']!r} is now spelled {OLD_KINDS[raw['kind']].value!r} "
+                        f"(as in result rows); choose one of {list(Kind.values())}")
+    kind = _choice(raw, "kind", Kind.values(), Kind.TRIAL.value)
     world_sizes = []
     for ws in _list(raw, "world_sizes"):
         if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
             raise SpecError(f"world_sizes: each entry must be a positive int, got {ws!r}")
         world_sizes.append(ws)
     seq_lens = [parse_size(s, "seq_lens") for s in raw.get("seq_lens") or []]
-    if kind == "run" and not seq_lens:
-        raise SpecError("seq_lens: missing (kind: run needs at least one sequence length)")
-    for key, allowed in (("slurm", SLURM_KEYS), ("max_context", MAXCTX_KEYS)):
+    if kind == Kind.TRIAL and not seq_lens:
+        raise SpecError("seq_lens: missing (kind: trial needs at least one sequence length)")
+    maxctx_keys = {f.name for f in dataclasses.fields(Search)}
+    for key, allowed in (("slurm", SLURM_KEYS), ("max_context", maxctx_keys)):
         sub = raw.get(key) or {}
         if not isinstance(sub, dict):
             raise SpecError(f"{key}: expected a mapping, got {sub!r}")
@@ -226,20 +191,25 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
     step = raw.get("step") or {}
     if not isinstance(step, dict):
         raise SpecError(f"step: expected a mapping of training-step levers, got {step!r}")
-    from .jobs import STEP_KEYS
-
     entries = _methods(_list(raw, "methods"))
     for where, levers in [("step", step)] + [(f"methods[{i}].step", dict(e.step)) for i, e in enumerate(entries)]:
         bad = sorted(set(levers) - STEP_KEYS)
         if bad:
             raise SpecError(f"{where}: unknown lever(s) {bad}; allowed: {sorted(STEP_KEYS)}")
     models = [str(m) for m in _list(raw, "models")]
-    return SweepSpec(
-        name=name, kind=kind, mode=_choice(raw, "mode", MODES), scope=_choice(raw, "scope", SCOPES, "model"),
-        dtype=_choice(raw, "dtype", DTYPES, "bf16"), device=str(raw.get("device", "cpu")), models=models,
-        seq_lens=seq_lens, world_sizes=world_sizes, methods=entries, step=step,
+    spec = SweepSpec(
+        name=name, kind=kind, mode=_choice(raw, "mode", Mode.values()),
+        scope=_choice(raw, "scope", Scope.values(), Scope.MODEL.value),
+        dtype=_choice(raw, "dtype", DType.values(), DType.BF16.value), device=str(raw.get("device", "cpu")),
+        models=models, seq_lens=seq_lens, world_sizes=world_sizes, methods=entries, step=step,
         max_context=max_context, slurm=dict(raw.get("slurm") or {}), out=raw.get("out"), source=source,
     )
+    for i, entry in enumerate(entries):  # typed options and levers: refused here, before anything runs
+        try:
+            spec.trial(entry, models[0], world_sizes[0], seq_lens[0] if seq_lens else 1)
+        except (ValueError, TypeError) as err:
+            raise SpecError(f"methods[{i}] ({entry.name}): {err}") from None
+    return spec
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepSpec:

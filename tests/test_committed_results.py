@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.rows import read_rows
+from records import read_rows
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 FILES = sorted(p for p in RESULTS.rglob("*.jsonl") if "demo" not in p.relative_to(RESULTS).parts)

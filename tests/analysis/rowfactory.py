@@ -1,11 +1,11 @@
-"""Valid synthetic result rows for the analysis tests, built with ``bench.rows`` types.
+"""Valid synthetic result rows for the analysis tests, built with ``records`` types.
 
 The numbers are made up (they only have to be valid rows); tests check where they land,
 never what they say about the methods.
 """
 from __future__ import annotations
 
-from bench.rows import Environment, Figures, Row, append_rows
+from records import Environment, Figures, Row, append_rows
 
 K, M, GiB = 2**10, 2**20, 2**30
 PAPER_LEVERS = {"fsdp": True, "ac": True, "ac_offload": True, "offload_pin": True, "tiled_mlp": True,

@@ -1,12 +1,13 @@
-"""chunk_heads='auto' (bench.autochunk): resolved in bench, refused by the methods."""
+"""chunk_heads='auto' (bench.search.autochunk): resolved in bench, refused by the methods."""
 import dataclasses
 
 import pytest
 
 import methods
-from bench import cli, hardware
-from bench.autochunk import candidates, resolve_auto_chunk
-from bench.trial import Trial, run_trial
+from bench import cli
+from bench.measure import hardware
+from bench.measure.trial import Trial
+from bench.search.autochunk import candidates, resolve_auto_chunk, run
 
 MODEL, SEQ, WS = "tiny-llama", 65536, 4  # H=8, G=4: U in {8, 4} at C=4
 
@@ -14,7 +15,7 @@ MODEL, SEQ, WS = "tiny-llama", 65536, 4  # H=8, G=4: U in {8, 4} at C=4
 @pytest.fixture
 def small_device(monkeypatch):
     """A simulated accelerator whose usable bytes sit between the peaks of U=4 and U=8."""
-    peaks = {u: run_trial(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": u})).figures.peak_bytes
+    peaks = {u: run(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": u})).figures.peak_bytes
              for u in (8, 4)}
     assert peaks[4] < peaks[8]
 
@@ -50,11 +51,11 @@ def test_resolve_picks_largest_fitting(small_device, device, expected, fits):
 
 
 def test_row_records_choice(small_device):
-    row = run_trial(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": "auto"}, device="mid"))
+    row = run(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": "auto"}, device="mid"))
     assert row.status == "ok"
     assert row.options["chunk_heads"] == 4 and row.options["chunk_heads_requested"] == "auto"
     assert row.notes[0].startswith("chunk_heads=auto -> 4")
-    from bench.rows import validate_row
+    from records import validate_row
     validate_row(row.to_dict())
 
 
@@ -75,7 +76,7 @@ def test_cli_prints_choice(capsys):
     assert "chunk_heads=auto -> 8" in capsys.readouterr().err
 
 
-# --------------------------------------------------------------------------- upipe-best (bench.presets)
+# --------------------------------------------------------------------------- upipe-best (bench.training.presets)
 
 
 def test_upipe_best_cli(capsys):
@@ -99,7 +100,7 @@ def test_upipe_best_refuses_lever_off(capsys):
 def test_upipe_best_in_sweeps():
     from sweeps.spec import SpecError, parse_spec
 
-    base = {"name": "t", "kind": "run", "mode": "simulated", "models": [MODEL], "seq_lens": ["64K"],
+    base = {"name": "t", "kind": "trial", "mode": "simulated", "models": [MODEL], "seq_lens": ["64K"],
             "world_sizes": [4]}
     spec = parse_spec({**base, "methods": ["upipe-best", {"name": "upipe-best", "options": {"kernel": "math"}}]})
     (a, b) = spec.methods

@@ -12,7 +12,7 @@ import pytest
 
 import methods
 from bench.cli import main, parse_size
-from bench.rows import read_rows
+from records import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ BAD = [
     (["--opt", "chunks=3"], "unknown option(s) ['chunks']"),
     (["--seq-len", "1001"], "sequence length 1001 is not divisible by 8"),
     (["--opt", "chunk_heads=12"], "chunk_heads=12 is not a multiple of the world size 8"),
-    (["--seq-len", "12Q"], "'12Q' is not a size"),
+    (["--seq-len", "12Q"], "expected a size like 4096, 128K, 1.5M, got '12Q'"),
     (["--mode", "emulated"], "needs CUDA"),
     (["--link", "carrier-pigeon"], "unknown link model"),
     (["--world-size", "0"], "must be >= 1"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import launch
+from bench.measure import launch
 
 
 def _rank_info(group, x):

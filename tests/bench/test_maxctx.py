@@ -2,15 +2,18 @@
 included; errors stop the search with a lower bound; trials isolated so a dying trial is a row."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 
 import pytest
 
-from bench.maxctx import run_isolated, search
-from bench.sizes import human
-from bench.step import StepConfig
-from bench.trial import Trial, build_row
+from bench.search.maxctx import run_isolated, search
+from records import human
+from bench.measure.run import build_row
+from bench.measure.trial import Search, Trial
+from bench.training.config import StepConfig
 
 K = 1024
 
@@ -34,9 +37,15 @@ def trial(method="upipe", ws=8):
     return Trial.make(method, "llama3-8b", 1, ws, mode="simulated")
 
 
+def searching(t: Trial, granularity: int, max_seq_len: int, start: int | None = None) -> Trial:
+    """``t`` as a max-context search with these parameters."""
+    return dataclasses.replace(t, kind="max_context", search=Search(granularity, max_seq_len, start),
+                               seq_len=granularity)
+
+
 def test_doubling_then_bisection_is_exact_to_the_step():
     seen, rows = [], []
-    final = search(trial(), 128 * K, 16 << 20, runner=fake_runner(5_000_000, seen=seen),
+    final = search(searching(trial(), 128 * K, 16 << 20), runner=fake_runner(5_000_000, seen=seen),
                    on_row=rows.append, progress=None)
     assert final.kind == "max_context" and final.status == "ok"
     assert final.figures.max_context == 5_000_000 // (128 * K) * 128 * K  # 4.75M
@@ -51,21 +60,21 @@ def test_doubling_then_bisection_is_exact_to_the_step():
 
 def test_step_respects_the_methods_sequence_multiple():
     # ring's zigzag layout needs multiples of 2*C = 16 at C = 8; 1000 is not one
-    final = search(trial("ring"), 1000, 64_000, runner=fake_runner(50_000), progress=None)
+    final = search(searching(trial("ring"), 1000, 64_000), runner=fake_runner(50_000), progress=None)
     assert final.search["step"] == 2000
     assert final.figures.max_context == 50_000 // 2000 * 2000
 
 
 def test_limit_reached_is_a_lower_bound_and_nothing_fitting_is_zero():
-    final = search(trial(), 128 * K, 1 << 20, runner=fake_runner(10 << 20), progress=None)
+    final = search(searching(trial(), 128 * K, 1 << 20), runner=fake_runner(10 << 20), progress=None)
     assert final.figures.max_context == 1 << 20
     assert any("lower bound" in n for n in final.notes)
-    none = search(trial(), 128 * K, 1 << 20, runner=fake_runner(1000), progress=None)
+    none = search(searching(trial(), 128 * K, 1 << 20), runner=fake_runner(1000), progress=None)
     assert none.figures.max_context == 0 and any("nothing fits" in n for n in none.notes)
 
 
 def test_an_error_stops_the_search_and_says_so():
-    final = search(trial(), 128 * K, 16 << 20, runner=fake_runner(10 << 20, error_at=2 << 20), progress=None)
+    final = search(searching(trial(), 128 * K, 16 << 20), runner=fake_runner(10 << 20, error_at=2 << 20), progress=None)
     assert final.status == "error" and "boom" in final.message
     assert final.figures.max_context == 1 << 20
 
@@ -74,7 +83,7 @@ def test_start_and_progress(capsys):
     import sys
 
     seen = []
-    search(trial(), 128 * K, 4 << 20, start=1 << 20, runner=fake_runner(3 << 20, seen=seen), progress=sys.stderr)
+    search(searching(trial(), 128 * K, 4 << 20, 1 << 20), runner=fake_runner(3 << 20, seen=seen), progress=sys.stderr)
     assert seen[0] == 1 << 20
     err = capsys.readouterr().err
     assert "[max-context simulated 8xh100-80g upipe llama3-8b] trial 1: 1M -> ok" in err
@@ -85,7 +94,7 @@ def test_simulated_search_end_to_end():
     one that does not."""
     t = Trial.make("ulysses", "llama3-8b", 1, 8, mode="simulated", step=StepConfig(scope="attention"))
     rows = []
-    final = search(t, 1 << 20, 64 << 20, start=4 << 20, on_row=rows.append, progress=None)
+    final = search(searching(t, 1 << 20, 64 << 20, 4 << 20), on_row=rows.append, progress=None)
     best = final.figures.max_context
     assert final.status == "ok" and best >= 4 << 20
     statuses = {r.seq_len: r.status for r in rows}
@@ -113,7 +122,7 @@ def test_isolated_emulated_search():
     memory, so the search reaches its limit."""
     t = Trial.make("upipe", "tiny-mha", 1, 2, mode="emulated", device="cpu", iters=1)
     rows = []
-    final = search(t, 256, 256, on_row=rows.append, progress=None)
+    final = search(searching(t, 256, 256), on_row=rows.append, progress=None)
     assert [(r.seq_len, r.status, r.mode) for r in rows] == [(256, "ok", "emulated")]
     assert final.figures.max_context == 256 and any("lower bound" in n for n in final.notes)
 

@@ -1,4 +1,4 @@
-"""bench/models.py: the paper's shapes, config files, counts and FLOPs, and the levers that live
+"""bench/model/: the paper's shapes, config files, counts and FLOPs, and the levers that live
 in the model (tiled MLP and norms, chunked loss) computing exactly what the plain versions do."""
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench import models
-from bench.models import (CONFIGS, ModelConfig, RMSNorm, FeedForward, chunked_cross_entropy, flops_per_device,
-                          flops_per_step, full_cross_entropy, get_config, tile_bounds, tiles_to_run)
+from bench.model import decoder as models
+from bench.model.config import CONFIGS, ModelConfig, flops_per_device, flops_per_step, get_config
+from bench.model.decoder import (FeedForward, RMSNorm, chunked_cross_entropy, full_cross_entropy, tile_bounds,
+                                tiles_to_run)
 
 
 def test_paper_shapes():
@@ -161,7 +162,7 @@ def test_chunked_loss_equals_full_loss_and_gradient(chunk):
 
 def test_chunked_loss_never_materialises_the_logits():
     """Simulated peak of the chunked loss stays at a chunk's logits, far below the full ones."""
-    from bench.simulate import fake_tensors, track_peak
+    from bench.measure.simulate import fake_tensors, track_peak
 
     n, vocab, dim, chunk = 8192, 32000, 256, 512
     peaks = {}

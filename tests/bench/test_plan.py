@@ -1,4 +1,4 @@
-"""python -m bench plan (bench.plan): layer extrapolation is exact; a tiny plan finishes."""
+"""python -m bench plan (bench.search.plan): layer extrapolation is exact; a tiny plan finishes."""
 import json
 import subprocess
 import sys
@@ -6,8 +6,9 @@ import sys
 import pytest
 
 from bench import cli
-from bench.plan import extrapolated, search_max
-from bench.trial import Trial, measure_simulated
+from bench.measure.run import measure_simulated
+from bench.measure.trial import Trial
+from bench.search.plan import extrapolated, search_max
 
 TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 384,
         "vocab_size": 1024, "rope_theta": 500000.0}
@@ -31,7 +32,7 @@ def test_layer_extrapolation_matches_full_simulation(tiny_file, tmp_path, method
 
 
 def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
-    from bench import hardware
+    from bench.measure import hardware
 
     trial = Trial.make("upipe", tiny_file, 65536, 4)
     usable = measure_simulated(trial.with_seq_len(96 << 10))["peak_bytes"]
@@ -70,7 +71,7 @@ def test_bad_arguments(argv, capsys):
 def test_search_stops_at_the_host_memory_budget(tiny_file, tmp_path, monkeypatch):
     """With ample device memory, offloads beyond the preset's host bytes per GPU end the search:
     the answer is the longest length whose extrapolated host peak fits, and one step more fails."""
-    from bench import hardware
+    from bench.measure import hardware
 
     trial = Trial.make("offload", tiny_file, 65536, 4)
     host = extrapolated(trial.with_seq_len(96 << 10), str(tmp_path)).host_peak_bytes

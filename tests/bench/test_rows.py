@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.rows import (Environment, Figures, Row, RowError, append_rows, encode, finished_keys, read_rows,
+from records import (Environment, Figures, Row, RowError, append_rows, encode, finished_keys, read_rows,
                         trial_key, validate_row)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ KILL_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
 from tests.bench.test_rows import make_row
-from bench.rows import append_rows
+from records import append_rows
 i = 0
 while True:
     i += 1

@@ -1,7 +1,7 @@
 """bench/step.py: every memory lever does what it says.
 
 Memory effects are checked under simulation (FakeTensorMode + fake process group + MemTracker,
-``bench.trial.measure_simulated``); numerics on real gloo ranks: one training step with every
+``bench.measure.run.measure_simulated``); numerics on real gloo ranks: one training step with every
 lever on (FSDP2, checkpointing, tiled MLP and norms, chunked loss), in fp32, gives the same loss
 and the same gradients as the plain single-device step.
 """
@@ -13,10 +13,12 @@ import pytest
 import torch
 
 import methods
-from bench.models import ModelConfig
-from bench.simulate import fake_process_group
-from bench.step import StepConfig, build_model, make_batch, model_step
-from bench.trial import Trial, measure_simulated
+from bench.measure.run import measure_simulated
+from bench.measure.simulate import fake_process_group
+from bench.measure.trial import Trial
+from bench.model.config import ModelConfig
+from bench.training.config import StepConfig
+from bench.training.step import build_model, make_batch, model_step
 
 # mid-sized so that activations dominate and each simulation takes well under a second
 CFG = dict(name="mid", dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=1536, vocab_size=8192)
@@ -116,7 +118,7 @@ def _names(model) -> dict[str, torch.nn.Parameter]:
 
 def cp_step(group, method: str, levers: dict) -> dict:
     """One forward+backward on the ranks of ``group`` with the given levers (fp32)."""
-    from bench.models import get_config
+    from bench.model.config import get_config
 
     torch.manual_seed(0)
     step = StepConfig(dtype="fp32", **levers)
@@ -137,7 +139,7 @@ def cp_step(group, method: str, levers: dict) -> dict:
 
 
 def reference_step(method: str) -> dict:
-    from bench.models import get_config
+    from bench.model.config import get_config
 
     torch.manual_seed(0)
     model, _ = build_model(get_config(TINY), method, {}, None, StepConfig.plain(dtype="fp32"), "cpu", seed=0)
@@ -168,7 +170,7 @@ def test_step_with_levers_equals_plain_single_device_step(pool, method, levers):
 
 def full_step_runs(group, method: str) -> float:
     """The benchmark's own step (bf16, every lever, AdamW) runs and gives a finite loss."""
-    from bench.models import get_config
+    from bench.model.config import get_config
 
     model, opt = build_model(get_config(TINY), method, {}, group, StepConfig(), "cpu", seed=0)
     batch = make_batch(model, SEQ, 1, "cpu")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import methods
-from bench.simulate import fake_process_group, fake_tensors, track_peak
+from bench.measure.simulate import fake_process_group, fake_tensors, track_peak
 
 SEQ_LEN = 1 << 20
 WORLD = 8

@@ -1,7 +1,7 @@
 """make demo's closing summary (sweeps.demo.summary) reads the demo's rows and says what they show."""
 from __future__ import annotations
 
-from bench.rows import Figures, append_rows
+from records import Figures, append_rows
 from sweeps import demo
 from tests.bench.test_rows import make_row
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.rows import read_rows
+from records import read_rows
 from sweeps.runner import run_sweep, status_counts
 from sweeps.spec import load_spec
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def write_spec(tmp_path: Path, **changes) -> Path:
-    spec = dict(name="t", kind="run", mode="simulated", scope="attention", dtype="bf16", device="h100-80g",
+    spec = dict(name="t", kind="trial", mode="simulated", scope="attention", dtype="bf16", device="h100-80g",
                 models=["tiny-llama"], seq_lens=["4K"], world_sizes=[2], methods=["ulysses"],
                 out=str(tmp_path / "rows.jsonl"))
     spec.update(changes)
@@ -50,8 +50,10 @@ def test_dry_run_prints_bench_commands_and_submits_nothing(tmp_path):
     path = write_spec(tmp_path, step={"tiled_mlp": False, "iters": 3})
     out = sweep_cli("run", str(path), "--dry-run")
     assert out.returncode == 0
-    assert "python -m bench run --method ulysses --model tiny-llama --world-size 2" in out.stderr
-    assert "--no-tiled-mlp" in out.stderr and "--iters 3" in out.stderr
+    assert "python -m bench trial " in out.stderr  # the trial itself, as JSON (Trial.to_json)
+    assert '"method": "ulysses"' in out.stderr and '"model": "tiny-llama"' in out.stderr
+    assert '"world_size": 2' in out.stderr
+    assert '"tiled_mlp": false' in out.stderr and '"iters": 3' in out.stderr
     assert not (tmp_path / "rows.jsonl").exists()
 
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.rows import read_rows
+from records import read_rows
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 
 
 def spec_file(tmp_path: Path, name: str, **changes) -> Path:
-    spec = dict(name=name, kind="run", mode="real", scope="attention", dtype="fp32", device="cpu",
+    spec = dict(name=name, kind="trial", mode="real", scope="attention", dtype="fp32", device="cpu",
                 models=["tiny-llama"], seq_lens=["512"], world_sizes=[2], methods=["upipe"],
                 step={"warmup": 1, "iters": 1}, out=str(tmp_path / "rows.jsonl"),
                 slurm={"partition": "debug", "time_min": 10, "cpus_per_task": 1, "max_parallel": 1})

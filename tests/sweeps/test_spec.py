@@ -34,26 +34,27 @@ def test_expansion_is_the_cross_product():
     trials = spec.trials()
     assert len(trials) == 2 * 2 * 2
     assert {t.seq_len for t in trials} == {131072, 1048576}
-    assert ("chunk_heads", 16) in trials[-1].options
+    assert trials[-1].options.chunk_heads == 16 and trials[-1].opts == {"chunk_heads": 16}
 
 
 def test_max_context_kind_has_one_trial_per_method_model_world():
-    spec = parse_spec(dict(BASE, kind="max-context", seq_lens=None, max_context={"granularity": "64K"}))
+    spec = parse_spec(dict(BASE, kind="max_context", seq_lens=None, max_context={"granularity": "64K"}))
     (trial,) = spec.trials()
-    assert trial.kind == "max-context" and dict(trial.max_context) == {"granularity": 65536}
+    assert trial.kind == "max_context" and trial.search.granularity == 65536
 
 
 def test_entry_step_overrides_spec_step():
     spec = parse_spec(dict(BASE, step={"ac": True, "fsdp": True},
                            methods=[{"name": "ulysses", "step": {"ac": False}}]))
-    assert dict(spec.trials()[0].step) == {"ac": False, "fsdp": True}
+    step = spec.trials()[0].step
+    assert (step.ac, step.fsdp) == (False, True)
 
 
 @pytest.mark.parametrize(
     "change,match",
     [
         ({"mode": "sim"}, r"mode: 'sim' is not allowed; choose one of \['real', 'emulated', 'simulated'\]"),
-        ({"kind": "sweep"}, r"kind: 'sweep' is not allowed; choose one of \['run', 'max-context'\]"),
+        ({"kind": "sweep"}, r"kind: 'sweep' is not allowed; choose one of \['trial', 'max_context'\]"),
         ({"scope": "layer"}, r"scope: 'layer' is not allowed"),
         ({"dtype": "fp8"}, r"dtype: 'fp8' is not allowed; choose one of \['bf16', 'fp32'\]"),
         ({"seq_lens": ["12Q"]}, r"seq_lens: expected a size like 4096, 128K, 1.5M, got '12Q'"),
@@ -63,7 +64,7 @@ def test_entry_step_overrides_spec_step():
         ({"slurm": {"partion": "gpu"}}, r"slurm: unknown key\(s\) \['partion'\]; allowed: .*partition"),
         ({"colour": 1}, r"unknown key\(s\) \['colour'\]; allowed keys"),
         ({"name": "has space"}, r"name: expected a file-name-safe string"),
-        ({"seq_lens": None}, r"seq_lens: missing \(kind: run needs"),
+        ({"seq_lens": None}, r"seq_lens: missing \(kind: trial needs"),
     ],
 )
 def test_bad_specs_name_the_key(change, match):

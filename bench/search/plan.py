@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -54,13 +55,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .sizes import human
+import torch
 
-GiB = 2**30
-PEAK_BF16_FLOPS = {"h100-80g": 989e12, "h200-141g": 989e12, "a100-80g": 312e12, "cpu": 1e12}
+from analysis.plan_figure import draw_plan
+from records import GiB, human, read_rows, requested_options
+
+from ..measure.hardware import get_device
+from ..measure.run import guarded, measure_simulated
+from ..measure.trial import AUTO, AUTO_OPTION, Trial
+from ..model.config import flops_per_device, get_config
+from .autochunk import candidates, with_chunk
+
 MFU = 0.4
 HOST_Bps = 55e9  # PCIe 5 x16, one direction, per GPU: host traffic = 2 x host peak bytes, no overlap
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
 
 # --------------------------------------------------------------------------- layer extrapolation
@@ -90,14 +98,12 @@ LOW = 3  # layer counts simulated: 3 and 4 (step.py keeps the first and last blo
 
 
 def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
-    from .trial import _guarded, measure_simulated
-
     key = (trial.seq_len, n_layers)
     if key not in cache:
         cfg = trial.config()
         t = trial if n_layers == cfg.n_layers else dataclasses.replace(
             trial, model=layer_variant(cfg, n_layers, workdir))
-        cache[key] = _guarded(measure_simulated, dataclasses.replace(t, mode="simulated"))
+        cache[key] = guarded(measure_simulated, dataclasses.replace(t, mode="simulated"))
     return cache[key]
 
 
@@ -216,8 +222,7 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
 @dataclass
 class Entry:
     label: str
-    method: str
-    options: dict
+    trial: Trial  # at the search's granularity; an auto-chunk request for the U=auto rows
     max_context: int = 0
     peak_bytes: int | None = None
     host_peak_bytes: int | None = None
@@ -231,35 +236,36 @@ class Entry:
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def method(self) -> str:
+        return self.trial.method
 
-def entries(cfg, gpus: int, nodes: int) -> list[Entry]:
-    out = [Entry(f"upipe U={gpus}", "upipe", {}), Entry("upipe U=auto", "upipe", {"chunk_heads": "auto"}),
-           Entry("ulysses", "ulysses", {}), Entry("ring", "ring", {})]
+    @property
+    def auto(self) -> bool:
+        return self.trial.auto_chunk is not None
+
+
+def entries(model: str, gpus: int, nodes: int, device: str, granularity: int) -> list[Entry]:
+    def entry(label: str, method: str, options: dict) -> Entry:
+        return Entry(label, Trial.make(method, model, granularity, gpus, options, device=device))
+
+    out = [entry(f"upipe U={gpus}", "upipe", {}), entry("upipe U=auto", "upipe", {AUTO_OPTION: AUTO}),
+           entry("ulysses", "ulysses", {}), entry("ring", "ring", {})]
     if nodes > 1:
         u = gpus // nodes
-        out += [Entry(f"usp u={u}", "usp", {"ulysses_degree": u}),
-                Entry(f"usp-upipe u={u} U={u}", "usp-upipe", {"ulysses_degree": u}),
-                Entry(f"usp-upipe u={u} U=auto", "usp-upipe", {"ulysses_degree": u, "chunk_heads": "auto"})]
-    out += [Entry("fpdt", "fpdt", {}), Entry("offload", "offload", {})]
+        out += [entry(f"usp u={u}", "usp", {"ulysses_degree": u}),
+                entry(f"usp-upipe u={u} U={u}", "usp-upipe", {"ulysses_degree": u}),
+                entry(f"usp-upipe u={u} U=auto", "usp-upipe", {"ulysses_degree": u, AUTO_OPTION: AUTO})]
+    out += [entry("fpdt", "fpdt", {}), entry("offload", "offload", {})]
     return out
 
 
 def _search_entry(args) -> Entry:
-    entry, model, gpus, device, granularity, max_seq_len, workdir = args
-    from .trial import Trial
-
+    entry, granularity, max_seq_len, workdir = args
     t0 = time.perf_counter()
-    opts = dict(entry.options)
-    if opts.get("chunk_heads") == "auto":
-        opts["chunk_heads"] = None  # auto's limit is U = C's (module docstring)
-    trial = Trial.make(entry.method, model, granularity, gpus, opts, device=device)
     try:
-        trial.validate(check_seq_len=False)
-        if entry.options.get("chunk_heads") == "auto":
-            from .autochunk import check_auto
-
-            check_auto(Trial.make(entry.method, model, granularity, gpus, entry.options, device=device))
-        found, best, n, _, err = search_max(trial, granularity, max_seq_len, workdir)
+        entry.trial.validate(check_seq_len=False)
+        found, best, n, _, err = search_max(entry.trial, granularity, max_seq_len, workdir)
     except ValueError as e:
         entry.skipped = str(e).splitlines()[0][:160]
         return entry
@@ -274,8 +280,6 @@ def _search_entry(args) -> Entry:
 
 def _worker_init() -> None:
     """One intra-op thread per worker: fake tensors compute nothing, and the workers share the cores."""
-    import torch
-
     torch.set_num_threads(1)
 
 
@@ -283,16 +287,12 @@ def _resolve_u_job(args):
     return _resolve_u(*args)
 
 
-def _resolve_u(entry: Entry, model: str, gpus: int, device: str, seq_len: int, workdir: str) -> int | None:
+def _resolve_u(entry: Entry, seq_len: int, workdir: str) -> int | None:
     """The U ``auto`` picks at ``seq_len`` (largest candidate whose extrapolated peak fits)."""
-    from .autochunk import candidates
-    from .trial import Trial
-
-    trial = Trial.make(entry.method, model, seq_len, gpus, entry.options, device=device)
+    trial = entry.trial.with_seq_len(seq_len)
     cands = candidates(trial)
     for u in cands:
-        t = Trial.make(entry.method, model, seq_len, gpus, {**entry.options, "chunk_heads": u}, device=device)
-        if extrapolated(t, workdir).status == "ok":
+        if extrapolated(with_chunk(trial, u), workdir).status == "ok":
             return u
     return cands[-1] if cands else None
 
@@ -300,30 +300,24 @@ def _resolve_u(entry: Entry, model: str, gpus: int, device: str, seq_len: int, w
 # --------------------------------------------------------------------------- step time
 
 
-def measured_time(method: str, options: dict, model: str, gpus: int, device: str, seq_len: int):
-    """A measured step time from results/ (real mode, same trial), or None."""
-    from .rows import read_rows
-
+def measured_time(trial: Trial) -> float | None:
+    """A measured step time from results/ (real mode, same method/options/model/size/length), or None."""
     best = None
+    want = trial.requested_opts()
+    name = trial.config().name
     for path in sorted(RESULTS_DIR.rglob("*.jsonl")):
-        try:
-            rows = read_rows(path)
-        except Exception:  # noqa: BLE001 - a file of another format
-            continue
-        for r in rows:
-            if (r.kind == "trial" and r.mode == "real" and r.status == "ok" and r.method == method
-                    and r.model == model and r.world_size == gpus and r.device == device
-                    and r.seq_len == seq_len and r.scope == "model" and r.figures.step_time_s
-                    and {k: v for k, v in r.options.items() if v is not None} ==
-                    {k: v for k, v in options.items() if v is not None}):
+        for r in read_rows(path, on_error="skip"):
+            if (r.kind == "trial" and r.mode == "real" and r.status == "ok" and r.method == trial.method
+                    and r.model == name and r.world_size == trial.world_size and r.device == trial.device
+                    and r.seq_len == trial.seq_len and r.scope == "model" and r.figures.step_time_s
+                    and {k: v for k, v in requested_options(r.options).items() if v is not None} == want):
                 best = r.figures.step_time_s if best is None else min(best, r.figures.step_time_s)
     return best
 
 
 def modelled_time(cfg, entry: Entry, gpus: int, device: str, seq_len: int) -> float:
-    from .models import flops_per_device
-
-    compute = flops_per_device(cfg, seq_len, gpus) / (PEAK_BF16_FLOPS.get(device, 989e12) * MFU)
+    peak = get_device(device).peak_bf16_flops
+    compute = flops_per_device(cfg, seq_len, gpus) / (peak * MFU)
     scale = seq_len / entry.max_context if entry.max_context else 0.0
     comm = (entry.comm_time_s or 0.0) * scale
     host = 2 * (entry.host_peak_bytes or 0) * scale / HOST_Bps  # to the host and back
@@ -334,49 +328,41 @@ def modelled_time(cfg, entry: Entry, gpus: int, device: str, seq_len: int) -> fl
 
 
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
-         granularity: int = 512 << 10, out_dir: str | None = "paper_figs", workers: int | None = None,
+         granularity: int = 512 << 10, out_dir: str | None = None, workers: int | None = None,
          progress=sys.stderr) -> dict[str, Any]:
-    from .hardware import get_device
-    from .models import get_config
-
     cfg = get_config(model)
     preset = get_device(device)
     if gpus % nodes:
         raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
     t0 = time.perf_counter()
-    todo = entries(cfg, gpus, nodes)
+    todo = entries(model, gpus, nodes, device, granularity)
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as workdir:
-        searched = [e for e in todo if e.options.get("chunk_heads") != "auto"]
+        searched = [e for e in todo if not e.auto]
         searched.sort(key=lambda e: e.method not in ("ring", "usp", "usp-upipe", "fpdt"))  # slowest first
-        jobs = [(e, model, gpus, device, granularity, max_seq_len, workdir) for e in searched]
-        import multiprocessing as mp
-
+        jobs = [(e, granularity, max_seq_len, workdir) for e in searched]
         pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) if workers > 1 else None
         try:
             found = list(pool.map(_search_entry, jobs)) if pool else [_search_entry(j) for j in jobs]
-            by_key = {(e.method, json.dumps({k: v for k, v in e.options.items() if k != "chunk_heads"},
-                                            sort_keys=True)): e for e in found}
+            by_trial = {e.trial: e for e in found}
             done = []
             for e in todo:
-                if e.options.get("chunk_heads") != "auto":
-                    done.append(by_key[(e.method, json.dumps(e.options, sort_keys=True))])
+                if not e.auto:
+                    done.append(by_trial[e.trial])
                     continue
-                base = by_key[(e.method, json.dumps({k: v for k, v in e.options.items() if k != "chunk_heads"},
-                                                    sort_keys=True))]  # auto's limit is U = u's
-                done.append(dataclasses.replace(base, label=e.label, options=e.options))
+                base = by_trial[with_chunk(e.trial, None)]  # auto's limit is U = u's (module docstring)
+                done.append(dataclasses.replace(base, label=e.label, trial=e.trial))
                 try:
-                    from .autochunk import check_auto
-                    from .trial import Trial
-
-                    check_auto(Trial.make(e.method, model, granularity, gpus, e.options, device=device))
+                    e.trial.validate(check_seq_len=False)
+                    if not candidates(e.trial):
+                        raise ValueError(f"{e.method}: no valid chunk_heads for {cfg.name} at {gpus} GPUs")
                 except ValueError as err:
                     done[-1].skipped = str(err).splitlines()[0][:160]
             ok = [e for e in done if not e.skipped and e.max_context > 0]
             longest = max((e.max_context for e in ok), default=0)
             common = min((e.max_context for e in ok), default=0)
-            autos = [e for e in ok if e.options.get("chunk_heads") == "auto"]
-            args = [(e, model, gpus, device, common, workdir) for e in autos]
+            autos = [e for e in ok if e.auto]
+            args = [(e, common, workdir) for e in autos]
             us = list(pool.map(_resolve_u_job, args)) if pool else [_resolve_u_job(a) for a in args]
             for e, u in zip(autos, us):
                 e.resolved_u = u
@@ -384,7 +370,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
             if pool:
                 pool.shutdown()
     for e in ok:
-        measured = measured_time(e.method, e.options, cfg.name, gpus, device, common)
+        measured = measured_time(e.trial.with_seq_len(common))
         if measured is not None:
             e.step_time_s, e.time_source = measured, "measured"
         else:
@@ -392,12 +378,13 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     at_longest = [e for e in ok if e.max_context == longest]
     fastest_longest = min(at_longest, key=lambda e: modelled_time(cfg, e, gpus, device, longest), default=None)
     fastest_common = min(ok, key=lambda e: e.step_time_s, default=None)
+    host_usable = preset.host_usable()
     result = {
         "model": cfg.name, "gpus": gpus, "nodes": nodes, "device": device, "granularity": granularity,
         "max_seq_len": max_seq_len, "entries": done, "longest": longest, "common": common,
         "usable_gib": preset.usable() / GiB,
-        "host_note": (f" and {preset.host_usable() / GiB:.0f} GiB of host memory for offloads"
-                      if getattr(preset, "host_usable", lambda: None)() else ""), "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
+        "host_note": f" and {host_usable / GiB:.0f} GiB of host memory for offloads" if host_usable else "",
+        "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
     }
     result["text"] = render(result)
@@ -434,7 +421,7 @@ def render(res: dict[str, Any]) -> str:
             note.append(f"auto -> U={e.resolved_u} at {human(res['common'])}")
         if e.error:
             note.append(f"error: {e.error}")
-        if e.points and e.options.get("chunk_heads") != "auto":
+        if e.points and not e.auto:
             note.append(f"{e.points} sims, {e.seconds:.0f}s")
         peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
         host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
@@ -457,29 +444,13 @@ def render(res: dict[str, Any]) -> str:
 
 
 def write_outputs(res: dict[str, Any], out_dir: Path) -> list[str]:
+    """The plan as ``plan_<model>_<gpus>x<device>.md`` and its figure (drawn by ``analysis``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"plan_{res['model'].replace('/', '_')}_{res['gpus']}x{res['device']}"
     md = out_dir / f"{stem}.md"
     md.write_text(f"# Plan: {res['model']} on {res['gpus']} x {res['device']}\n\n"
-                  f"Generated by `python -m bench plan` (bench/plan.py).\n\n```\n{res['text']}\n```\n")
-    files = [str(md)]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return files
-    shown = [e for e in res["entries"] if not e.skipped]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(shown) + 1.5))
-    ax.barh([e.label for e in shown], [e.max_context / 2**20 for e in shown], color="tab:blue")
-    for i, e in enumerate(shown):
-        ax.text(e.max_context / 2**20, i, f" {human(e.max_context) if e.max_context else '0'}", va="center")
-    ax.invert_yaxis()
-    ax.set_xlabel("simulated max context (M tokens, K = 1024)")
-    ax.set_title(f"{res['model']} on {res['gpus']} x {res['device']}: max context per method")
-    fig.tight_layout()
+                  f"Generated by `python -m bench plan` (bench/search/plan.py).\n\n```\n{res['text']}\n```\n")
     png = out_dir / f"{stem}.png"
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return files + [str(png)]
+    shown = [(e.label, e.max_context) for e in res["entries"] if not e.skipped]
+    draw_plan(shown, f"{res['model']} on {res['gpus']} x {res['device']}: max context per method", png)
+    return [str(md), str(png)]

@@ -12,17 +12,23 @@ is not modelled, so figures are lower bounds on ``torch.cuda.max_memory_reserved
 from __future__ import annotations
 
 import contextlib
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.init as init
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
+
+from methods.hostmem import simulated_host
 
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator["dist.ProcessGroup"]:
     """A ``fake``-backend default process group of ``world_size`` ranks (this process is ``rank``)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the backend
 
     if dist.is_initialized():
         raise RuntimeError(
@@ -42,9 +48,7 @@ def fake_tensors(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
     ``.to(dtype)`` after construction fails under fake mode). Methods that offload to host
     memory offload to the ``meta`` device meanwhile (``methods.hostmem``), so the tracker
     counts those bytes apart from the simulated device's."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from methods.hostmem import simulated_host
 
     previous = torch.get_default_dtype()
     with FakeTensorMode(allow_non_fake_inputs=False), simulated_host("meta"):
@@ -72,7 +76,6 @@ def track_peak(step: Callable[[], None], *external) -> MemoryPeak:
     ``external`` are modules, optimizers and tensors that exist before ``step`` (their
     memory counts toward the peak from the start).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     if external:
@@ -93,7 +96,6 @@ def no_param_init() -> Iterator[None]:
     shapes only. Modules call ``nn.init.<fn>`` through the module attribute, so replacing the
     attributes is enough; they are restored on exit.
     """
-    import torch.nn.init as init
 
     names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))]
     saved = {n: getattr(init, n) for n in names}
@@ -114,9 +116,7 @@ def _peak_tracker():
     Only the global per-device peak and its category split are needed here, so the scan is
     replaced by the global update (the same code as MemTracker's last loop).
     """
-    from copy import deepcopy
 
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class PeakTracker(MemTracker):
         def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - same signature

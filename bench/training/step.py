@@ -20,7 +20,7 @@
   ``[tokens, vocab]`` logits never exist.
 * AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1).
 * ``kernel_workspace`` (simulation only): the attention kernel's backward scratch buffers,
-  which fake kernels do not allocate (``bench.workspace``: ``none``, ``fa2``, ``fa3``).
+  which fake kernels do not allocate (``bench.measure.workspace``: ``none``, ``fa2``, ``fa3``).
 
 Two scopes: ``model`` (embedding -> blocks -> loss, backward, optimizer step) and
 ``attention`` (one attention block forward + backward on random input, weights in the
@@ -39,79 +39,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import methods
 from methods import comm
 
-from .models import Decoder, ModelConfig
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SCOPES = ("model", "attention")
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    """What one step does. Defaults are the paper's settings (batch 1, every lever on)."""
-
-    scope: str = "model"
-    batch: int = 1
-    dtype: str = "bf16"
-    fsdp: bool = True
-    ac: bool = True
-    ac_offload: bool = True
-    offload_pin: bool = True
-    tiled_mlp: bool = True
-    tiled_norm: bool = True
-    mlp_tiles: int = 0  # tiles of the tiled MLP and norms; 0: ceil(local tokens / dim), the paper's rule
-    chunked_loss: bool = True
-    loss_chunk: int = 2048
-    lr: float = 3e-4
-    kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.workspace)
-
-    def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope must be one of {list(SCOPES)}, got {self.scope!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.batch, int) or self.batch < 1:
-            raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
-        if self.mlp_tiles < 0:
-            raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
-        if self.loss_chunk < 1:
-            raise ValueError(f"loss_chunk must be >= 1 token, got {self.loss_chunk}")
-        if self.ac_offload and not self.ac:
-            raise ValueError("ac_offload offloads activation checkpoints: it needs ac=True")
-        from .workspace import MODELS
-
-        if self.kernel_workspace not in MODELS:
-            raise ValueError(f"kernel_workspace must be one of {list(MODELS)}, got {self.kernel_workspace!r}")
-
-    @classmethod
-    def plain(cls, **overrides) -> "StepConfig":
-        """No memory lever at all (replicated model, no AC, plain MLP, full logits)."""
-        base = dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False,
-                    chunked_loss=False)
-        return cls(**{**base, **overrides})
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def levers(self) -> dict[str, Any]:
-        """The levers as recorded in a result row (everything but scope, batch and dtype,
-        which are trial keys of their own)."""
-        d = dataclasses.asdict(self)
-        for k in ("scope", "batch", "dtype"):
-            d.pop(k)
-        if d["kernel_workspace"] == "none":  # the default is left out: keys of earlier rows stay valid
-            d.pop("kernel_workspace")
-        return d
-
-    @classmethod
-    def from_levers(cls, scope: str, batch: int, dtype: str, levers: dict[str, Any]) -> "StepConfig":
-        return cls(scope=scope, batch=batch, dtype=dtype, **levers)
-
+from ..model.config import ModelConfig
+from ..model.decoder import Decoder
+from .config import StepConfig
 
 # --------------------------------------------------------------------------- offload
 
@@ -212,12 +150,8 @@ def build_model(
             use = offload if (offload is not None and (n <= 2 or 0 < i < n - 1)) else None
             model.layers[i] = CheckpointedBlock(model.layers[i], use)
     if step.fsdp:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if group is None:
             raise ValueError("fsdp=True needs a process group (use fsdp=False on one device)")
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():  # the mesh holds real rank ids, even under simulation
             mesh = DeviceMesh.from_group(group, device_type=device.type)

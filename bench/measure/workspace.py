@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MODELS = ("none", "fa2", "fa3")
+from ..training.config import KERNEL_WORKSPACES
+
+MODELS = KERNEL_WORKSPACES
 
 
 def _up(n: int, m: int) -> int:

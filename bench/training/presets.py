@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..measure.trial import AUTO, AUTO_OPTION
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -29,7 +31,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("upipe-best", "upipe", {"chunk_heads": "auto"},
+        Preset("upipe-best", "upipe", {AUTO_OPTION: AUTO},
                {"ac": True, "ac_offload": True, "tiled_mlp": True, "tiled_norm": True, "chunked_loss": True},
                "UPipe + chunk_heads=auto + AC offloaded to host + tiled MLP/norm + chunked loss"),
     )

@@ -26,120 +26,21 @@ Any other exception makes an ``error`` row: a trial never raises.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-import methods
-from methods import kernels
+from records import Figures, GiB, Mode, Row, cpu_name, environment
 
+from ..model.config import flops_per_device
+from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import launch
-from .hardware import CommCounter, DevicePreset, LinkModel, get_device, get_link
-from .models import ModelConfig, flops_per_device, get_config
-from .rows import Environment, Figures, Row, cpu_name, environment
+from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
+from .trial import Trial
 from .workspace import KernelWorkspace
-from .step import (StepConfig, build_attention, build_model, make_batch, maybe_prime_optimizer,
-                   step_fn)
-
-MODES = ("real", "emulated", "simulated")
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Trial:
-    method: str
-    model: str  # a named config or a JSON/YAML path
-    seq_len: int
-    world_size: int
-    mode: str = "simulated"
-    device: str = "h100-80g"
-    options: tuple = ()  # method options as sorted (name, value) pairs (hashable)
-    step: StepConfig = StepConfig()
-    link: str | None = None  # None: the device preset's default
-    warmup: int = 1
-    iters: int = 2
-    seed: int = 0
-    threads: int | None = None  # torch CPU threads per rank (real/emulated); None: as launched
-
-    @classmethod
-    def make(cls, method: str, model: str, seq_len: int, world_size: int, options: dict | None = None,
-             **kwargs) -> "Trial":
-        return cls(method, model, seq_len, world_size, options=tuple(sorted((options or {}).items())), **kwargs)
-
-    @property
-    def opts(self) -> dict[str, Any]:
-        return dict(self.options)
-
-    def with_seq_len(self, seq_len: int) -> "Trial":
-        return dataclasses.replace(self, seq_len=seq_len)
-
-    # ------------------------------------------------------------------ resolution and checks
-    def config(self) -> ModelConfig:
-        return get_config(self.model)
-
-    def preset(self) -> DevicePreset:
-        return get_device(self.device)
-
-    def link_model(self) -> LinkModel:
-        return get_link(self.link or self.preset().link)
-
-    def method_cls(self):
-        return methods.get_info(self.method).cls
-
-    def seq_multiple(self) -> int:
-        cls = self.method_cls()
-        return cls.seq_multiple(self.world_size, cls.parse_options(**self.opts))
-
-    def validate(self, check_seq_len: bool = True) -> None:
-        """Every check that needs no computation; raises ``ValueError`` saying what to fix."""
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {list(MODES)}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"sequence length must be a positive integer, got {self.seq_len!r}")
-        cfg = self.config()
-        preset = self.preset()
-        self.link_model()
-        if self.opts.get("chunk_heads") == "auto":  # resolved before the run (bench.autochunk)
-            from .autochunk import check_auto
-
-            check_auto(self)
-        else:
-            methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
-        cls = self.method_cls()
-        if check_seq_len:
-            cls.check_seq_len(self.seq_len, self.world_size, cls.parse_options(**self.opts))
-        if self.mode in ("real", "emulated") and preset.kind == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"mode {self.mode!r} on device preset {self.device!r} needs CUDA, which this machine "
-                f"lacks; use --device cpu, or --mode simulated"
-            )
-        if self.mode == "real" and preset.kind == "cuda" and launch.launched_env() is None \
-                and self.world_size > torch.cuda.device_count():
-            raise ValueError(
-                f"real mode with {self.world_size} ranks needs {self.world_size} GPUs here "
-                f"({torch.cuda.device_count()} found); launch with torchrun/submitit across nodes, "
-                f"or use --mode emulated/simulated"
-            )
-        if self.step.fsdp and self.step.scope == "model" and self.world_size == 1:
-            pass  # FSDP over one rank is allowed (it only casts)
-        if self.step.kernel_workspace != "none" and self.mode != "simulated":
-            raise ValueError(
-                f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
-                f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
-            )
-        if self.iters < 1 or self.warmup < 1:
-            raise ValueError("iters and warmup must both be >= 1 (the first step is never timed)")
-
-    def kernel_name(self) -> str:
-        return self.opts.get("kernel") or kernels.default_kernel_name()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -265,7 +166,7 @@ def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, An
     return out
 
 
-def _guarded(fn, *args) -> dict[str, Any]:
+def guarded(fn, *args) -> dict[str, Any]:
     """Run a measurement; turn an exception into a status (so ranks report, not crash)."""
     try:
         return {"status": "ok", **fn(*args)}
@@ -282,7 +183,7 @@ def _guarded(fn, *args) -> dict[str, Any]:
 def real_rank(group, trial: Trial) -> dict[str, Any]:
     """Run on every real rank (module level: it is sent to spawned processes)."""
     device = launch.local_device(trial.preset().kind)
-    return _guarded(measure_on_device, trial, group, device)
+    return guarded(measure_on_device, trial, group, device)
 
 
 def _emulated(trial: Trial) -> dict[str, Any]:
@@ -372,29 +273,23 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if device_name is None:
         device_name = result.get("device_name") or (
             f"fake tensors on {cpu_name()} (simulating {preset.name})" if trial.mode == "simulated" else cpu_name())
-    link_dict = link.to_dict() if trial.mode in ("emulated", "simulated") else None
-    return Row(
-        kind="trial", method=trial.method, options=trial.opts, model=cfg.name, scope=trial.step.scope,
-        seq_len=trial.seq_len, batch=trial.step.batch, world_size=trial.world_size, mode=trial.mode,
-        dtype=trial.step.dtype, device=trial.device, levers=trial.step.levers(), link=link_dict,
-        search=None, status=status, message=message, figures=f, env=environment(kernel, device_name),
-        model_arch=cfg.to_dict(), notes=notes,
-    )
+    return Row(**trial.row_fields(), status=status, message=message, figures=f,
+               env=environment(kernel, device_name), model_arch=cfg.to_dict(), notes=notes)
 
 
 def run_trial(trial: Trial) -> Row:
     """Run one trial in its mode, in this process; never raises for a failing trial (the row
     says ``oom`` or ``error``). Invalid trials raise ``ValueError`` (call ``validate`` first)."""
+    if trial.auto_chunk is not None:
+        raise ValueError("chunk_heads=auto is a request: resolve it first (bench.search.autochunk.run)")
+    if trial.kind != "trial":
+        raise ValueError("a max_context trial is a search: run it with bench.search.maxctx.search")
     trial.validate()
-    if trial.opts.get("chunk_heads") == "auto":
-        from .autochunk import run_auto
-
-        return run_auto(trial, run_trial)
     t0 = time.perf_counter()
     if trial.mode == "simulated":
-        result = _guarded(measure_simulated, trial)
+        result = guarded(measure_simulated, trial)
     elif trial.mode == "emulated":
-        result = _guarded(_emulated, trial)
+        result = guarded(_emulated, trial)
     else:
         try:
             backend = "nccl" if trial.preset().kind == "cuda" else "gloo"

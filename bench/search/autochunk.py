@@ -1,8 +1,8 @@
-"""``chunk_heads="auto"`` for ``upipe`` and ``usp-upipe``: pick U before the trial runs.
+"""``chunk_heads=auto`` for ``upipe`` and ``usp-upipe``: pick U before the trial runs.
 
-UPipe's head chunk U trades memory for speed (paper §4: larger chunks are faster, use more
-memory). ``auto`` is a request that bench resolves; the methods themselves only accept an
-int (``methods.upipe.refuse_auto``). Resolution:
+UPipe's head chunk U trades memory for speed (paper: larger chunks are faster, use more
+memory). ``auto`` is a request (``bench.measure.trial.AutoChunk``) that this module
+resolves; the methods themselves only accept an int. Resolution:
 
 * candidates: the U that ``methods.validate`` accepts (multiples of the Ulysses degree u,
   u = C for upipe, dividing H, compatible with the GQA schedule), largest first (fewest
@@ -15,7 +15,8 @@ int (``methods.upipe.refuse_auto``). Resolution:
 
 The row of a resolved trial records ``options.chunk_heads`` = the chosen U,
 ``options.chunk_heads_requested = "auto"`` and a note with the simulated peak of every
-candidate tried (GiB) and the usable budget.
+candidate tried (GiB) and the usable budget. ``run`` is the entry point for any trial:
+it resolves a request when there is one, then runs the trial.
 """
 from __future__ import annotations
 
@@ -23,49 +24,26 @@ import dataclasses
 from typing import Callable
 
 import methods
+from records import GiB, Row
 
-GiB = 2**30
-AUTO = "auto"
-AUTO_METHODS = ("upipe", "usp-upipe")
-
-
-def is_auto(trial) -> bool:
-    return trial.opts.get("chunk_heads") == AUTO
+from ..measure.run import run_trial
+from ..measure.trial import AUTO, AUTO_OPTION, Trial
 
 
-def _with_opts(trial, opts: dict):
-    return dataclasses.replace(trial, options=tuple(sorted(opts.items())))
+def with_chunk(trial: Trial, chunk_heads: int | None) -> Trial:
+    """``trial`` with ``chunk_heads`` set (None: the method's default, U = u) and no request."""
+    return trial.with_options(dataclasses.replace(trial.options, chunk_heads=chunk_heads))
 
 
-def with_chunk(trial, chunk_heads):
-    """``trial`` with ``chunk_heads`` replaced (None: the method's default, U = u)."""
-    opts = dict(trial.opts)
-    opts["chunk_heads"] = chunk_heads
-    return _with_opts(trial, opts)
-
-
-def ulysses_degree(trial) -> int:
+def ulysses_degree(trial: Trial) -> int:
     """u: the ranks a UPipe stage spans (C for upipe; USP's Ulysses degree for usp-upipe)."""
     if trial.method == "upipe":
         return trial.world_size
-    cls = trial.method_cls()
     probe = with_chunk(trial, None)
-    return cls.degrees(trial.config().attn_spec(), trial.world_size, cls.parse_options(**probe.opts))[0]
+    return trial.method_cls().degrees(trial.config().attn_spec(), trial.world_size, probe.options)[0]
 
 
-def check_auto(trial) -> None:
-    """Validation of an ``auto`` trial: the method must be a UPipe one, and the trial valid
-    with the default chunk (every other option is checked there)."""
-    if trial.method not in AUTO_METHODS:
-        raise ValueError(f"chunk_heads='auto' is only for {list(AUTO_METHODS)}, not {trial.method!r}")
-    spec = trial.config().attn_spec()
-    methods.validate(trial.method, spec, trial.world_size, **with_chunk(trial, None).opts)
-    if not candidates(trial):
-        raise ValueError(f"{trial.method}: no valid chunk_heads for {trial.config().name} at world size "
-                         f"{trial.world_size}")
-
-
-def candidates(trial) -> list[int]:
+def candidates(trial: Trial) -> list[int]:
     """Valid U values, largest first."""
     spec = trial.config().attn_spec()
     u = ulysses_degree(trial)
@@ -81,20 +59,21 @@ def candidates(trial) -> list[int]:
     return out
 
 
-def _simulate(trial):
-    from .trial import run_trial
-
+def _simulate(trial: Trial) -> Row:
     return run_trial(dataclasses.replace(trial, mode="simulated"))
 
 
-def resolve_auto_chunk(trial, simulate: Callable | None = None):
-    """``(trial_with_U, reason)``; a trial without ``chunk_heads='auto'`` comes back unchanged
-    with reason ``""``. ``simulate(trial) -> Row`` runs one simulated trial (tests replace it)."""
-    if not is_auto(trial):
+def resolve_auto_chunk(trial: Trial, simulate: Callable[[Trial], Row] | None = None) -> tuple[Trial, str]:
+    """``(trial_with_U, reason)``; a trial without the request comes back unchanged with
+    reason ``""``. ``simulate(trial) -> Row`` runs one simulated trial (tests replace it)."""
+    if trial.auto_chunk is None:
         return trial, ""
-    check_auto(trial)
+    trial.validate()
     simulate = simulate or _simulate
     cands = candidates(trial)
+    if not cands:
+        raise ValueError(f"{trial.method}: no valid chunk_heads for {trial.config().name} at world size "
+                         f"{trial.world_size}")
     tried: list[str] = []
     usable = None
     chosen = None
@@ -114,15 +93,18 @@ def resolve_auto_chunk(trial, simulate: Callable | None = None):
         verdict = f"no U fits: smallest U={chosen}"
     else:
         verdict = f"largest U that fits: U={chosen}"
-    reason = (f"chunk_heads=auto -> {chosen} ({verdict}; candidates {cands}; simulated peaks "
+    reason = (f"{AUTO_OPTION}={AUTO} -> {chosen} ({verdict}; candidates {cands}; simulated peaks "
               f"{', '.join(tried)}; {budget})")
     return with_chunk(trial, chosen), reason
 
 
-def run_auto(trial, run: Callable):
-    """Resolve ``auto``, run the resolved trial with ``run``, and record the choice in the row."""
+def run(trial: Trial, runner: Callable[[Trial], Row] = run_trial) -> Row:
+    """Run ``trial`` with ``runner``, resolving an auto-chunk request first and recording the
+    choice in the row (the row's options then say what was asked and what ran)."""
+    if trial.auto_chunk is None:
+        return runner(trial)
     resolved, reason = resolve_auto_chunk(trial)
-    row = run(resolved)
-    row.options = {**row.options, "chunk_heads_requested": AUTO}
+    row = runner(resolved)
+    row.options = {**row.options, f"{AUTO_OPTION}_requested": AUTO}
     row.notes = [reason] + list(row.notes)
     return row

@@ -27,17 +27,17 @@ import sys
 import time
 from typing import Callable, TextIO
 
-from . import launch
-from .rows import Figures, Row
-from .sizes import human
-from .trial import Trial, build_row, run_trial
+from records import Figures, GiB, Kind, Row, human, validate_row
 
-GiB = 2**30
+from ..measure import launch
+from ..measure.run import build_row
+from ..measure.trial import Trial
+from .autochunk import run
 
 
 def _child(trial: Trial, conn) -> None:
     try:
-        row = run_trial(trial)
+        row = run(trial)
         conn.send(("row", row.to_dict()))
     except BaseException as err:  # noqa: BLE001
         conn.send(("raise", f"{type(err).__name__}: {err}"))
@@ -46,11 +46,9 @@ def _child(trial: Trial, conn) -> None:
 
 
 def run_isolated(trial: Trial, timeout_s: float = 3600, target: Callable = _child) -> Row:
-    """``run_trial`` in a fresh process (spawn); a child that dies becomes a row.
+    """``run`` in a fresh process (spawn); a child that dies becomes a row.
 
     ``target(trial, conn)`` is what the child runs (tests replace it)."""
-    from .rows import validate_row
-
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     t0 = time.perf_counter()
@@ -88,7 +86,7 @@ def default_runner(trial: Trial) -> Row:
     """In-process for simulated trials, or when this process is already a launched rank
     (torchrun/submitit: there is no separate process to give each trial); else isolated."""
     if trial.mode == "simulated" or launch.launched_env() is not None:
-        return run_trial(trial)
+        return run(trial)
     return run_isolated(trial)
 
 
@@ -97,31 +95,26 @@ def isolated_runner(trial: Trial) -> Row:
     rank). Costs an interpreter start per trial, but no state survives from one trial to the
     next: a method that caches process groups across trials cannot see a destroyed one."""
     if launch.launched_env() is not None:
-        return run_trial(trial)
+        return run(trial)
     return run_isolated(trial)
 
 
 def search(
     trial: Trial,
-    granularity: int,
-    max_seq_len: int,
-    start: int | None = None,
     runner: Callable[[Trial], Row] = default_runner,
     on_row: Callable[[Row], None] | None = None,
     progress: TextIO | None = sys.stderr,
 ) -> Row:
-    """Run the search for ``trial`` (its ``seq_len`` is ignored); returns the final row.
+    """Run the max-context search ``trial`` (kind ``max_context``); returns the final row.
 
-    ``on_row`` receives every trial row as it finishes (to append it to a file).
+    ``on_row`` receives every probe's row as it finishes (to append it to a file).
     """
-    multiple = trial.seq_multiple()
-    step = math.lcm(granularity, multiple)
-    if max_seq_len < step:
-        raise ValueError(
-            f"--max-seq-len {max_seq_len} is below one step of {step} tokens "
-            f"(lcm of granularity {granularity} and the layout multiple {multiple})"
-        )
-    trial.with_seq_len(step).validate()
+    if trial.kind != Kind.MAX_CONTEXT:
+        raise ValueError(f"search needs a max_context trial, got kind {trial.kind!r}")
+    trial.validate()
+    step = trial.search_step()
+    max_seq_len, start = trial.search.max_seq_len, trial.search.start
+    trial.probe(step).validate()
     k_max = max_seq_len // step
     k = min(k_max, max(1, math.ceil((start or step) / step)))
     lo, hi = 0, None  # lo: longest fitting (in steps), hi: shortest failing
@@ -136,7 +129,7 @@ def search(
         nonlocal count
         count += 1
         t0 = time.perf_counter()
-        row = runner(trial.with_seq_len(k * step))
+        row = runner(trial.probe(k * step))
         last[:] = [row]
         if on_row is not None:
             on_row(row)
@@ -170,13 +163,13 @@ def search(
             hi = mid
             if row.status == "error":
                 stop = row
-    return _final_row(trial, lo * step, best, stop or (last[0] if best is None else None), count, step,
-                      granularity, max_seq_len, start, limit_reached=(hi is None))
+    return _final_row(trial, lo * step, best, stop or (last[0] if best is None else None), count,
+                      limit_reached=(hi is None))
 
 
 def _final_row(trial: Trial, max_context: int, best: Row | None, stop: Row | None, count: int,
-               step: int, granularity: int, max_seq_len: int, start: int | None,
                limit_reached: bool) -> Row:
+    step, max_seq_len = trial.search_step(), trial.search.max_seq_len
     base = best or stop  # the longest fit, else the failure that ended the search
     if base is None:  # cannot happen: at least one trial runs
         raise RuntimeError("max-context search ran no trial")
@@ -193,11 +186,5 @@ def _final_row(trial: Trial, max_context: int, best: Row | None, stop: Row | Non
         notes.append(f"exact to {step} tokens: {max_context} fits, {max_context + step} does not")
     stopped = stop is not None and stop.status == "error"
     status, message = ("error", f"search stopped by an error at a trial: {stop.message}") if stopped else ("ok", "")
-    return Row(
-        kind="max_context", method=trial.method, options=trial.opts, model=base.model, scope=trial.step.scope,
-        seq_len=max_seq_len, batch=trial.step.batch, world_size=trial.world_size, mode=trial.mode,
-        dtype=trial.step.dtype, device=trial.device, levers=trial.step.levers(), link=base.link,
-        search={"granularity": granularity, "step": step, "max_seq_len": max_seq_len, "start": start},
-        status=status, message=message, figures=figures, env=base.env, model_arch=base.model_arch,
-        notes=notes,
-    )
+    return Row(**{**trial.row_fields(), "link": base.link}, status=status, message=message, figures=figures,
+               env=base.env, model_arch=base.model_arch, notes=notes)

@@ -1,0 +1,1 @@
+"""Measurement: a ``Trial`` (``trial``) run in one of three modes (``run``) into one result row."""

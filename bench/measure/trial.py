@@ -1,0 +1,268 @@
+"""``Trial``: the suite's one unit of work, from a sweep spec or the CLI to a result row.
+
+A trial is pure data: a method with its **typed** options (the method's ``Options``
+dataclass), a model, a sequence length, a world size, a mode, a device preset, the
+training-step levers (``StepConfig``) and, for a max-context search, its ``Search``
+parameters. The sweeps expand a spec into trials, send each to a job as JSON
+(``to_json``/``from_json``), and decide whether it already ran by ``key()``, which is
+``records.trial_key`` of the row fields the trial will write (``row_fields``).
+
+Requests that are resolved before a trial runs are explicit fields, never option values:
+``auto_chunk`` asks ``bench.search.autochunk`` to pick UPipe's ``chunk_heads`` by
+simulation. Its spelling in ``--opt``, specs and rows is ``chunk_heads=auto``; ``make``
+is the one place that reads it, and the methods never see it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import methods
+from methods.base import MethodOptions
+from methods.kernels import default_kernel_name
+from records import Kind, Mode, human, trial_key
+from records.sizes import parse_size
+
+from ..model.config import ModelConfig, get_config
+from ..training.config import StepConfig
+from . import launch
+from .hardware import DevicePreset, LinkModel, get_device, get_link
+
+AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and rows
+AUTO_OPTION = "chunk_heads"
+AUTO_METHODS = ("upipe", "usp-upipe")
+
+
+@dataclass(frozen=True)
+class AutoChunk:
+    """Request: the largest ``chunk_heads`` whose simulated peak fits the device preset
+    (resolved by ``bench.search.autochunk`` before the trial runs)."""
+
+    option: str = AUTO_OPTION
+
+
+@dataclass(frozen=True)
+class Search:
+    """A max-context search: answer exact to ``granularity`` tokens (rounded up to the
+    method's layout multiple), lengths up to ``max_seq_len``, first probe at ``start``."""
+
+    granularity: int = 128 << 10
+    max_seq_len: int = 16 << 20
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("granularity", "max_seq_len") + (("start",) if self.start is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"max-context {name} must be a positive number of tokens, got {value!r}")
+        if self.start is not None and self.start > self.max_seq_len:
+            raise ValueError(f"--start {self.start} is beyond --max-seq-len {self.max_seq_len}")
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], what: str = "max_context") -> "Search":
+        """From human sizes (``{"granularity": "256K", "max_seq_len": "16M"}``)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{what}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**{k: None if v is None else parse_size(v, f"{what}.{k}") for k, v in raw.items()})
+
+
+def parse_options(method: str, raw: dict[str, Any] | MethodOptions | None) -> tuple[MethodOptions, AutoChunk | None]:
+    """Typed options of ``method`` from a mapping, and the auto-chunk request if one is made.
+
+    The one reader of ``chunk_heads=auto``; every other option goes through the method's
+    ``parse_options`` (unknown names and wrong types are refused there)."""
+    cls = methods.get_info(method).cls
+    if isinstance(raw, MethodOptions):
+        if not isinstance(raw, cls.Options):
+            raise ValueError(f"options {raw!r} are not {method}'s ({cls.Options.__name__})")
+        return raw, None
+    raw = dict(raw or {})
+    auto = None
+    if raw.get(AUTO_OPTION) == AUTO:
+        if method not in AUTO_METHODS:
+            raise ValueError(f"{AUTO_OPTION}='{AUTO}' is only for {list(AUTO_METHODS)}, not {method!r}")
+        raw.pop(AUTO_OPTION)
+        auto = AutoChunk()
+    return cls.parse_options(**raw), auto
+
+
+def options_dict(options: MethodOptions) -> dict[str, Any]:
+    """The options that differ from the method's defaults (what a row records)."""
+    defaults = type(options)()
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if getattr(options, f.name) != getattr(defaults, f.name)}
+
+
+@dataclass(frozen=True)
+class Trial:
+    method: str
+    model: str  # a named config or a JSON/YAML path
+    seq_len: int  # tokens; for a max-context search, its current probe (ignored by the key)
+    world_size: int
+    options: MethodOptions = field(default=None)  # type: ignore[assignment]  # None: the defaults
+    mode: str = Mode.SIMULATED
+    device: str = "h100-80g"
+    step: StepConfig = StepConfig()
+    link: str | None = None  # None: the device preset's default
+    warmup: int = 1
+    iters: int = 2
+    seed: int = 0
+    threads: int | None = None  # torch CPU threads per rank (real/emulated); None: as launched
+    kind: str = Kind.TRIAL
+    search: Search | None = None  # kind max_context only
+    auto_chunk: AutoChunk | None = None
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            object.__setattr__(self, "options", methods.get_info(self.method).cls.Options())
+        if self.kind not in Kind.values():
+            raise ValueError(f"kind must be one of {list(Kind.values())}, got {self.kind!r}")
+        if (self.kind == Kind.MAX_CONTEXT) != (self.search is not None):
+            raise ValueError("a max_context trial needs its Search parameters, and only it has them")
+
+    @classmethod
+    def make(cls, method: str, model: str, seq_len: int, world_size: int,
+             options: dict[str, Any] | MethodOptions | None = None, **kwargs) -> "Trial":
+        """A trial from an options mapping as a user writes it (``chunk_heads: auto`` included)."""
+        typed, auto = parse_options(method, options)
+        return cls(method, model, seq_len, world_size, options=typed, auto_chunk=auto, **kwargs)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def opts(self) -> dict[str, Any]:
+        """The options that differ from the defaults, as ``methods.build`` takes them."""
+        return options_dict(self.options)
+
+    def requested_opts(self) -> dict[str, Any]:
+        """``opts`` plus the requests (``chunk_heads: auto``): the options as the user asked."""
+        return {**self.opts, AUTO_OPTION: AUTO} if self.auto_chunk else self.opts
+
+    def with_seq_len(self, seq_len: int) -> "Trial":
+        return dataclasses.replace(self, seq_len=seq_len)
+
+    def probe(self, seq_len: int) -> "Trial":
+        """One trial of a max-context search at ``seq_len``."""
+        return dataclasses.replace(self, kind=Kind.TRIAL, search=None, seq_len=seq_len)
+
+    def with_options(self, options: MethodOptions) -> "Trial":
+        return dataclasses.replace(self, options=options, auto_chunk=None)
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.requested_opts().items()))
+        what = f"{self.method}[{opts}]" if opts else self.method
+        size = "max-context" if self.kind == Kind.MAX_CONTEXT else human(self.seq_len)
+        return f"{what} {self.model} {size} x{self.world_size} {self.mode}"
+
+    # ------------------------------------------------------------------ resolution
+    def config(self) -> ModelConfig:
+        return get_config(self.model)
+
+    def preset(self) -> DevicePreset:
+        return get_device(self.device)
+
+    def link_model(self) -> LinkModel:
+        return get_link(self.link or self.preset().link)
+
+    def method_cls(self):
+        return methods.get_info(self.method).cls
+
+    def seq_multiple(self) -> int:
+        return self.method_cls().seq_multiple(self.world_size, self.options)
+
+    def search_step(self) -> int:
+        """A search's length step: its granularity rounded up to the layout multiple."""
+        return math.lcm(self.search.granularity, self.seq_multiple())
+
+    def kernel_name(self) -> str:
+        return self.options.kernel or default_kernel_name()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, check_seq_len: bool = True) -> None:
+        """Every check that needs no computation; raises ``ValueError`` saying what to fix."""
+        Mode.parse(self.mode, "mode")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ValueError(f"sequence length must be a positive integer, got {self.seq_len!r}")
+        cfg = self.config()
+        preset = self.preset()
+        self.link_model()
+        methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
+        if check_seq_len and self.kind == Kind.TRIAL:
+            self.method_cls().check_seq_len(self.seq_len, self.world_size, self.options)
+        if self.mode in (Mode.REAL, Mode.EMULATED) and preset.kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"mode {self.mode!r} on device preset {self.device!r} needs CUDA, which this machine "
+                f"lacks; use --device cpu, or --mode simulated"
+            )
+        if self.mode == Mode.REAL and preset.kind == "cuda" and launch.launched_env() is None \
+                and self.world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"real mode with {self.world_size} ranks needs {self.world_size} GPUs here "
+                f"({torch.cuda.device_count()} found); launch with torchrun/submitit across nodes, "
+                f"or use --mode emulated/simulated"
+            )
+        if self.step.kernel_workspace != "none" and self.mode != Mode.SIMULATED:
+            raise ValueError(
+                f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
+                f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
+            )
+        if self.iters < 1 or self.warmup < 1:
+            raise ValueError("iters and warmup must both be >= 1 (the first step is never timed)")
+        if self.search is not None and self.search.max_seq_len < self.search_step():
+            raise ValueError(
+                f"--max-seq-len {self.search.max_seq_len} is below one step of {self.search_step()} tokens "
+                f"(lcm of granularity {self.search.granularity} and the layout multiple {self.seq_multiple()})"
+            )
+
+    # ------------------------------------------------------------------ identity and transport
+    def search_fields(self) -> dict[str, Any] | None:
+        """The ``search`` of the row this trial writes (None for a single trial)."""
+        if self.search is None:
+            return None
+        return {"granularity": self.search.granularity, "step": self.search_step(),
+                "max_seq_len": self.search.max_seq_len, "start": self.search.start}
+
+    def row_fields(self) -> dict[str, Any]:
+        """The trial-key fields of the row this trial writes (``records.schema.Row``)."""
+        return dict(
+            kind=str(self.kind), method=self.method, options=self.requested_opts(), model=self.config().name,
+            scope=str(self.step.scope),
+            seq_len=self.search.max_seq_len if self.search is not None else self.seq_len,
+            batch=self.step.batch, world_size=self.world_size, mode=str(self.mode), dtype=str(self.step.dtype),
+            device=self.device, levers=self.step.levers(),
+            link=self.link_model().to_dict() if self.mode in (Mode.EMULATED, Mode.SIMULATED) else None,
+            search=self.search_fields(),
+        )
+
+    def key(self) -> tuple:
+        """``records.trial_key`` of this trial's row: equal keys, same trial."""
+        return trial_key(self.row_fields())
+
+    def to_json(self) -> str:
+        """The trial as JSON (what crosses the boundary to a sweep's job)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.update(options=self.requested_opts(), step=dataclasses.asdict(self.step),
+                 search=dataclasses.asdict(self.search) if self.search else None,
+                 mode=str(self.mode), kind=str(self.kind))
+        d.pop("auto_chunk")
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trial":
+        try:
+            d = json.loads(text)
+            step = StepConfig(**d.pop("step"))
+            search = Search(**d.pop("search")) if d.get("search") else d.pop("search", None)
+            return cls.make(d.pop("method"), d.pop("model"), d.pop("seq_len"), d.pop("world_size"),
+                            d.pop("options"), step=step, search=search, **d)
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"not a serialised trial: {type(err).__name__}: {err}") from None

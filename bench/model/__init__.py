@@ -1,0 +1,1 @@
+"""The model under test: its configuration (``config``) and the decoder built from it (``decoder``)."""

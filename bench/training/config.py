@@ -1,0 +1,81 @@
+"""``StepConfig``: what one training step does, i.e. the paper's memory levers as data.
+
+Kept apart from the step itself (``bench.training.step``) so that a trial, a sweep spec and
+the planner can hold and compare levers without building anything. Defaults are the paper's
+record setup (``docs/paper.md``); ``levers()`` is what a result row records.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from records import DType, Scope
+
+TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP32: torch.float32}
+# simulation only: how the attention backward's scratch buffers are modelled (bench.measure.workspace)
+KERNEL_WORKSPACES = ("none", "fa2", "fa3")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What one step does. Defaults are the paper's settings (batch 1, every lever on)."""
+
+    scope: str = "model"
+    batch: int = 1
+    dtype: str = "bf16"
+    fsdp: bool = True
+    ac: bool = True
+    ac_offload: bool = True
+    offload_pin: bool = True
+    tiled_mlp: bool = True
+    tiled_norm: bool = True
+    mlp_tiles: int = 0  # tiles of the tiled MLP and norms; 0: ceil(local tokens / dim), the paper's rule
+    chunked_loss: bool = True
+    loss_chunk: int = 2048
+    lr: float = 3e-4
+    kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.measure.workspace)
+
+    def __post_init__(self) -> None:
+        if self.scope not in Scope.values():
+            raise ValueError(f"scope must be one of {list(Scope.values())}, got {self.scope!r}")
+        if self.dtype not in DType.values():
+            raise ValueError(f"dtype must be one of {list(DType.values())}, got {self.dtype!r}")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
+        if self.mlp_tiles < 0:
+            raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
+        if self.loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be >= 1 token, got {self.loss_chunk}")
+        if self.ac_offload and not self.ac:
+            raise ValueError("ac_offload offloads activation checkpoints: it needs ac=True")
+        if self.kernel_workspace not in KERNEL_WORKSPACES:
+            raise ValueError(f"kernel_workspace must be one of {list(KERNEL_WORKSPACES)}, "
+                             f"got {self.kernel_workspace!r}")
+
+    @classmethod
+    def plain(cls, **overrides) -> "StepConfig":
+        """No memory lever at all (replicated model, no AC, plain MLP, full logits)."""
+        base = dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False,
+                    chunked_loss=False)
+        return cls(**{**base, **overrides})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[DType(self.dtype)]
+
+    def levers(self) -> dict[str, Any]:
+        """The levers as recorded in a result row (everything but scope, batch and dtype,
+        which are trial keys of their own)."""
+        d = dataclasses.asdict(self)
+        for k in ("scope", "batch", "dtype"):
+            d.pop(k)
+        if d["kernel_workspace"] == "none":  # the default is left out: keys of earlier rows stay valid
+            d.pop("kernel_workspace")
+        return d
+
+    @classmethod
+    def from_levers(cls, scope: str, batch: int, dtype: str, levers: dict[str, Any]) -> "StepConfig":
+        return cls(scope=scope, batch=batch, dtype=dtype, **levers)

@@ -1,0 +1,45 @@
+"""A trial's identity: the fields of a row that decide what was run, never what came out.
+
+``trial_key`` is the one identity of the suite. A row has one, and so does a trial before it
+runs (``bench.measure.trial.Trial.row_fields`` gives the same fields), so the sweeps decide
+"already done" by comparing keys, and analysis keeps the newest row of each key.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .schema import Row
+
+# Method options under which a row records what a request was resolved to: a trial asked
+# for ``chunk_heads="auto"`` writes the U it chose in ``chunk_heads`` and the request here.
+REQUESTED_SUFFIX = "_requested"
+
+
+def _canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def requested_options(options: dict) -> dict:
+    """The method options as the trial asked for them: ``name_requested`` replaces ``name``."""
+    out = dict(options)
+    for key in [k for k in out if k.endswith(REQUESTED_SUFFIX)]:
+        out[key[: -len(REQUESTED_SUFFIX)]] = out.pop(key)
+    return out
+
+
+def trial_key(row: Row | dict) -> tuple:
+    """Hashable identity of the trial a row (or a trial's ``row_fields``) reports."""
+    d = row.to_dict() if isinstance(row, Row) else row
+    link = d.get("link")
+    return (
+        str(d["kind"]), d["method"], _canon(requested_options(d.get("options") or {})), d["model"],
+        str(d["scope"]), int(d["seq_len"]), int(d.get("batch", 1)), int(d["world_size"]), str(d["mode"]),
+        str(d["dtype"]), d["device"], _canon(d.get("levers") or {}), link["name"] if link else None,
+        _canon(d.get("search")),
+    )
+
+
+def key_string(key: tuple) -> str:
+    """A trial key as one string (the key of a sweep's jobs file)."""
+    return _canon(list(key))

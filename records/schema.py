@@ -1,0 +1,209 @@
+"""The result row: one schema, validated on write (``records.store``) and on read.
+
+A row is a ``Row``: the trial's keys (what was run), its outcome (status, message),
+``Figures`` (what was measured) and ``Environment`` (where and with what).
+``validate_row`` checks every field's type and allowed values (``records.vocab``) and names
+the bad field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .vocab import DType, Kind, Mode, Scope, Status
+
+SCHEMA_VERSION = 1
+
+
+class RowError(ValueError):
+    """A row that does not follow the schema; the message names the field."""
+
+
+@dataclass
+class Figures:
+    """What was measured. Every field is optional (``None``: not measured in this mode).
+
+    Bytes are per rank. ``peak_bytes`` is the allocated peak (MemTracker's live tensors in
+    simulated and CPU runs, ``torch.cuda.max_memory_allocated`` on CUDA), the max over ranks
+    in real mode; ``peak_reserved_bytes`` is ``max_memory_reserved`` (CUDA only).
+    ``step_time_s`` is seconds per step (mean of the timed steps; emulated: measured compute
+    plus modelled communication). Tokens per device count every token once:
+    ``batch * seq_len / world_size``.
+    """
+
+    peak_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    peak_by_category: dict | None = None
+    host_peak_bytes: int | None = None  # offloaded (host) memory of one rank
+    capacity_bytes: int | None = None
+    usable_bytes: int | None = None
+    host_usable_bytes: int | None = None  # simulated: host memory one rank's offloads may fill
+    step_time_s: float | None = None
+    compute_time_s: float | None = None
+    comm_time_s: float | None = None  # modelled (emulated, simulated) with the row's link
+    comm_bytes: int | None = None  # bytes one rank sends per step (sum over collectives)
+    comm_bytes_by_op: dict | None = None
+    tokens_per_device: int | None = None
+    tokens_per_s_per_device: float | None = None
+    flops_per_device: float | None = None
+    tflops_per_device: float | None = None
+    loss: float | None = None
+    max_context: int | None = None  # max_context rows: longest fitting length (0: none)
+    trials: int | None = None  # max_context rows: trials run
+    wall_s: float | None = None  # wall time of the whole trial, set-up included
+
+
+@dataclass
+class Environment:
+    git_commit: str
+    git_dirty: bool
+    torch: str
+    cuda: str | None
+    python: str
+    libraries: dict
+    device_name: str
+    kernel: str
+    host: str
+    time: str  # ISO 8601, UTC
+    argv: list = field(default_factory=list)
+
+
+@dataclass
+class Row:
+    # ---- trial keys
+    kind: str
+    method: str
+    options: dict
+    model: str
+    scope: str
+    seq_len: int
+    batch: int
+    world_size: int
+    mode: str
+    dtype: str
+    device: str
+    levers: dict
+    link: dict | None
+    search: dict | None
+    # ---- outcome
+    status: str
+    message: str
+    figures: Figures
+    env: Environment
+    model_arch: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation in (dict, list, str):
+        return isinstance(value, annotation)
+    return True
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_fields(data: Any, cls, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise RowError(f"{where} must be an object, got {type(data).__name__}")
+    hints = _hints(cls)
+    unknown = sorted(set(data) - set(hints))
+    if unknown:
+        raise RowError(f"{where}: unknown field(s) {unknown}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = {}
+    for name, annotation in hints.items():
+        f = fields[name]
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RowError(f"{where}.{name} is missing")
+            continue
+        value = data[name]
+        if annotation in (Figures, Environment):
+            out[name] = annotation(**_check_fields(value, annotation, f"{where}.{name}"))
+            continue
+        if not _type_ok(value, annotation):
+            raise RowError(
+                f"{where}.{name} = {value!r} has the wrong type (expected {_type_name(annotation)})"
+            )
+        if isinstance(value, float) and value != value:
+            raise RowError(f"{where}.{name} is NaN")
+        out[name] = value
+    return out
+
+
+def _type_name(annotation) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _json_safe(value: Any, where: str) -> None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise RowError(f"{where} is not JSON-serialisable: {err}") from None
+
+
+def validate_row(row: Row | dict) -> Row:
+    """Return ``row`` as a ``Row`` if it follows the schema, else raise ``RowError``
+    naming the field."""
+    data = row.to_dict() if isinstance(row, Row) else row
+    values = _check_fields(data, Row, "row")
+    r = Row(**values)
+    if r.schema != SCHEMA_VERSION:
+        raise RowError(f"row.schema = {r.schema} is not the supported version {SCHEMA_VERSION}")
+    for name, vocab in (("kind", Kind), ("mode", Mode), ("status", Status), ("scope", Scope),
+                        ("dtype", DType)):
+        if getattr(r, name) not in vocab.values():
+            raise RowError(f"row.{name} = {getattr(r, name)!r} is not one of {list(vocab.values())}")
+    for name in ("method", "model", "device"):
+        if not getattr(r, name):
+            raise RowError(f"row.{name} must be a non-empty string")
+    if r.seq_len < 0 or (r.kind == Kind.TRIAL and r.seq_len == 0):
+        raise RowError(f"row.seq_len = {r.seq_len} must be a positive number of tokens")
+    if r.batch < 1:
+        raise RowError(f"row.batch = {r.batch} must be >= 1")
+    if r.world_size < 1:
+        raise RowError(f"row.world_size = {r.world_size} must be >= 1")
+    if r.status != Status.OK and not r.message:
+        raise RowError(f"row.message must say why a row has status {r.status!r}")
+    if r.mode == Mode.EMULATED and r.link is None:
+        raise RowError("row.link must name the bandwidth model of an emulated row")
+    if r.kind == Kind.MAX_CONTEXT:
+        if r.search is None:
+            raise RowError("row.search must hold the search parameters of a max_context row")
+        if r.figures.max_context is None:
+            raise RowError("row.figures.max_context is missing from a max_context row")
+    for name in ("peak_bytes", "peak_reserved_bytes", "host_peak_bytes", "comm_bytes", "max_context"):
+        v = getattr(r.figures, name)
+        if v is not None and v < 0:
+            raise RowError(f"row.figures.{name} = {v} must not be negative")
+    for name in ("step_time_s", "tokens_per_s_per_device", "tflops_per_device"):
+        v = getattr(r.figures, name)
+        if v is not None and v < 0:
+            raise RowError(f"row.figures.{name} = {v} must not be negative")
+    _json_safe(data, "row")
+    return r
+
+
