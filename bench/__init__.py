@@ -1,4 +1,4 @@
-"""Benchmarks of the context-parallel attention methods (DESIGN.md section 2).
+"""Benchmarks of the context-parallel attention methods (README.md, section "Layout").
 
 * ``models``: Llama-style decoder over any method, named configs, parameter and FLOP counts.
 * ``step``: one training step with the paper's memory levers (``StepConfig``).
