@@ -46,7 +46,8 @@ ARTEFACTS: tuple[Artefact, ...] = (
              tables.max_context_table, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "table"),
     Artefact("max_context", "Max context per method, as bars",
              figures.max_context_plot, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "figure"),
-    Artefact("memory_vs_seq", "Peak memory vs length per method (PAPER.md §5.3; paper: two 128K anchors)",
+    Artefact("memory_vs_seq", "Peak memory vs length per method "
+             "(docs/paper.md, section 'Peak memory vs length'; paper: two 128K anchors)",
              tables.memory_vs_seq_table, ("table3-llama3-8b", "table3-qwen3-32b"), "table", "no"),
     Artefact("memory_vs_seq", "Peak memory vs length per method, as curves",
              figures.memory_vs_seq_plot, ("table3-llama3-8b", "table3-qwen3-32b"), "figure", "no"),

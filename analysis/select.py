@@ -1,6 +1,6 @@
 """Which of our rows belong to which paper table, and how a row becomes a table cell.
 
-The paper's setups (PAPER.md section 2) are fixed here once: the Table 3 shapes and GPU
+The paper's setups (docs/paper.md, section "Setups") are fixed here once: the Table 3 shapes and GPU
 counts, the "paper levers" (FSDP, activation checkpointing offloaded to host, tiled MLP,
 chunked loss), and how our method names map onto the paper's columns (on 16 GPUs the paper's
 "Ulysses" and "UPipe" are the 8 Ulysses x 2 Ring mesh: our ``usp`` and ``usp-upipe``).

@@ -15,5 +15,6 @@ Layered so that each part imports only those above it (``tests/test_imports.py``
   ``maxctx``: the max-context search; ``plan``: the planner).
 * ``bench.cli``: ``python -m bench``.
 
-Rows, sizes and the vocabulary live in ``records`` (torch-free).
+Rows, sizes and the vocabulary live in ``records`` (torch-free). The repository's layout is in
+README.md, section "Layout".
 """

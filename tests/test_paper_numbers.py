@@ -1,7 +1,7 @@
-"""Checks on results/paper/: the paper's reported numbers transcribed from PAPER.md.
+"""Checks on results/paper/: the paper's reported numbers (sources and certainty: docs/paper.md).
 
 Schema: required columns, non-empty sources, and valid enum values. Spot values against
-PAPER.md. Internal consistency: status against value, max context against Table 3, and the
+docs/paper.md. Internal consistency: status against value, max context against Table 3, and the
 derived UPipe/Ulysses throughput ratios.
 """
 
@@ -201,7 +201,7 @@ def test_fig1_values():
         assert r.total_gib == pytest.approx(r.model_gib + r.attn_act_gib + r.other_gib, abs=0.05)
         assert r.total_gib == pytest.approx(total)
         assert r.total_confidence == "derived"
-    # UPipe/ALST attention-activation ratio as quoted in PAPER.md (19.5/33.0 = 0.59).
+    # UPipe/ALST attention-activation ratio as quoted in docs/paper.md (19.5/33.0 = 0.59).
     assert round(f1.loc["upipe"].attn_act_gib / f1.loc["alst"].attn_act_gib, 2) == 0.59
 
 

@@ -176,7 +176,7 @@ def flops_per_device(cfg: ModelConfig, seq_len: int, world_size: int, batch: int
     return flops_per_step(cfg, seq_len, batch, scope, causal) / world_size
 
 
-# The paper's shapes ([C] in PAPER.md) and small CPU configurations.
+# The paper's shapes ([C] in docs/paper.md, section "Models") and small CPU configurations.
 CONFIGS: dict[str, ModelConfig] = {
     c.name: c
     for c in (

@@ -1,6 +1,6 @@
 """One training step with the paper's memory levers, on any process group.
 
-``StepConfig`` holds the levers (defaults = the paper's setup, PAPER.md section 2):
+``StepConfig`` holds the levers (defaults = the paper's setup, docs/paper.md, section "Training stack"):
 
 * ``fsdp``: FSDP2 (``fully_shard``) over the context-parallel ranks, one unit per block plus
   the root (embedding, final norm, LM head). With ``dtype="bf16"`` the sharded parameters
