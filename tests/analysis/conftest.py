@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.analysis.rowfactory import K, M, make_row, write
+from tests.rowfactory import K, M, make_row, write
 
 
 def standard_rows() -> dict[str, list]:

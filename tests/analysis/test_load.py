@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from analysis.load import human_size, load_paper, load_rows, method_label, options_string, paper_names
-from tests.analysis.rowfactory import K, M, make_row, write
+from tests.rowfactory import K, M, make_row, write
 
 
 def test_rows_are_flat_with_trial_keys_figures_and_env(results_dir):

@@ -6,7 +6,7 @@ import pandas as pd
 from analysis import tables
 from analysis.load import load_rows
 from analysis.style import MISSING, OOM
-from tests.analysis.rowfactory import M, make_row, write
+from tests.rowfactory import M, make_row, write
 
 
 def _cell(table, col, **match):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from records import Figures, append_rows
 from sweeps import demo
-from tests.bench.test_rows import make_row
+from tests.rowfactory import make_row
 
 
 def test_summary(tmp_path, monkeypatch, capsys):

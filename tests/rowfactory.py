@@ -1,7 +1,9 @@
-"""Valid synthetic result rows for the analysis tests, built with ``records`` types.
+"""The tests' one factory of synthetic result rows, built with ``records`` types.
 
-The numbers are made up (they only have to be valid rows); tests check where they land,
-never what they say about the methods.
+``make_row`` takes the figures most tests care about in convenient units (``peak_gib``,
+``tps``...) and any field of ``Row`` as a keyword (``figures=``, ``link=``, ``message=``...),
+set after the convenient ones. The numbers are made up (they only have to be valid rows);
+tests check where they land, never what they say about the methods.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ DEVICE_NAMES = {"real": "NVIDIA H100 80GB HBM3", "emulated": "NVIDIA H100 80GB H
 def make_row(method="upipe", model="llama3-8b", seq_len=128 * K, world_size=8, mode="real", status="ok",
              tps=None, peak_gib=None, reserved_gib=None, options=None, scope="model", levers=None,
              device="h100-80g", kind="trial", max_context=None, search=None, by_category=None,
-             time="2026-11-20T00:00:00+00:00", device_name=None, message=None) -> Row:
+             time="2026-11-20T00:00:00+00:00", device_name=None, message=None, **fields) -> Row:
     figs = Figures()
     if peak_gib is not None:
         figs.peak_bytes = int(peak_gib * GiB)
@@ -38,14 +40,19 @@ def make_row(method="upipe", model="llama3-8b", seq_len=128 * K, world_size=8, m
     if message is None:
         message = "" if status == "ok" else {"oom": "CUDA out of memory", "error": "RuntimeError: boom"}[status]
     env = Environment(git_commit="0" * 40, git_dirty=False, torch="2.13.0", cuda=None, python="3.11",
-                      libraries={}, device_name=device_name or DEVICE_NAMES[mode], kernel="torch", host="test",
+                      libraries={}, device_name=device_name or DEVICE_NAMES.get(mode, "test device"), kernel="torch", host="test",
                       time=time)
-    return Row(kind=kind, method=method, options=dict(options or {}), model=model, scope=scope, seq_len=seq_len,
-               batch=1, world_size=world_size, mode=mode, dtype="bf16", device=device,
-               levers=dict(PAPER_LEVERS if levers is None else levers),
-               link=LINK if mode in ("emulated", "simulated") else None,
-               search=search if kind == "max_context" else None, status=status, message=message,
-               figures=figs, env=env, model_arch=dict(name=model, **ARCH.get(model, {})))
+    row = Row(kind=kind, method=method, options=dict(options or {}), model=model, scope=scope, seq_len=seq_len,
+              batch=1, world_size=world_size, mode=mode, dtype="bf16", device=device,
+              levers=dict(PAPER_LEVERS if levers is None else levers),
+              link=LINK if mode in ("emulated", "simulated") else None,
+              search=search if kind == "max_context" else None, status=status, message=message,
+              figures=figs, env=env, model_arch=dict(name=model, **ARCH.get(model, {})))
+    for name, value in fields.items():
+        if not hasattr(row, name):
+            raise TypeError(f"make_row: Row has no field {name!r}")
+        setattr(row, name, value)
+    return row
 
 
 def write(path, rows) -> None:
