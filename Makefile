@@ -8,7 +8,7 @@ TORCH   ?= torch==2.13.0
 EXTRAS  := dev,deepspeed,ring,notebooks
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test venv figs clean
+.PHONY: demo test test-fast lint venv figs clean
 
 venv: $(STAMP)
 
@@ -17,8 +17,16 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet "$(TORCH)" numpy -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# everything, lint included (what CI runs through .ci/run)
+test: lint
 	$(VPY) -m pytest -q
+
+# the inner loop: no rank pools, sweeps, notebooks or Slurm (the `slow` marker, tests/conftest.py)
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(VPY) -m sweeps.demo

@@ -15,12 +15,42 @@ from matplotlib.ticker import FuncFormatter
 
 from .load import human_size, load_paper
 from .select import PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, family, groups, lookup, number
-from .style import (CAPACITY_COLOR, Plot, display_name, method_color, new_figure, note_box, ours_bar_style,
-                    ours_line_style, paper_bar_style, paper_line_style, seq_axis)
-from .tables import (FIG1_CONFIGS, FIG1_NAMES, PAPER_ATTN, PAPER_FIG1, PAPER_FIG5, _rows, activation_gib,
-                     attn_rows, attn_setups, fig1_rows, fig1_setups, fig5_rows, fig5_setups, heads_of,
-                     max_context_rows, setup_name, split_categories, table3_rows, u_ablation_rows, u_setups,
-                     variant_name)
+from .style import (
+    CAPACITY_COLOR,
+    Plot,
+    display_name,
+    method_color,
+    new_figure,
+    note_box,
+    ours_bar_style,
+    ours_line_style,
+    paper_bar_style,
+    paper_line_style,
+    seq_axis,
+)
+from .tables import (
+    FIG1_CONFIGS,
+    FIG1_NAMES,
+    PAPER_ATTN,
+    PAPER_FIG1,
+    PAPER_FIG5,
+    _rows,
+    activation_gib,
+    attn_rows,
+    attn_setups,
+    fig1_rows,
+    fig1_setups,
+    fig5_rows,
+    fig5_setups,
+    heads_of,
+    max_context_rows,
+    setup_name,
+    split_categories,
+    table3_rows,
+    u_ablation_rows,
+    u_setups,
+    variant_name,
+)
 
 H100_GIB = 81559 / 1024  # what nvidia-smi reports for an H100 80GB, in GiB
 OURS_MARKERS = ["s", "^", "D", "v", "P", "*"]

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
-
 import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator

@@ -13,9 +13,25 @@ from pathlib import Path
 import pandas as pd
 
 from .load import human_size, load_paper, load_rows
-from .select import (PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, Setup, cell, family, family_order,
-                     fig1_config, fmt, groups, has_paper_levers, is_missing, lookup, newest_per, number,
-                     paper_cell, trials)
+from .select import (
+    PAPER_LENGTHS,
+    PAPER_METHODS,
+    TABLE3_SETUPS,
+    Setup,
+    cell,
+    family,
+    family_order,
+    fig1_config,
+    fmt,
+    groups,
+    has_paper_levers,
+    is_missing,
+    lookup,
+    newest_per,
+    number,
+    paper_cell,
+    trials,
+)
 from .style import MISSING, OOM, Table, display_name
 
 PAPER_MODE = "real, {gpus}×H100-80GB (paper)"
@@ -65,7 +81,8 @@ def table3(rows=None, model: str = "llama3-8b") -> Table:
         for key, sub in our_groups:
             if family(sub["method"].iloc[0]) == pm:
                 used.add(key)
-                out.append([key[0], "ours", key[1]] + [cell(lookup(sub, s), "tokens_per_s_per_device") for s in lengths])
+                cells = [cell(lookup(sub, s), "tokens_per_s_per_device") for s in lengths]
+                out.append([key[0], "ours", key[1]] + cells)
     for key, sub in our_groups:
         if key not in used:
             out.append([key[0], "ours (not in paper)", key[1]]
@@ -233,7 +250,8 @@ def our_max_context(rows: pd.DataFrame) -> pd.DataFrame:
         if not len(ok) and not len(oom):
             continue
         recs.append(dict(model=model, world_size=ws, scope="model", label=label, method=sub["method"].iloc[0],
-                         mode_label=ml, kind="runs", status="ok", max_seq_len=best, lower_bound=bool(len(ok)) and lower))
+                         mode_label=ml, kind="runs", status="ok", max_seq_len=best,
+                         lower_bound=bool(len(ok)) and lower))
     return pd.DataFrame.from_records(recs)
 
 
@@ -268,7 +286,8 @@ def max_context_table(rows=None) -> Table:
     fig5 = load_paper("fig5_multinode")
     claims = fig5[fig5["kind"] == "max_context_claim"]
     ours = max_context_rows(rows)
-    setups = {(r.model, int(r.gpus)) for r in paper.itertuples()} | {(r.model, int(r.gpus)) for r in claims.itertuples()}
+    setups = ({(r.model, int(r.gpus)) for r in paper.itertuples()}
+              | {(r.model, int(r.gpus)) for r in claims.itertuples()})
     if len(ours):
         setups |= {(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])}
     cols = ["Model", "GPUs", "Method", "Source", "Mode, device", "Max context", "Note"]
@@ -354,7 +373,8 @@ def fig1_rows(rows: pd.DataFrame) -> pd.DataFrame:
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     model, seq, ws = PAPER_FIG1
-    t = t[_from_sweep(t, "fig1-memory-breakdown") | ((t["model"] == model) & (t["seq_len"] == seq) & (t["world_size"] == ws))]
+    at_point = (t["model"] == model) & (t["seq_len"] == seq) & (t["world_size"] == ws)
+    t = t[_from_sweep(t, "fig1-memory-breakdown") | at_point]
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     t = t.assign(config=t.apply(fig1_config, axis=1),
@@ -653,7 +673,8 @@ def memory_vs_seq_table(rows=None) -> Table:
         ours = table3_rows(rows, setup)
         used.append(ours)
         for key, sub in groups(ours):
-            out.append([setup.title, key[0], "ours", key[1]] + [cell(lookup(sub, s), "mem_gib", 1) for s in PAPER_LENGTHS])
+            cells = [cell(lookup(sub, s), "mem_gib", 1) for s in PAPER_LENGTHS]
+            out.append([setup.title, key[0], "ours", key[1]] + cells)
     notes = ["GiB per GPU: reserved peak where measured (CUDA), else allocated (simulated and CPU rows).",
              "The paper's per-method memory curves were not retrievable; its two 128K values come from a "
              "third-party listing and are probably UPipe's."]

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import methods
-from records import GiB, Kind, Row, append_rows, human, parse_size as parse_tokens
+from records import GiB, Kind, Row, append_rows, human
+from records import parse_size as parse_tokens
 
 from .measure.hardware import DEVICES, LINKS
 from .measure.launch import is_rank_zero
@@ -135,7 +136,8 @@ def build_parser() -> Parser:
     sub.add_parser("list", help="methods, models, device presets and link models")
     tr = sub.add_parser("trial", help="run a trial given as JSON (bench.measure.trial.Trial.to_json; what sweeps send)")
     tr.add_argument("trial", help="the trial as JSON")
-    tr.add_argument("--out", default=None, help="JSON Lines file to append rows to (default results/bench/<mode>.jsonl)")
+    tr.add_argument("--out", default=None,
+                    help="JSON Lines file to append rows to (default results/bench/<mode>.jsonl)")
     tr.add_argument("--no-save", action="store_true", help="do not append rows to any file")
     tr.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
     tr.add_argument("--in-process", action="store_true", help="a search's simulated probes in this process")

@@ -22,7 +22,6 @@ from .identity import trial_key
 from .schema import Row, RowError, validate_row
 
 
-
 def encode(row: Row | dict) -> bytes:
     """One validated row as one JSON line (UTF-8, ending in a newline)."""
     r = validate_row(row)

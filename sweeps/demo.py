@@ -40,7 +40,8 @@ def summary() -> None:
     times = {(r.method, r.seq_len): r.figures.step_time_s for r in rows if r.status == "ok"}
     print("[real, 2 gloo ranks on this CPU, tiny-llama] step time (s); paper: UPipe/Ulysses 0.98-1.02 on H100")
     for seq in sorted({s for _, s in times}):
-        cells = "  ".join(f"{m} {times[(m, seq)]:.3f}" for m in ("ring", "ulysses", "fpdt", "upipe") if (m, seq) in times)
+        shown = [m for m in ("ring", "ulysses", "fpdt", "upipe") if (m, seq) in times]
+        cells = "  ".join(f"{m} {times[(m, seq)]:.3f}" for m in shown)
         ratio = times.get(("upipe", seq), 0) / times[("ulysses", seq)] if ("ulysses", seq) in times else float("nan")
         print(f"  {_human(seq):>5}: {cells}   upipe/ulysses {ratio:.2f}")
     rows = read_rows(OUT / "demo-maxctx-llama3-8b.jsonl", on_error="warn")
@@ -66,7 +67,7 @@ def main() -> int:
         spec = load_spec(REPO / "sweeps" / "configs" / f"{name}.yaml", overrides)
         print(f"\n=== [{i}/{len(SPECS)}] sweep {name} ({spec.mode}) ===", flush=True)
         failed += run_sweep(spec, "local", max_parallel=1 if spec.mode == "real" else 2).failed
-    print(f"\n=== [figures] python -m analysis figs -> paper_figs/ ===", flush=True)
+    print("\n=== [figures] python -m analysis figs -> paper_figs/ ===", flush=True)
 
     make_all(REPO / "results", REPO / "paper_figs", verbose=False)
     summary()

@@ -34,7 +34,8 @@ import yaml
 from bench.measure.trial import Search, Trial
 from bench.training.config import StepConfig
 from bench.training.presets import expand
-from records import DType, Kind, Mode, Scope, parse_size as parse_tokens
+from records import DType, Kind, Mode, Scope
+from records import parse_size as parse_tokens
 
 TOP_KEYS = {
     "name", "kind", "mode", "scope", "dtype", "device", "models", "seq_lens", "world_sizes",

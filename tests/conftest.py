@@ -6,6 +6,37 @@ them. Installing the plain-torch stand-in at import time of this conftest (befor
 imports the test modules) makes them usable here; the rank pools install it on each rank
 (tests/methods/conftest.py). It does nothing where a real flash-attn is importable.
 """
+from pathlib import Path
+
+import pytest
+
 from tests.flash_attn_standin import install_if_missing
 
 install_if_missing()
+
+
+# ------------------------------------------------------------------------ the `slow` marker
+# Modules whose tests spawn rank pools, subprocesses, sweeps, notebooks or Slurm. `make test-fast`
+# (`pytest -m "not slow"`) leaves them out for the inner loop; `make test` and CI run everything.
+SLOW_MODULES = {
+    "tests/methods/test_correctness.py", "tests/methods/test_ring_usp.py", "tests/methods/test_offload_fpdt.py",
+    "tests/methods/test_wrappers.py",
+    "tests/bench/test_modes.py", "tests/bench/test_step.py", "tests/bench/test_autochunk.py",
+    "tests/bench/test_maxctx.py", "tests/bench/test_plan.py", "tests/bench/test_cli.py", "tests/bench/test_launch.py",
+    "tests/sweeps/test_local_sweep.py", "tests/sweeps/test_slurm_cluster.py", "tests/sweeps/test_slurm_sweep.py",
+    "tests/analysis/test_notebooks.py", "tests/analysis/test_adding_a_method.py", "tests/analysis/test_figs_cli.py",
+}
+
+
+def pytest_configure(config):
+    root = Path(__file__).resolve().parents[1]
+    missing = sorted(m for m in SLOW_MODULES if not (root / m).is_file())
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES names missing files: {missing}")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        if str(Path(item.fspath).relative_to(root)) in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -14,7 +14,8 @@ PAPER_LEVERS = {"fsdp": True, "ac": True, "ac_offload": True, "offload_pin": Tru
                 "mlp_tiles": 0, "chunked_loss": True, "loss_chunk": 2048, "lr": 3e-4}
 LINK = {"name": "nvlink-h100", "intra_Bps": 450e9, "inter_Bps": 50e9, "latency_s": 1e-5, "ranks_per_node": 8,
         "description": "test link"}
-ARCH = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128), "qwen3-32b": dict(n_heads=64, n_kv_heads=8, head_dim=128),
+ARCH = {"llama3-8b": dict(n_heads=32, n_kv_heads=8, head_dim=128),
+        "qwen3-32b": dict(n_heads=64, n_kv_heads=8, head_dim=128),
         "tiny-llama": dict(n_heads=8, n_kv_heads=4, head_dim=16)}
 DEVICE_NAMES = {"real": "NVIDIA H100 80GB HBM3", "emulated": "NVIDIA H100 80GB HBM3",
                 "simulated": "fake tensors on test CPU (simulating h100-80g)"}
@@ -40,7 +41,8 @@ def make_row(method="upipe", model="llama3-8b", seq_len=128 * K, world_size=8, m
     if message is None:
         message = "" if status == "ok" else {"oom": "CUDA out of memory", "error": "RuntimeError: boom"}[status]
     env = Environment(git_commit="0" * 40, git_dirty=False, torch="2.13.0", cuda=None, python="3.11",
-                      libraries={}, device_name=device_name or DEVICE_NAMES.get(mode, "test device"), kernel="torch", host="test",
+                      libraries={}, device_name=device_name or DEVICE_NAMES.get(mode, "test device"), kernel="torch",
+                      host="test",
                       time=time)
     row = Row(kind=kind, method=method, options=dict(options or {}), model=model, scope=scope, seq_len=seq_len,
               batch=1, world_size=world_size, mode=mode, dtype="bf16", device=device,

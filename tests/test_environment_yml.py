@@ -9,10 +9,10 @@ pinned versions agree with pyproject.toml.
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version

@@ -39,7 +39,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from records import GiB, MiB
 
 
-
 @dataclass(frozen=True)
 class DevicePreset:
     name: str

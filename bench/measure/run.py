@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from records import Figures, GiB, Mode, Row, cpu_name, environment
+from records import Figures, GiB, Row, cpu_name, environment
 
 from ..model.config import flops_per_device
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
@@ -41,7 +41,6 @@ from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .trial import Trial
 from .workspace import KernelWorkspace
-
 
 # --------------------------------------------------------------------------- helpers
 

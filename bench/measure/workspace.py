@@ -82,7 +82,8 @@ class KernelWorkspace(TorchDispatchMode):
         if func not in self.ops or self.model == "none":
             return func(*args, **kwargs)
         q, k = args[1], args[2]
-        buffers = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in workspace_shapes(self.model, q, k)]
+        shapes = workspace_shapes(self.model, q, k)
+        buffers = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in shapes]
         self.calls += 1
         self.peak_call_bytes = max(self.peak_call_bytes, sum(t.numel() * t.element_size() for t in buffers))
         try:

@@ -271,7 +271,8 @@ def _search_entry(args) -> Entry:
         return entry
     entry.max_context, entry.points = found, n
     if best is not None:
-        entry.peak_bytes, entry.host_peak_bytes, entry.comm_time_s = best.peak_bytes, best.host_peak_bytes, best.comm_time_s
+        entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
+        entry.comm_time_s = best.comm_time_s
     if err is not None:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0
@@ -341,7 +342,8 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         searched = [e for e in todo if not e.auto]
         searched.sort(key=lambda e: e.method not in ("ring", "usp", "usp-upipe", "fpdt"))  # slowest first
         jobs = [(e, granularity, max_seq_len, workdir) for e in searched]
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) if workers > 1 else None
+        pool = (ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+                if workers > 1 else None)
         try:
             found = list(pool.map(_search_entry, jobs)) if pool else [_search_entry(j) for j in jobs]
             by_trial = {e.trial: e for e in found}
@@ -396,7 +398,8 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
 def render(res: dict[str, Any]) -> str:
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
-        f"{res['usable_gib']:.1f} GiB usable per GPU{res['host_note']}; paper record setup (FSDP2, AC offloaded to host, "
+        f"{res['usable_gib']:.1f} GiB usable per GPU{res['host_note']}; "
+        f"paper record setup (FSDP2, AC offloaded to host, "
         f"tiled MLP/norm, chunked loss, bf16, batch 1)",
         f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
@@ -407,7 +410,8 @@ def render(res: dict[str, Any]) -> str:
         f"model = FLOPs/(peak x {MFU:.0%} MFU) + link-modelled communication + 2 x host bytes / "
         f"{HOST_Bps / 1e9:.0f} GB/s (no overlap; UPipe's per-stage launch overhead not modelled)",
         "",
-        f"{'configuration':26} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} {'source':8} note",
+        f"{'configuration':26} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
+        f"{'source':8} note",
     ]
     fastest = res["fastest_common"]
     for e in res["entries"]:

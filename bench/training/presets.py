@@ -14,7 +14,6 @@ a lever the preset needs cannot be switched off (that would be another configura
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..measure.trial import AUTO, AUTO_OPTION
 
@@ -48,6 +47,7 @@ def expand(name: str, options: dict | None = None, step: dict | None = None) -> 
         return name, options, step
     off = sorted(k for k, v in step.items() if k in preset.step and v != preset.step[k])
     if off:
-        raise ValueError(f"{name} is {preset.description}: it cannot run with {', '.join(f'{k}={step[k]}' for k in off)}"
+        switched = ", ".join(f"{k}={step[k]}" for k in off)
+        raise ValueError(f"{name} is {preset.description}: it cannot run with {switched}"
                          f"; use method {preset.method!r} for another combination")
     return preset.method, {**preset.options, **options}, {**step, **preset.step}

@@ -32,7 +32,6 @@ on one rank with a fake process group (emulated) and under FakeTensorMode (simul
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 

@@ -45,9 +45,11 @@ def standard_rows() -> dict[str, list]:
                    search={"granularity": 128 * K, "max_seq_len": 32 * M}),
           make_row("upipe", seq_len=5 * M + 256 * K, mode="simulated", peak_gib=70.0)]  # a probe of the search
     tiny = dict(device="cpu", device_name="Test CPU")
-    fig1_cpu = [make_row("upipe", "tiny-llama", 64 * K, 8, "simulated", peak_gib=0.02, by_category=dict(parameter=0.01, activation=0.01))]
-    fig5_cpu = [make_row("usp", "tiny-llama", 1 * K, 4, tps=500.0, peak_gib=0.05, options={"ulysses_degree": 2}, **tiny),
-                make_row("usp-upipe", "tiny-llama", 1 * K, 4, tps=450.0, peak_gib=0.04, options={"ulysses_degree": 2}, **tiny)]
+    fig1_cpu = [make_row("upipe", "tiny-llama", 64 * K, 8, "simulated", peak_gib=0.02,
+                         by_category=dict(parameter=0.01, activation=0.01))]
+    u2 = {"ulysses_degree": 2}
+    fig5_cpu = [make_row("usp", "tiny-llama", 1 * K, 4, tps=500.0, peak_gib=0.05, options=u2, **tiny),
+                make_row("usp-upipe", "tiny-llama", 1 * K, 4, tps=450.0, peak_gib=0.04, options=u2, **tiny)]
     attn_cpu = [make_row(m, "tiny-llama", 2 * K, 2, scope="attention", peak_gib=g, tps=t, options=o, **tiny)
                 for m, o, g, t in (("ulysses", {}, 0.010, 5000.0), ("upipe", {}, 0.008, 4000.0))]
     ua_cpu = [make_row(m, "tiny-llama", 2 * K, 2, scope="attention", peak_gib=g, tps=t, options=o, **tiny)

@@ -125,7 +125,8 @@ def test_sweep_rows_reach_the_comparison_table_and_notebook(plugin, tmp_path):
     conv = subprocess.run([str(bin_dir / "jupytext"), "--set-kernel", "python3", "--to", "ipynb",
                            str(nb_dir / "compare_my_method.py")], capture_output=True, text=True, env=env, timeout=120)
     assert conv.returncode == 0, conv.stderr
-    run = subprocess.run([str(bin_dir / "papermill"), str(nb_dir / "compare_my_method.ipynb"), str(nb_dir / "out.ipynb"),
+    run = subprocess.run([str(bin_dir / "papermill"), str(nb_dir / "compare_my_method.ipynb"),
+                          str(nb_dir / "out.ipynb"),
                           "-p", "METHOD", NAME, "-p", "RESULTS", str(results), "-p", "SCOPE", "attention",
                           "--no-progress-bar"], capture_output=True, text=True, env=env, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,5 +1,4 @@
 """chunk_heads='auto' (bench.search.autochunk): resolved in bench, refused by the methods."""
-import dataclasses
 
 import pytest
 

@@ -3,17 +3,14 @@ included; errors stop the search with a lower bound; trials isolated so a dying 
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import signal
 
-import pytest
-
-from bench.search.maxctx import run_isolated, search
-from records import human
 from bench.measure.run import build_row
 from bench.measure.trial import Search, Trial
+from bench.search.maxctx import run_isolated, search
 from bench.training.config import StepConfig
+from records import human
 
 K = 1024
 

@@ -10,8 +10,14 @@ import torch.nn.functional as F
 
 from bench.model import decoder as models
 from bench.model.config import CONFIGS, ModelConfig, flops_per_device, flops_per_step, get_config
-from bench.model.decoder import (FeedForward, RMSNorm, chunked_cross_entropy, full_cross_entropy, tile_bounds,
-                                tiles_to_run)
+from bench.model.decoder import (
+    FeedForward,
+    RMSNorm,
+    chunked_cross_entropy,
+    full_cross_entropy,
+    tile_bounds,
+    tiles_to_run,
+)
 
 
 def test_paper_shapes():
