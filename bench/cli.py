@@ -89,7 +89,7 @@ def positive_int(text: str) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", required=True, help="attention method (python -m bench list), or a named "
-                   "configuration: upipe-best (bench.presets)")
+                   "configuration: upipe-best (bench.training.presets)")
     p.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
     p.add_argument("--world-size", type=positive_int, required=True, help="context-parallel ranks C")
     p.add_argument("--mode", choices=["real", "emulated", "simulated"], default="simulated")
@@ -109,7 +109,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiles", type=int, default=0, help="tiles of the tiled MLP/norms (0: ceil(local tokens/dim))")
     p.add_argument("--loss-chunk", type=parse_size, default=2048, help="tokens per loss chunk")
     p.add_argument("--kernel-workspace", choices=["none", "fa2", "fa3"], default="none",
-                   help="simulated mode: model the attention backward's scratch buffers (bench.workspace)")
+                   help="simulated mode: model the attention backward's scratch buffers (bench.measure.workspace)")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=2, help="timed steps (real/emulated)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -141,7 +141,7 @@ def build_parser() -> Parser:
     tr.add_argument("--no-save", action="store_true", help="do not append rows to any file")
     tr.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
     tr.add_argument("--in-process", action="store_true", help="a search's simulated probes in this process")
-    pl = sub.add_parser("plan", help="max context and step time per method for a model on N GPUs (bench.plan)")
+    pl = sub.add_parser("plan", help="max context and step time per method for a model on N GPUs (bench.search.plan)")
     pl.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
     pl.add_argument("--gpus", type=positive_int, required=True, help="context-parallel ranks C")
     pl.add_argument("--device", default="h100-80g", help="device preset")

@@ -2,7 +2,7 @@
 
 Modes (recorded in every row):
 
-* ``real``: real ranks (``bench.launch``: spawned gloo ranks on this host, or the ranks
+* ``real``: real ranks (``bench.measure.launch``: spawned gloo ranks on this host, or the ranks
   torchrun/submitit started; NCCL on CUDA). Step time is measured (max over ranks), memory
   is ``torch.cuda.max_memory_allocated``/``reserved`` on CUDA, and on CPU torch's
   ``MemTracker`` over real tensors (CPU has no allocator peak statistics in torch, and RSS
@@ -10,7 +10,7 @@ Modes (recorded in every row):
   live tensor storage exactly as CUDA's allocated figure does).
 * ``emulated``: one real rank (rank 0) of a ``world_size``-rank job on this device, with a
   ``fake`` process group: compute and memory are real, collectives return at once, and their
-  time comes from the link model (``bench.hardware``) over the bytes actually issued:
+  time comes from the link model (``bench.measure.hardware``) over the bytes actually issued:
   ``step_time = measured compute + modelled communication`` (no overlap assumed).
 * ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
   shape and world size with nothing allocated. The simulated accelerator is a fake CPU
@@ -255,7 +255,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
             preset.kind == "cpu" and trial.mode != "simulated"):
         notes.append("ac_offload has no effect on a CPU device (the checkpoints are already in host memory)")
     if trial.mode == "simulated" and trial.step.kernel_workspace != "none":
-        notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} (bench.workspace)")
+        notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} (bench.measure.workspace)")
     if trial.mode == "simulated":
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
                      "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")

@@ -273,7 +273,7 @@ class Decoder(nn.Module):
     token counts per rank, averaging gradients over ranks, as FSDP does, gives the
     gradient of the global mean).
 
-    ``layer_wrapper`` (set by ``bench.step``) runs each block, e.g. under activation
+    ``layer_wrapper`` (set by ``bench.training.step``) runs each block, e.g. under activation
     checkpointing; by default a block is called directly.
     """
 

@@ -27,7 +27,7 @@ offloads within the preset's usable host bytes per GPU (``DevicePreset.host_usab
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
 the peak (which grows smoothly with the length) proposes the next multiple inside the
 bracket [longest fit, shortest failure]; it ends when the two are one step apart, so the
-answer is exact to one step as in ``bench.maxctx``.
+answer is exact to one step as in ``bench.search.maxctx``.
 
 Step time: a measured row from ``results/`` (mode real, same method/options/model/world
 size/device/length) when one exists; else the model ``model FLOPs per device / (peak
@@ -36,7 +36,7 @@ device's link model) plus host traffic (twice the host peak over PCIe 5, 55 GB/s
 scaled linearly in the length from the longest fitting trial; no overlap, no per-stage
 launch overhead). The source is printed for every row.
 
-``chunk_heads=auto`` resolves to the largest U that fits (``bench.autochunk``); at the
+``chunk_heads=auto`` resolves to the largest U that fits (``bench.search.autochunk``); at the
 maximum context of U = C no larger U fits, so the auto row reports U = C's length and the U
 it resolves to at the common comparison length.
 """

@@ -1,7 +1,7 @@
 """Named configurations: a method, its options and the training-step levers, under one name.
 
 ``upipe-best`` is UPipe as the paper runs it for its records, with the head chunk chosen
-for the memory at hand: ``chunk_heads=auto`` (``bench.autochunk``: the largest U whose
+for the memory at hand: ``chunk_heads=auto`` (``bench.search.autochunk``: the largest U whose
 simulated peak fits), activation checkpoints offloaded to host memory, tiled MLP and
 RMSNorm, chunked loss (all ``StepConfig`` levers on).
 

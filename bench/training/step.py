@@ -125,7 +125,7 @@ def build_model(
     Parameters are created on ``device`` in fp32 when FSDP keeps fp32 masters (bf16 compute)
     and in the compute dtype otherwise, then initialised from ``seed`` (identical on every
     rank). Under FakeTensorMode pass ``seed=None`` and call inside
-    ``bench.simulate.no_param_init()`` (random init is not possible on fake tensors).
+    ``bench.measure.simulate.no_param_init()`` (random init is not possible on fake tensors).
     """
     device = torch.device(device)
     master = torch.float32 if step.fsdp else step.torch_dtype

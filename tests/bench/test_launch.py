@@ -1,4 +1,4 @@
-"""bench/launch.py: which environment counts as launched, and local spawning."""
+"""bench/measure/launch.py: which environment counts as launched, and local spawning."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""bench/step.py: every memory lever does what it says.
+"""bench/training/step.py: every memory lever does what it says.
 
 Memory effects are checked under simulation (FakeTensorMode + fake process group + MemTracker,
 ``bench.measure.run.measure_simulated``); numerics on real gloo ranks: one training step with every
