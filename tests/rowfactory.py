@@ -7,9 +7,9 @@ tests check where they land, never what they say about the methods.
 """
 from __future__ import annotations
 
-from records import Environment, Figures, Row, append_rows
+from records import Environment, Figures, GiB, KiB, MiB, Row, append_rows
 
-K, M, GiB = 2**10, 2**20, 2**30
+K, M = KiB, MiB
 PAPER_LEVERS = {"fsdp": True, "ac": True, "ac_offload": True, "offload_pin": True, "tiled_mlp": True,
                 "mlp_tiles": 0, "chunked_loss": True, "loss_chunk": 2048, "lr": 3e-4}
 LINK = {"name": "nvlink-h100", "intra_Bps": 450e9, "inter_Bps": 50e9, "latency_s": 1e-5, "ranks_per_node": 8,
