@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import methods
-from methods.spec import AttnSpec
+from methods.core.spec import AttnSpec
 
 # --------------------------------------------------------------------------- configuration
 

@@ -44,7 +44,7 @@ def fake_tensors(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
     counts those bytes apart from the simulated device's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from methods.hostmem import simulated_host
+    from methods.core.hostmem import simulated_host
 
     previous = torch.get_default_dtype()
     with FakeTensorMode(allow_non_fake_inputs=False), simulated_host("meta"):

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import methods
-from methods import comm
+from methods.core import comm
 
 from .models import Decoder, ModelConfig
 

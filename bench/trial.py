@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import methods
-from methods import kernels
+from methods.core import kernels
 
 from . import launch
 from .hardware import CommCounter, DevicePreset, LinkModel, get_device, get_link

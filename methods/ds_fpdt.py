@@ -31,12 +31,12 @@ from types import SimpleNamespace
 
 import torch
 
-from .base import MethodOptions, head_rows
+from .core.base import MethodOptions, head_rows
+from .core.kernels import get_kernel
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ds_ulysses import DEEPSPEED_HINT, init_deepspeed_comm, require_group
 from .fpdt import FPDT
-from .kernels import get_kernel
-from .registry import register
-from .spec import AttnSpec
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comm, hostmem
-from .base import AttentionMethod, MethodOptions, head_rows, project
-from .kernels import merge_partials
-from .registry import register
-from .spec import AttnSpec
+from .core import comm, hostmem
+from .core.base import AttentionMethod, MethodOptions, head_rows, project
+from .core.kernels import merge_partials
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ulysses import replicated_kv_heads
 
 

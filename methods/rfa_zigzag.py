@@ -39,12 +39,12 @@ import sys
 
 import torch
 
-from . import comm
-from .base import AttentionMethod, MethodOptions
+from .core import comm
+from .core.base import AttentionMethod, MethodOptions
+from .core.kernels import attention, get_kernel
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ds_ulysses import require_group
-from .kernels import attention, get_kernel
-from .registry import register
-from .spec import AttnSpec
 
 
 def load_zigzag_func():

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .base import AttentionMethod
-from .kernels import merge_partials
-from .registry import register
+from .core import comm
+from .core.base import AttentionMethod
+from .core.kernels import merge_partials
+from .core.registry import register
 
 FULL = slice(None)
 

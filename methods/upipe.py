@@ -60,12 +60,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import comm
-from .base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, project
-from .rope import apply_rope
-from .registry import register
-from .spec import AttnSpec
-
+from .core import comm
+from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, project
+from .core.registry import register
+from .core.rope import apply_rope
+from .core.spec import AttnSpec
 
 AUTO_CHUNK_MESSAGE = (
     "chunk_heads='auto' is resolved by bench (python -m bench run ... --opt chunk_heads=auto); "

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .base import AttentionMethod, MethodOptions
-from .registry import register
+from .core import comm
+from .core.base import AttentionMethod, MethodOptions
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ring import ring_attention, zigzag_shard, zigzag_unshard
-from .spec import AttnSpec
 from .ulysses import replicated_kv_heads
 
 

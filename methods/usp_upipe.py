@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .registry import register
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ring import RingKernel
-from .spec import AttnSpec
 from .upipe import UPipe, UPipeOptions, plan_stages, refuse_auto, upipe_block
 from .usp import USP, USPOptions
 

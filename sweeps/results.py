@@ -66,7 +66,7 @@ def finished(rows_path: Path, trials: list[Trial] | None = None) -> dict[str, st
 
 def error_row_for(trial: Trial, rows_path: Path, message: str, log_path: str) -> None:
     """Append an ``error`` row for a trial whose job failed before writing its own row."""
-    from methods.kernels import default_kernel_name
+    from methods.core.kernels import default_kernel_name
 
     levers = dict(trial.step)
     row = Row(

@@ -10,8 +10,8 @@ import dataclasses
 import torch
 
 import methods
-from methods.comm import all_reduce_sum_
-from methods.reference import AttentionBlock
+from methods.core.comm import all_reduce_sum_
+from methods.core.reference import AttentionBlock
 
 SEQ_LEN = 64  # divisible by 2*C*chunks for every layout at C <= 4
 BATCH = 2

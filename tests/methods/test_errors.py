@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import methods
-from methods.base import AttentionMethod
-from methods.kernels import get_kernel, select_kernel
-from methods.reference import AttentionBlock
+from methods.core.base import AttentionMethod
+from methods.core.kernels import get_kernel, select_kernel
+from methods.core.reference import AttentionBlock
 
 LLAMA = methods.AttnSpec(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128)
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import methods
-from methods import comm
+from methods.core import comm
 from methods.ring import zigzag_index
 from tests.methods.cases import SPECS, TOLERANCE, check_against_reference
 

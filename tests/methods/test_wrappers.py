@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import methods
-from methods.comm import all_reduce_sum_
+from methods.core.comm import all_reduce_sum_
 from tests.flash_attn_standin import real_flash_attn_available
 from tests.methods.cases import BATCH, SEQ_LEN, SPECS, TOLERANCE, rel_err
 

@@ -99,7 +99,7 @@ class AttentionParams(nn.Module):
 class MethodOptions:
     """Options every method accepts. Subclass (as a frozen dataclass) to add a method's own."""
 
-    kernel: str | None = None  # attention kernel (methods/kernels.py); None: process default
+    kernel: str | None = None  # attention kernel (methods/core/kernels.py); None: process default
 
 
 class AttentionMethod(AttentionParams):
