@@ -6,7 +6,7 @@
 
 Importing the package imports every module directly in ``methods/``, so each method's
 ``@register`` decorator runs: adding a method is adding one file here. What the methods share
-(registry, base class, collectives, kernels, ...) lives in the ``methods.core``
+(registry, base class, collectives, kernels, sequence layouts, ...) lives in the ``methods.core``
 subpackage, which this loop leaves alone: every module directly in ``methods/`` is a method.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ parameters are still ``wq, wk, wv, wo`` and load from any method's ``state_dict`
 heads fewer than C are replicated (DeepSpeed asserts G >= C) and their gradients summed
 back. The RoPE tables are given for the global positions in FPDT's segment order.
 
-Layout: FPDT's own, shared with ``fpdt`` (global chunk c on rank c % C, see methods/fpdt.py);
+Layout: FPDT's own, shared with ``fpdt`` (global chunk c on rank c % C, ``layouts.cyclic_shard``);
 ``num_chunks`` is the number of chunks per rank (DeepSpeed's ``chunk_size`` is S / num_chunks).
 
 What it supports, and why (``validate``/``forward``):

@@ -4,10 +4,10 @@ After "Fully Pipelined Distributed Transformer" (FPDT, Yao et al. 2024). Ulysses
 C ranks all S tokens of H/C heads; FPDT does the same, but one sequence chunk at a time, so
 that only a chunk's Q/K/V/O are on the device at once and the rest wait in host memory.
 
-Token layout (``shard``/``unshard``, FPDT's own). The sequence is cut into C*K chunks of
-``S/(C*K)`` tokens (K = ``num_chunks``); global chunk ``c`` lives on rank ``c % C``, so rank r
-holds chunks ``r, r+C, ..., r+(K-1)C`` (K non-contiguous pieces, in that order). The
-sequence->head all-to-all of every rank's local chunk i then yields the *contiguous* global
+Token layout (``shard``/``unshard``: FPDT's own, ``layouts.cyclic_shard``). The sequence is
+cut into C*K chunks of ``S/(C*K)`` tokens (K = ``num_chunks``); global chunk ``c`` lives on
+rank ``c % C``, so rank r holds chunks ``r, r+C, ..., r+(K-1)C`` (K non-contiguous pieces, in
+that order). The sequence->head all-to-all of every rank's local chunk i then yields the *contiguous* global
 segment i (chunks ``iC .. iC+C-1``) for H/C heads. That is what makes the pipeline work:
 segment i attends causally to itself and fully to segments < i, so it can be computed as
 soon as segments 0..i are projected, and the K(K-1)/2 blocks above the diagonal are skipped.
@@ -48,6 +48,7 @@ import torch
 from .core import comm, hostmem
 from .core.base import AttentionMethod, MethodOptions, head_rows, project
 from .core.kernels import merge_partials
+from .core.layouts import cyclic_shard, cyclic_unshard
 from .core.registry import register
 from .core.spec import AttnSpec
 from .ulysses import replicated_kv_heads
@@ -57,20 +58,6 @@ from .ulysses import replicated_kv_heads
 class FPDTOptions(MethodOptions):
     num_chunks: int = 2  # K: chunks per rank (the pipeline's depth)
     offload: bool = True  # keep Q/K/V/O/LSE chunks in host memory between uses
-
-
-# ----------------------------------------------------------------------- layout
-def fpdt_shard(x: torch.Tensor, dim: int, rank: int, world_size: int, num_chunks: int) -> torch.Tensor:
-    """Rank ``rank``'s chunks ``rank, rank+C, ...`` of ``x`` along ``dim``, in that order."""
-    cs = x.shape[dim] // (world_size * num_chunks)
-    parts = x.unflatten(dim, (num_chunks, world_size, cs)).select(dim + 1, rank)
-    return parts.flatten(dim, dim + 1).contiguous()
-
-
-def fpdt_unshard_gathered(x: torch.Tensor, dim: int, world_size: int, num_chunks: int) -> torch.Tensor:
-    """Global order from the rank-major concatenation of every rank's ``fpdt_shard``."""
-    cs = x.shape[dim] // (world_size * num_chunks)
-    return x.unflatten(dim, (world_size, num_chunks, cs)).transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
 # ----------------------------------------------------------------------- host store
@@ -340,14 +327,13 @@ class FPDT(AttentionMethod):
         self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, self.world_size, self.method_name))
         self._last_store = _no_store
 
-    # -- layout: global chunk c on rank c % C
+    # -- layout: global chunk c on rank c % C (cyclic)
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return fpdt_shard(x, dim, self.rank, self.world_size, self.options.num_chunks)
+        return cyclic_shard(x, dim, self.rank, self.world_size, self.options.num_chunks)
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        gathered = comm.all_gather_cat(x, self.group, dim)
-        return fpdt_unshard_gathered(gathered, dim, self.world_size, self.options.num_chunks)
+        return cyclic_unshard(x, dim, self.group, self.options.num_chunks)
 
     @property
     def last_store(self) -> ChunkStore | None:

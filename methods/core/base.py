@@ -5,7 +5,8 @@ reference use (``wq, wk, wv, wo`` and ``q_norm, k_norm`` with QK-norm), so a sin
 ``state_dict`` loads into all of them. ``AttentionMethod`` adds the distributed part:
 the process group, typed options (a dataclass per method), ``validate`` (raising a
 ``ValueError`` that names the constraint and the fix before any communication) and the
-sequence layout (``shard``/``unshard``), contiguous unless a method overrides it.
+sequence layout (``shard``/``unshard``), contiguous unless a method overrides it with
+another layout of ``layouts``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from . import comm, layouts
 from .kernels import get_kernel, softmax_scale
 from .rope import apply_rope, rope_cos_sin
 from .spec import AttnSpec
@@ -157,11 +158,11 @@ class AttentionMethod(AttentionParams):
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of a full-sequence tensor (contiguous chunk by default)."""
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return x.chunk(self.world_size, dim=dim)[self.rank].contiguous()
+        return layouts.contiguous_shard(x, dim, self.rank, self.world_size)
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Inverse of ``shard``: the full sequence on every rank (all-gather; no autograd)."""
-        return comm.all_gather_cat(x, self.group, dim)
+        return layouts.contiguous_unshard(x, dim, self.group)
 
     def default_positions(self, local_len: int, device) -> torch.Tensor:
         return self.shard(torch.arange(local_len * self.world_size, device=device), dim=0)
