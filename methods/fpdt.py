@@ -33,20 +33,20 @@ dK/dV (or segment i's dQ) is complete it is exchanged back and pushed through a
 recomputed projection of that chunk only (so RoPE and QK-norm are differentiated exactly).
 Attention is only ever materialised for one (i, j) block.
 
-On CPU, host memory is where tensors already live: offloading keeps them as they are and
-the side stream is a no-op context; the code path (and the store's bookkeeping, which the
-tests read) is the same.
+The store is ``chunkstore.ChunkStore``: on CPU, host memory is where tensors already live,
+so offloading keeps them as they are and the side stream is a no-op; the code path (and the
+store's bookkeeping, which the tests read) is the same.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .core import comm, hostmem
+from .core import comm
 from .core.base import AttentionMethod, MethodOptions, head_rows, project
+from .core.chunkstore import ChunkStore
 from .core.kernels import merge_partials
 from .core.layouts import cyclic_shard, cyclic_unshard
 from .core.registry import register
@@ -58,88 +58,6 @@ from .ulysses import replicated_kv_heads
 class FPDTOptions(MethodOptions):
     num_chunks: int = 2  # K: chunks per rank (the pipeline's depth)
     offload: bool = True  # keep Q/K/V/O/LSE chunks in host memory between uses
-
-
-# ----------------------------------------------------------------------- host store
-class ChunkStore:
-    """Named tensors kept on the device, or in host memory with prefetch back.
-
-    With ``offload`` on CUDA, ``put`` copies to pinned host memory on a side stream (after
-    the compute stream's work that produced the tensor), ``prefetch`` starts the copy back on
-    that stream and ``get`` makes the compute stream wait for it. On CPU the tensor already
-    is in host memory: it is kept as is and the streams are no-op contexts.
-    """
-
-    def __init__(self, device: torch.device, offload: bool) -> None:
-        self.device = torch.device(device)
-        self.offload = offload
-        cuda = offload and self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self._items: dict = {}
-        self._ready: dict = {}
-
-    def _side(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def put(self, key, t: torch.Tensor) -> None:
-        self._ready.pop(key, None)
-        if self.offload and hostmem.simulated() is not None:
-            self._items[key] = hostmem.to_simulated_host(t)  # simulation: host memory is meta
-            return
-        if self.stream is None:
-            self._items[key] = t
-            return
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with self._side():
-            host.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
-        self._items[key] = host
-
-    def prefetch(self, key) -> None:
-        if self.stream is None or key in self._ready or key not in self._items:
-            return
-        with self._side():
-            dev = self._items[key].to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self._ready[key] = (dev, done)
-
-    def get(self, key) -> torch.Tensor:
-        if self._items[key].device.type == "meta" and self.device.type != "meta":
-            return hostmem.back_to(self._items[key], self.device)
-        if self.stream is None:
-            return self._items[key]
-        self.prefetch(key)
-        dev, done = self._ready.pop(key)
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(done)
-        dev.record_stream(current)
-        return dev
-
-    def pop(self, key) -> None:
-        self._items.pop(key, None)
-        self._ready.pop(key, None)
-
-    def __contains__(self, key) -> bool:
-        return key in self._items
-
-    # -- bookkeeping read by tests and reports
-    def in_host_memory(self, key) -> bool:
-        """Whether ``key`` is held as an offloaded copy in host memory."""
-        return self.offload and self._items[key].device.type in ("cpu", "meta")
-
-    def location(self, key) -> torch.device:
-        return self._items[key].device
-
-    def is_pinned(self, key) -> bool:
-        return self._items[key].is_pinned()
-
-    def keys(self) -> list:
-        return list(self._items)
-
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for k, t in self._items.items() if self.in_host_memory(k))
 
 
 def _no_store() -> None:
