@@ -92,9 +92,16 @@ class Trial:
     def method_cls(self):
         return methods.get_info(self.method).cls
 
+    def method_options(self) -> methods.core.base.MethodOptions:
+        """The method's typed options, an unresolved ``chunk_heads="auto"`` read as the default
+        (methods accept only an int there; ``bench.autochunk`` resolves auto before the run)."""
+        opts = self.opts
+        if opts.get("chunk_heads") == "auto":
+            opts["chunk_heads"] = None
+        return self.method_cls().parse_options(**opts)
+
     def seq_multiple(self) -> int:
-        cls = self.method_cls()
-        return cls.seq_multiple(self.world_size, cls.parse_options(**self.opts))
+        return self.method_cls().seq_multiple(self.world_size, self.method_options())
 
     def validate(self, check_seq_len: bool = True) -> None:
         """Every check that needs no computation; raises ``ValueError`` saying what to fix."""
@@ -115,7 +122,7 @@ class Trial:
             methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
         cls = self.method_cls()
         if check_seq_len:
-            cls.check_seq_len(self.seq_len, self.world_size, cls.parse_options(**self.opts))
+            cls.check_seq_len(self.seq_len, self.world_size, self.method_options())
         if self.mode in ("real", "emulated") and preset.kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"mode {self.mode!r} on device preset {self.device!r} needs CUDA, which this machine "

@@ -64,8 +64,6 @@ class DeepSpeedFPDT(FPDT):
         super(FPDT, cls).validate(spec, world_size, options)  # FPDT's own option checks differ
         cls.check_head_split(spec, world_size, "ds-fpdt")
         cls.check_num_chunks(options.num_chunks)
-        if options.offload not in (None, True, False):
-            raise ValueError(f"ds-fpdt: offload={options.offload!r} must be None (auto), True or False")
         if not spec.causal:
             raise ValueError("ds-fpdt: DeepSpeed's FPDT_Attention is causal only; use 'fpdt' for non-causal attention")
         if spec.qk_norm:

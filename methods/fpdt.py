@@ -225,8 +225,6 @@ class FPDT(AttentionMethod):
         super().validate(spec, world_size, options)
         cls.check_head_split(spec, world_size, cls.method_name)
         cls.check_num_chunks(options.num_chunks)
-        if not isinstance(options.offload, bool):
-            raise ValueError(f"{cls.method_name}: offload={options.offload!r} must be True or False")
 
     @classmethod
     def check_num_chunks(cls, k) -> None:
