@@ -4,20 +4,22 @@
     block = methods.build("upipe", spec, group=pg, chunk_heads=8)
     y_loc = block(block.shard(x, dim=1), positions=block.shard(torch.arange(S), dim=0))
 
-Importing the package imports every module in it, so each method's ``@register``
-decorator runs: adding a method is adding one file here.
+Importing the package imports every module directly in ``methods/``, so each method's
+``@register`` decorator runs: adding a method is adding one file here. What the methods share
+(registry, base class, collectives, kernels, sequence layouts, ...) lives in the ``methods.core``
+subpackage, which this loop leaves alone: every module directly in ``methods/`` is a method.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
-from .registry import MethodInfo, all_infos, get_info, register, unregister
-from .spec import AttnSpec
+from .core.comm import world
+from .core.registry import MethodInfo, all_infos, get_info, register, unregister
+from .core.spec import AttnSpec
 
-_INFRA = {"base", "comm", "hostmem", "kernels", "reference", "registry", "rope", "spec"}
 for _mod in pkgutil.iter_modules(__path__):
-    if _mod.name not in _INFRA and not _mod.name.startswith("_"):
+    if not _mod.ispkg and not _mod.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_mod.name}")
 
 
@@ -48,8 +50,6 @@ def build(name: str, spec: AttnSpec, group=None, **options):
 
     All checks of ``validate`` run first, before any communication.
     """
-    from .comm import world
-
     validate(name, spec, world(group)[0], **options)
     return get_info(name).cls(spec, group, **options)
 

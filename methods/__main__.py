@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import methods
-from methods.kernels import KERNELS, default_kernel_name
+from methods.core.kernels import KERNELS, default_kernel_name
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ parameters are still ``wq, wk, wv, wo`` and load from any method's ``state_dict`
 heads fewer than C are replicated (DeepSpeed asserts G >= C) and their gradients summed
 back. The RoPE tables are given for the global positions in FPDT's segment order.
 
-Layout: FPDT's own, shared with ``fpdt`` (global chunk c on rank c % C, see methods/fpdt.py);
+Layout: FPDT's own, shared with ``fpdt`` (global chunk c on rank c % C, ``layouts.cyclic_shard``);
 ``num_chunks`` is the number of chunks per rank (DeepSpeed's ``chunk_size`` is S / num_chunks).
 
 What it supports, and why (``validate``/``forward``):
@@ -31,12 +31,12 @@ from types import SimpleNamespace
 
 import torch
 
-from .base import MethodOptions, head_rows
+from .core.base import MethodOptions, head_rows
+from .core.kernels import get_kernel
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ds_ulysses import DEEPSPEED_HINT, init_deepspeed_comm, require_group
 from .fpdt import FPDT
-from .kernels import get_kernel
-from .registry import register
-from .spec import AttnSpec
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,6 @@ class DeepSpeedFPDT(FPDT):
         super(FPDT, cls).validate(spec, world_size, options)  # FPDT's own option checks differ
         cls.check_head_split(spec, world_size, "ds-fpdt")
         cls.check_num_chunks(options.num_chunks)
-        if options.offload not in (None, True, False):
-            raise ValueError(f"ds-fpdt: offload={options.offload!r} must be None (auto), True or False")
         if not spec.causal:
             raise ValueError("ds-fpdt: DeepSpeed's FPDT_Attention is causal only; use 'fpdt' for non-causal attention")
         if spec.qk_norm:

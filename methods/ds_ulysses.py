@@ -25,10 +25,10 @@ import sys
 import torch
 from torch import nn
 
-from .base import AttentionMethod, MethodOptions
-from .kernels import attention
-from .registry import register
-from .spec import AttnSpec
+from .core.base import AttentionMethod, MethodOptions
+from .core.kernels import attention
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ulysses import replicated_kv_heads
 
 DEEPSPEED_HINT = "pip install deepspeed (pin torch==<your version> in the same pip command)"
@@ -36,10 +36,9 @@ DEEPSPEED_HINT = "pip install deepspeed (pin torch==<your version> in the same p
 
 def init_deepspeed_comm():
     """Initialise ``deepspeed.comm`` over the running ``torch.distributed`` (once); return it."""
-    import torch.distributed as dist
-
     import deepspeed
     import deepspeed.comm as ds_comm
+    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     if ds_comm.is_initialized():

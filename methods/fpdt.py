@@ -4,10 +4,10 @@ After "Fully Pipelined Distributed Transformer" (FPDT, Yao et al. 2024). Ulysses
 C ranks all S tokens of H/C heads; FPDT does the same, but one sequence chunk at a time, so
 that only a chunk's Q/K/V/O are on the device at once and the rest wait in host memory.
 
-Token layout (``shard``/``unshard``, FPDT's own). The sequence is cut into C*K chunks of
-``S/(C*K)`` tokens (K = ``num_chunks``); global chunk ``c`` lives on rank ``c % C``, so rank r
-holds chunks ``r, r+C, ..., r+(K-1)C`` (K non-contiguous pieces, in that order). The
-sequence->head all-to-all of every rank's local chunk i then yields the *contiguous* global
+Token layout (``shard``/``unshard``: FPDT's own, ``layouts.cyclic_shard``). The sequence is
+cut into C*K chunks of ``S/(C*K)`` tokens (K = ``num_chunks``); global chunk ``c`` lives on
+rank ``c % C``, so rank r holds chunks ``r, r+C, ..., r+(K-1)C`` (K non-contiguous pieces, in
+that order). The sequence->head all-to-all of every rank's local chunk i then yields the *contiguous* global
 segment i (chunks ``iC .. iC+C-1``) for H/C heads. That is what makes the pipeline work:
 segment i attends causally to itself and fully to segments < i, so it can be computed as
 soon as segments 0..i are projected, and the K(K-1)/2 blocks above the diagonal are skipped.
@@ -33,23 +33,24 @@ dK/dV (or segment i's dQ) is complete it is exchanged back and pushed through a
 recomputed projection of that chunk only (so RoPE and QK-norm are differentiated exactly).
 Attention is only ever materialised for one (i, j) block.
 
-On CPU, host memory is where tensors already live: offloading keeps them as they are and
-the side stream is a no-op context; the code path (and the store's bookkeeping, which the
-tests read) is the same.
+The store is ``chunkstore.ChunkStore``: on CPU, host memory is where tensors already live,
+so offloading keeps them as they are and the side stream is a no-op; the code path (and the
+store's bookkeeping, which the tests read) is the same.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from . import comm, hostmem
-from .base import AttentionMethod, MethodOptions, head_rows, project
-from .kernels import merge_partials
-from .registry import register
-from .spec import AttnSpec
+from .core import comm
+from .core.base import AttentionMethod, MethodOptions, head_rows, project
+from .core.chunkstore import ChunkStore
+from .core.kernels import merge_partials
+from .core.layouts import cyclic_shard, cyclic_unshard
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ulysses import replicated_kv_heads
 
 
@@ -57,102 +58,6 @@ from .ulysses import replicated_kv_heads
 class FPDTOptions(MethodOptions):
     num_chunks: int = 2  # K: chunks per rank (the pipeline's depth)
     offload: bool = True  # keep Q/K/V/O/LSE chunks in host memory between uses
-
-
-# ----------------------------------------------------------------------- layout
-def fpdt_shard(x: torch.Tensor, dim: int, rank: int, world_size: int, num_chunks: int) -> torch.Tensor:
-    """Rank ``rank``'s chunks ``rank, rank+C, ...`` of ``x`` along ``dim``, in that order."""
-    cs = x.shape[dim] // (world_size * num_chunks)
-    parts = x.unflatten(dim, (num_chunks, world_size, cs)).select(dim + 1, rank)
-    return parts.flatten(dim, dim + 1).contiguous()
-
-
-def fpdt_unshard_gathered(x: torch.Tensor, dim: int, world_size: int, num_chunks: int) -> torch.Tensor:
-    """Global order from the rank-major concatenation of every rank's ``fpdt_shard``."""
-    cs = x.shape[dim] // (world_size * num_chunks)
-    return x.unflatten(dim, (world_size, num_chunks, cs)).transpose(dim, dim + 1).flatten(dim, dim + 2)
-
-
-# ----------------------------------------------------------------------- host store
-class ChunkStore:
-    """Named tensors kept on the device, or in host memory with prefetch back.
-
-    With ``offload`` on CUDA, ``put`` copies to pinned host memory on a side stream (after
-    the compute stream's work that produced the tensor), ``prefetch`` starts the copy back on
-    that stream and ``get`` makes the compute stream wait for it. On CPU the tensor already
-    is in host memory: it is kept as is and the streams are no-op contexts.
-    """
-
-    def __init__(self, device: torch.device, offload: bool) -> None:
-        self.device = torch.device(device)
-        self.offload = offload
-        cuda = offload and self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self._items: dict = {}
-        self._ready: dict = {}
-
-    def _side(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def put(self, key, t: torch.Tensor) -> None:
-        self._ready.pop(key, None)
-        if self.offload and hostmem.simulated() is not None:
-            self._items[key] = hostmem.to_simulated_host(t)  # simulation: host memory is meta
-            return
-        if self.stream is None:
-            self._items[key] = t
-            return
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with self._side():
-            host.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
-        self._items[key] = host
-
-    def prefetch(self, key) -> None:
-        if self.stream is None or key in self._ready or key not in self._items:
-            return
-        with self._side():
-            dev = self._items[key].to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self._ready[key] = (dev, done)
-
-    def get(self, key) -> torch.Tensor:
-        if self._items[key].device.type == "meta" and self.device.type != "meta":
-            return hostmem.back_to(self._items[key], self.device)
-        if self.stream is None:
-            return self._items[key]
-        self.prefetch(key)
-        dev, done = self._ready.pop(key)
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(done)
-        dev.record_stream(current)
-        return dev
-
-    def pop(self, key) -> None:
-        self._items.pop(key, None)
-        self._ready.pop(key, None)
-
-    def __contains__(self, key) -> bool:
-        return key in self._items
-
-    # -- bookkeeping read by tests and reports
-    def in_host_memory(self, key) -> bool:
-        """Whether ``key`` is held as an offloaded copy in host memory."""
-        return self.offload and self._items[key].device.type in ("cpu", "meta")
-
-    def location(self, key) -> torch.device:
-        return self._items[key].device
-
-    def is_pinned(self, key) -> bool:
-        return self._items[key].is_pinned()
-
-    def keys(self) -> list:
-        return list(self._items)
-
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for k, t in self._items.items() if self.in_host_memory(k))
 
 
 def _no_store() -> None:
@@ -195,9 +100,9 @@ class _FPDTFunction(torch.autograd.Function):
                     for name in ("k", "v"):
                         if (name, kv_segments[pos + 1]) not in live:
                             store.prefetch((name, kv_segments[pos + 1]))
-                o, l = kernel.forward(q, fetch(("k", j)), fetch(("v", j)), causal and i == j, scale)
-                acc, lse = merge_partials(acc, lse, o, l)
-                del o, l
+                o, lse_b = kernel.forward(q, fetch(("k", j)), fetch(("v", j)), causal and i == j, scale)
+                acc, lse = merge_partials(acc, lse, o, lse_b)
+                del o, lse_b
             o = acc.to(x.dtype)
             del acc
             out[:, sl] = comm.head_to_seq_(o, group)
@@ -320,8 +225,6 @@ class FPDT(AttentionMethod):
         super().validate(spec, world_size, options)
         cls.check_head_split(spec, world_size, cls.method_name)
         cls.check_num_chunks(options.num_chunks)
-        if not isinstance(options.offload, bool):
-            raise ValueError(f"{cls.method_name}: offload={options.offload!r} must be True or False")
 
     @classmethod
     def check_num_chunks(cls, k) -> None:
@@ -340,14 +243,13 @@ class FPDT(AttentionMethod):
         self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, self.world_size, self.method_name))
         self._last_store = _no_store
 
-    # -- layout: global chunk c on rank c % C
+    # -- layout: global chunk c on rank c % C (cyclic)
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return fpdt_shard(x, dim, self.rank, self.world_size, self.options.num_chunks)
+        return cyclic_shard(x, dim, self.rank, self.world_size, self.options.num_chunks)
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        gathered = comm.all_gather_cat(x, self.group, dim)
-        return fpdt_unshard_gathered(gathered, dim, self.world_size, self.options.num_chunks)
+        return cyclic_unshard(x, dim, self.group, self.options.num_chunks)
 
     @property
     def last_store(self) -> ChunkStore | None:

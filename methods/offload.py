@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import hostmem
-from .base import MethodOptions
-from .registry import register
-from .spec import AttnSpec
+from .core import hostmem
+from .core.base import MethodOptions
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ulysses import Ulysses
 
 WHAT = ("all", "attention")

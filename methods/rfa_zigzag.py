@@ -4,8 +4,9 @@ A baseline and an external check of ``ring``: projections, RoPE and QK-norm are 
 ring (K/V passed around with p2p, blockwise flash-attn calls merged by log-sum-exp, zigzag
 schedule) is the library's. GQA goes through as is: the ring carries the real KV heads.
 
-Layout (``shard``/``unshard``): zigzag, the library's. The sequence is cut into 2C chunks
-and rank r holds chunks r and 2C-1-r, which balances causal work across ranks.
+Layout (``shard``/``unshard``): zigzag, the library's and ``ring``'s (``layouts.zigzag_shard``).
+The sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r, which balances
+causal work across ranks.
 
 Constraints and decisions (``validate`` and ``forward``):
 
@@ -39,12 +40,12 @@ import sys
 
 import torch
 
-from . import comm
-from .base import AttentionMethod, MethodOptions
+from .core.base import AttentionMethod, MethodOptions
+from .core.kernels import attention, get_kernel
+from .core.layouts import zigzag_shard, zigzag_unshard
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ds_ulysses import require_group
-from .kernels import attention, get_kernel
-from .registry import register
-from .spec import AttnSpec
 
 
 def load_zigzag_func():
@@ -57,19 +58,6 @@ def load_zigzag_func():
             raise ValueError("rfa-zigzag needs ring_flash_attn: pip install ring-flash-attn")
         sys.modules["ring_flash_attn"] = importlib.util.module_from_spec(spec)  # __init__ not run
     return importlib.import_module(name).zigzag_ring_flash_attn_func
-
-
-def zigzag_shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
-    chunks = x.chunk(2 * world_size, dim=dim)
-    return torch.cat((chunks[rank], chunks[2 * world_size - 1 - rank]), dim=dim).contiguous()
-
-
-def zigzag_unshard_gathered(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
-    """Global order from the rank-major concatenation of every rank's ``zigzag_shard``."""
-    c = world_size
-    order = [2 * r for r in range(c)] + [2 * r + 1 for r in reversed(range(c))]
-    parts = x.unflatten(dim, (2 * c, x.shape[dim] // (2 * c)))
-    return parts.index_select(dim, torch.tensor(order, device=x.device)).flatten(dim, dim + 1)
 
 
 @register(
@@ -108,7 +96,7 @@ class RingFlashAttnZigzag(AttentionMethod):
         return zigzag_shard(x, dim, self.rank, self.world_size)
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return zigzag_unshard_gathered(comm.all_gather_cat(x, self.group, dim), dim, self.world_size)
+        return zigzag_unshard(x, dim, self.group)
 
     @staticmethod
     def compute_dtype(x: torch.Tensor) -> torch.dtype:

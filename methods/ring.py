@@ -9,7 +9,7 @@ well: dQ accumulates locally, each block's dK/dV accumulator (fp32) travels with
 and arrives home after C steps, so nothing is recomputed over the whole sequence.
 
 Zigzag layout (causal load balance). The sequence is cut into 2C chunks; ring rank j holds
-chunks j and 2C-1-j, in that order (``zigzag_index``). With local halves A (chunk r) and
+chunks j and 2C-1-j, in that order (``layouts.zigzag_index``). With local halves A (chunk r) and
 B (chunk 2C-1-r), and the block held at step i coming from rank s = (r - i) mod C:
 
 * step 0 (s = r): plain causal attention on the local tokens. A sees A causally; B sees
@@ -27,40 +27,16 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .base import AttentionMethod
-from .kernels import merge_partials
-from .registry import register
+from .core import comm
+from .core.base import AttentionMethod
+from .core.kernels import merge_partials
+from .core.layouts import zigzag_multiple, zigzag_shard, zigzag_unshard
+from .core.registry import register
 
 FULL = slice(None)
 
 
-# ----------------------------------------------------------------------- zigzag layout
-def zigzag_multiple(ring_size: int) -> int:
-    """The sequence length must be a multiple of this for the zigzag layout (2C chunks)."""
-    return 2 * ring_size if ring_size > 1 else 1
-
-
-def zigzag_index(seq_len: int, ring_size: int, device=None) -> torch.Tensor:
-    """Global token order of the layout: ring rank j's part is chunk j then chunk 2R-1-j."""
-    if ring_size == 1:
-        return torch.arange(seq_len, device=device)
-    chunks = torch.arange(seq_len, device=device).chunk(2 * ring_size)
-    return torch.cat([chunks[i] for j in range(ring_size) for i in (j, 2 * ring_size - 1 - j)])
-
-
-def zigzag_shard(x: torch.Tensor, dim: int, ring_size: int, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's tokens: the zigzag order over ``ring_size``, split contiguously into ``world_size``."""
-    index = zigzag_index(x.shape[dim], ring_size, x.device).chunk(world_size)[rank]
-    return x.index_select(dim, index)
-
-
-def zigzag_unshard(x: torch.Tensor, dim: int, ring_size: int, group) -> torch.Tensor:
-    """Inverse of ``zigzag_shard``: gather in rank order, then undo the zigzag order."""
-    full = comm.all_gather_cat(x, group, dim)
-    return full.index_select(dim, torch.argsort(zigzag_index(full.shape[dim], ring_size, full.device)))
-
-
+# ----------------------------------------------------------------------- zigzag schedule
 def zigzag_block(step: int, rank: int, local_len: int, causal: bool):
     """``(q_rows, kv_rows, causal)`` of the attention at ``step`` (see the module docstring)."""
     if not causal:
@@ -115,7 +91,7 @@ def ring_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kernel, g
             dk, dv = dk_b.float().contiguous(), dv_b.float().contiguous()  # p2p needs contiguous
         else:  # the accumulators of the block we hold arrive from the previous rank
             dkv_ring.wait()
-            dk, dv = next_dkv
+            dk, dv = next_dkv  # noqa: F821 - bound by the previous step's exchange (step > 0)
             dk[:, cols] += dk_b
             dv[:, cols] += dv_b
         del dq_b, dk_b, dv_b
@@ -184,10 +160,10 @@ class Ring(AttentionMethod):
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Rank r's tokens: global chunks r and 2C-1-r of 2C (zigzag)."""
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return zigzag_shard(x, dim, self.world_size, self.world_size, self.rank)
+        return zigzag_shard(x, dim, self.rank, self.world_size)
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return zigzag_unshard(x, dim, self.world_size, self.group)
+        return zigzag_unshard(x, dim, self.group)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)

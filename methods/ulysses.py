@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .base import AttentionMethod, MethodOptions
-from .kernels import attention
-from .registry import register
-from .spec import AttnSpec
+from .core import comm
+from .core.base import AttentionMethod, MethodOptions
+from .core.kernels import attention
+from .core.registry import register
+from .core.spec import AttnSpec
 
 
 def replicated_kv_heads(spec: AttnSpec, replication: int) -> list[int]:

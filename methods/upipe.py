@@ -60,24 +60,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import comm
-from .base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, project
-from .rope import apply_rope
-from .registry import register
-from .spec import AttnSpec
-
-
-AUTO_CHUNK_MESSAGE = (
-    "chunk_heads='auto' is resolved by bench (python -m bench run ... --opt chunk_heads=auto); "
-    "pass an int when building directly"
-)
-
-
-def refuse_auto(chunk_heads) -> None:
-    """``chunk_heads='auto'`` is a request for bench (``bench.autochunk``), never a method option."""
-    if isinstance(chunk_heads, str):
-        raise ValueError(AUTO_CHUNK_MESSAGE if chunk_heads == "auto" else
-                         f"chunk_heads must be an int (or 'auto' through bench), got {chunk_heads!r}")
+from .core import comm
+from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, project
+from .core.registry import register
+from .core.rope import apply_rope
+from .core.spec import AttnSpec
 
 
 @dataclass(frozen=True)
@@ -230,7 +217,6 @@ class UPipe(AttentionMethod):
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: UPipeOptions) -> None:
-        refuse_auto(options.chunk_heads)
         super().validate(spec, world_size, options)
         rep = cls.check_head_split(spec, world_size, "upipe")
         u = cls.chunk_heads_for(spec, world_size, options)

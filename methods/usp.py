@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .base import AttentionMethod, MethodOptions
-from .registry import register
-from .ring import ring_attention, zigzag_shard, zigzag_unshard
-from .spec import AttnSpec
+from .core import comm
+from .core.base import AttentionMethod, MethodOptions
+from .core.layouts import zigzag_shard, zigzag_unshard
+from .core.registry import register
+from .core.spec import AttnSpec
+from .ring import ring_attention
 from .ulysses import replicated_kv_heads
 
 
@@ -147,10 +148,10 @@ class USP(AttentionMethod):
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return zigzag_shard(x, dim, self.ring_degree, self.world_size, self.rank)
+        return zigzag_shard(x, dim, self.rank, self.world_size, self.ring_degree)
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return zigzag_unshard(x, dim, self.ring_degree, self.group)
+        return zigzag_unshard(x, dim, self.group, self.ring_degree)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)

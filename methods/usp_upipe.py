@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import torch
 
-from .registry import register
+from .core.registry import register
+from .core.spec import AttnSpec
 from .ring import RingKernel
-from .spec import AttnSpec
-from .upipe import UPipe, UPipeOptions, plan_stages, refuse_auto, upipe_block
+from .upipe import UPipe, UPipeOptions, plan_stages, upipe_block
 from .usp import USP, USPOptions
 
 
@@ -32,7 +32,6 @@ class USPUPipe(USP):
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: USPUPipeOptions) -> None:
-        refuse_auto(options.chunk_heads)
         super().validate(spec, world_size, options)
         u, _ = cls.degrees(spec, world_size, options)
         try:

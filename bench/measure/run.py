@@ -15,7 +15,7 @@ Modes (recorded in every row):
 * ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
   shape and world size with nothing allocated. The simulated accelerator is a fake CPU
   device and host memory is the ``meta`` device (for the checkpoint offload here, and for
-  the methods' own offloading through ``methods.hostmem``), so the two are counted apart.
+  the methods' own offloading through ``methods.core.hostmem``), so the two are counted apart.
   Step time is not simulated; the communication bytes and their modelled time are recorded.
 
 A trial "fits" in simulated mode (and on a CPU device in the other modes, which have no

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
 
-from methods.hostmem import simulated_host
+from methods.core.hostmem import simulated_host
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator["dist.Process
 def fake_tensors(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
     """Fake-tensor mode with ``dtype`` as the default dtype (modules are created in it:
     ``.to(dtype)`` after construction fails under fake mode). Methods that offload to host
-    memory offload to the ``meta`` device meanwhile (``methods.hostmem``), so the tracker
+    memory offload to the ``meta`` device meanwhile (``methods.core.hostmem``), so the tracker
     counts those bytes apart from the simulated device's."""
 
 

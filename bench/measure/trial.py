@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 import methods
-from methods.base import MethodOptions
-from methods.kernels import default_kernel_name
+from methods.core.base import MethodOptions
+from methods.core.kernels import default_kernel_name
 from records import Kind, Mode, human, trial_key
 from records.sizes import parse_size
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from methods.spec import AttnSpec
+from methods.core.spec import AttnSpec
 
 # --------------------------------------------------------------------------- configuration
 

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import methods
-from methods import comm
+from methods.core import comm
 
 from ..model.config import ModelConfig
 from ..model.decoder import Decoder

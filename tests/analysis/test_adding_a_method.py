@@ -68,7 +68,7 @@ def test_example_registers_validates_and_matches_the_reference(plugin):
         methods.validate(NAME, llama, 8, head_groups=3)
     with pytest.raises(ValueError, match=r"unknown option.*head_groups"):
         methods.validate(NAME, llama, 8, chunk_heads=8)
-    from methods.reference import AttentionBlock
+    from methods.core.reference import AttentionBlock
 
     torch.manual_seed(0)
     spec = methods.AttnSpec(dim=64, n_heads=8, n_kv_heads=4, head_dim=16)

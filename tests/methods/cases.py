@@ -1,17 +1,17 @@
 """The correctness matrix and the worker-side check every method goes through.
 
 Driven by ``methods.available()``: a method joins the matrix by registering. Extra option
-variants per method live in ``VARIANTS``; a method not listed there runs with defaults.
+variants per method live in ``variants``; a method not listed there runs with defaults.
+A case the method refuses (``refusal``) is skipped with the method's reason, and a method
+that refuses every case fails the matrix (``ran_none``): a run of skips proves nothing.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
 import methods
-from methods.comm import all_reduce_sum_
-from methods.reference import AttentionBlock
+from methods.core.comm import all_reduce_sum_
+from methods.core.reference import AttentionBlock
 
 SEQ_LEN = 64  # divisible by 2*C*chunks for every layout at C <= 4
 BATCH = 2
@@ -89,6 +89,34 @@ def check_against_reference(group, method: str, spec_kwargs: dict, options: dict
         assert p.grad is not None, f"no gradient for {name}"
         errors["d_" + name] = rel_err(all_reduce_sum_(p.grad.detach().float().clone(), group), ref_grads[name].grad)
     return errors
+
+
+def refusal(method: str, world_size: int, spec_kwargs: dict, options: dict) -> str | None:
+    """The method's own reason for refusing a case (``methods.validate``'s message), or None:
+    the case runs. The one place the matrix decides whether a case runs or is skipped."""
+    try:
+        methods.validate(method, methods.AttnSpec(**spec_kwargs), world_size, **options)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def ran_none(method: str, refusals: list[str | None]) -> str | None:
+    """The failure message when ``method`` refused every one of its cases, else None.
+
+    ``refusals`` has one entry per case of ``method`` the matrix went through: its
+    ``refusal`` (None where the case ran). Each refused case is a skip, and skips pass, so
+    without this a method that refuses everything (a constraint too strict, a broken
+    ``validate``) would look tested while nothing of it ran.
+    """
+    if not refusals or any(reason is None for reason in refusals):
+        return None
+    reasons = sorted(set(refusals))
+    return (
+        f"method {method!r} ran none of its {len(refusals)} correctness cases: it refused every one "
+        f"({len(reasons)} distinct reason(s), e.g. {reasons[0]!r}); make it accept some case of "
+        f"tests/methods/cases.py or add an option variant it accepts to variants()"
+    )
 
 
 def cases(methods_list: list[str]):

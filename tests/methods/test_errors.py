@@ -1,13 +1,15 @@
 """Every bad input gets a ValueError naming the constraint and the fix, before any communication."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 import methods
-from methods.base import AttentionMethod
-from methods.kernels import get_kernel, select_kernel
-from methods.reference import AttentionBlock
+from methods.core.base import AttentionMethod, MethodOptions
+from methods.core.kernels import get_kernel, select_kernel
+from methods.core.reference import AttentionBlock
 
 LLAMA = methods.AttnSpec(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128)
 
@@ -98,10 +100,85 @@ def test_missing_optional_library_names_it_and_the_install():
         infos = {i.name: i for i in methods.available(detail=True)}
         assert infos["needs-lib"].status == "needs cpbench_surely_missing_lib"
         assert "needs-lib" not in methods.available()
-        with pytest.raises(ValueError, match=r"method 'needs-lib' needs cpbench_surely_missing_lib.*pip install cpbench-surely-missing-lib"):
+        needs = r"method 'needs-lib' needs cpbench_surely_missing_lib.*pip install cpbench-surely-missing-lib"
+        with pytest.raises(ValueError, match=needs):
             methods.build("needs-lib", LLAMA)
     finally:
         methods.unregister("needs-lib")
+
+
+# ----------------------------------------------------------------------- option types
+@pytest.mark.parametrize(
+    "name,options,message",
+    [
+        ("upipe", {"chunk_heads": 2.5}, "option chunk_heads of method 'upipe' must be an int or None, got 2.5 (float)"),
+        ("upipe", {"chunk_heads": "8"}, "option chunk_heads of method 'upipe' must be an int or None, got '8' (str)"),
+        ("upipe", {"chunk_heads": True},
+         "option chunk_heads of method 'upipe' must be an int or None, got True (bool)"),
+        ("fpdt", {"num_chunks": None}, "option num_chunks of method 'fpdt' must be an int, got None (NoneType)"),
+        ("fpdt", {"offload": 1}, "option offload of method 'fpdt' must be a bool, got 1 (int)"),
+        ("usp", {"ulysses_degree": 2.0},
+         "option ulysses_degree of method 'usp' must be an int or None, got 2.0 (float)"),
+        ("ulysses", {"kernel": 1}, "option kernel of method 'ulysses' must be a str or None, got 1 (int)"),
+    ],
+)
+def test_option_of_the_wrong_type_is_refused_in_one_line(name, options, message):
+    with pytest.raises(ValueError) as err:
+        methods.validate(name, LLAMA, 8, **options)
+    assert str(err.value) == message
+
+
+def test_optional_options_accept_none():
+    methods.validate("upipe", LLAMA, 8, chunk_heads=None)
+    methods.validate("usp", LLAMA, 8, ulysses_degree=None, kernel=None)
+    assert methods.get_info("upipe").cls.parse_options(chunk_heads=None).chunk_heads is None
+
+
+@dataclass(frozen=True)
+class _TypedOptions(MethodOptions):
+    count: int = 1
+    ratio: float = 0.5
+    flag: bool = False
+    label: str = "x"
+    limit: int | None = None
+
+
+@pytest.fixture
+def typed_method():
+    """A throw-away method whose options have one field of each kind."""
+
+    @methods.register("typed-options", "test method")
+    class Typed(AttentionMethod):
+        Options = _TypedOptions
+
+    yield Typed
+    methods.unregister("typed-options")
+
+
+def test_well_typed_options_are_accepted(typed_method):
+    got = typed_method.parse_options(count=3, ratio=2, flag=True, label="y", limit=None)  # an int for a float
+    assert got == _TypedOptions(count=3, ratio=2, flag=True, label="y", limit=None)
+    assert typed_method.parse_options(ratio=0.25, limit=7) == _TypedOptions(ratio=0.25, limit=7)
+
+
+@pytest.mark.parametrize(
+    "name,value,expected",
+    [
+        ("count", True, "an int"),  # a bool is not a count
+        ("count", 2.0, "an int"),
+        ("count", None, "an int"),
+        ("ratio", False, "a float"),
+        ("ratio", "0.5", "a float"),
+        ("flag", 1, "a bool"),
+        ("label", None, "a str"),
+        ("limit", "4", "an int or None"),
+    ],
+)
+def test_each_kind_of_field_refuses_the_wrong_type(typed_method, name, value, expected):
+    want = f"option {name} of method 'typed-options' must be {expected}, got {value!r} ({type(value).__name__})"
+    with pytest.raises(ValueError) as err:
+        typed_method.parse_options(**{name: value})
+    assert str(err.value) == want
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import torch
 
 import methods
 from bench.measure.simulate import fake_process_group, fake_tensors, track_peak
+from records import GiB
 
 SEQ_LEN = 1 << 20
 WORLD = 8
@@ -18,7 +19,6 @@ SHAPES = {
     "llama3-8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, rope_theta=5e5),
     "qwen3-32b": dict(dim=5120, n_heads=64, n_kv_heads=8, head_dim=128, rope_theta=1e6),
 }
-GiB = 2**30
 
 
 def simulate_block(name: str, spec: methods.AttnSpec, **options) -> tuple[int, int]:
@@ -54,7 +54,8 @@ def test_upipe_peak_below_ulysses_and_matches_formula(shape, capsys):
             f"ulysses {sims['ulysses'][1] / GiB:.2f} GiB (activations {uly / GiB:.2f}, formula "
             f"{models['ulysses'] / GiB:.2f}); upipe U=C {sims['upipe'][1] / GiB:.2f} GiB (activations "
             f"{up / GiB:.2f}, formula {models['upipe'] / GiB:.2f}); activation reduction "
-            f"{1 - up / uly:.1%}, of stage intermediates {1 - (up - persistent) / uly:.1%}; paper's per-stage intermediate reduction 1-U/H = {paper_reduction:.1%}"
+            f"{1 - up / uly:.1%}, of stage intermediates {1 - (up - persistent) / uly:.1%}; "
+            f"paper's per-stage intermediate reduction 1-U/H = {paper_reduction:.1%}"
         )
     assert sims["upipe"][1] < sims["ulysses"][1]
     for name in sims:

@@ -144,8 +144,8 @@ def test_fpdt_layout_global_chunk_c_on_rank_c_mod_C(pool, ws, num_chunks):
         ("offload", {"what": "everything"}, r"offload: what='everything' is not one of \('all', 'attention'\)"),
         ("offload", {"min_bytes": -1}, r"offload: min_bytes=-1 must be an int >= 0"),
         ("fpdt", {"num_chunks": 0}, r"fpdt: num_chunks=0 must be an int >= 1"),
-        ("fpdt", {"num_chunks": 2.5}, r"fpdt: num_chunks=2.5 must be an int >= 1"),
-        ("fpdt", {"offload": "host"}, r"fpdt: offload='host' must be True or False"),
+        ("fpdt", {"num_chunks": 2.5}, r"option num_chunks of method 'fpdt' must be an int, got 2\.5 \(float\)"),
+        ("fpdt", {"offload": "host"}, r"option offload of method 'fpdt' must be a bool, got 'host' \(str\)"),
         ("fpdt", {"chunks": 2}, r"unknown option\(s\) \['chunks'\] for method 'fpdt'.*num_chunks"),
     ],
 )

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import methods
-from methods import comm
-from methods.ring import zigzag_index
+from methods.core import comm
+from methods.core.layouts import zigzag_index
 from tests.methods.cases import SPECS, TOLERANCE, check_against_reference
 
 SPEC = methods.AttnSpec(dim=64, n_heads=8, n_kv_heads=4, head_dim=16)

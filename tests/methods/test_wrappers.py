@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import methods
-from methods.comm import all_reduce_sum_
+from methods.core.comm import all_reduce_sum_
 from tests.flash_attn_standin import real_flash_attn_available
 from tests.methods.cases import BATCH, SEQ_LEN, SPECS, TOLERANCE, rel_err
 
@@ -132,7 +132,8 @@ GQA = methods.AttnSpec(**SPECS["gqa"])
         ("ds-fpdt", methods.AttnSpec(**SPECS["gqa"], causal=False), 2, {}, r"FPDT_Attention is causal only"),
         ("ds-fpdt", methods.AttnSpec(**SPECS["gqa-qknorm"]), 2, {}, r"FPDT_Attention has no QK-norm"),
         ("ds-fpdt", GQA, 2, {"num_chunks": 0}, r"num_chunks=0 must be an int >= 1"),
-        ("ds-fpdt", GQA, 2, {"offload": "yes"}, r"offload='yes' must be None \(auto\), True or False"),
+        ("ds-fpdt", GQA, 2, {"offload": "yes"},
+         r"option offload of method 'ds-fpdt' must be a bool or None, got 'yes'"),
         ("ds-fpdt", GQA, 3, {}, r"ds-fpdt: n_heads=8 is not divisible by the world size 3"),
         ("ds-ulysses", GQA, 3, {}, r"ds-ulysses: n_heads=8 is not divisible by the world size 3"),
     ],

@@ -3,21 +3,25 @@
 ``AttentionParams`` owns the block's weights with the names every method and the
 reference use (``wq, wk, wv, wo`` and ``q_norm, k_norm`` with QK-norm), so a single
 ``state_dict`` loads into all of them. ``AttentionMethod`` adds the distributed part:
-the process group, typed options (a dataclass per method), ``validate`` (raising a
-``ValueError`` that names the constraint and the fix before any communication) and the
-sequence layout (``shard``/``unshard``), contiguous unless a method overrides it.
+the process group, typed options (a dataclass per method, each value checked against its
+field's annotation), ``validate`` (raising a ``ValueError`` that names the constraint and
+the fix before any communication) and the sequence layout (``shard``/``unshard``),
+contiguous unless a method overrides it with another layout of ``layouts``.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import types
+import typing
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from . import comm, layouts
 from .kernels import get_kernel, softmax_scale
 from .rope import apply_rope, rope_cos_sin
 from .spec import AttnSpec
@@ -95,11 +99,45 @@ class AttentionParams(nn.Module):
         return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
 
 
+def matches_type(value: Any, hint: Any) -> bool:
+    """Whether ``value`` may be stored in a field annotated ``hint``.
+
+    Options arrive from the CLI, YAML sweeps and Python callers, so a wrong type must be
+    refused by name before it reaches a method's arithmetic (``2.5`` heads, ``"8"`` chunks).
+    Rules: ``X | Y`` accepts either; ``None`` only None; ``int`` any integral number but not a
+    bool (``True`` as a count is a mistake); ``float`` any real number but not a bool; any
+    other class by ``isinstance``; a generic alias (``tuple[int, ...]``) by its container. An
+    annotation this cannot read (a ``TypeVar``, ``Any``) accepts everything.
+    """
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(matches_type(value, arg) for arg in typing.get_args(hint))
+    if hint is None or hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    origin = typing.get_origin(hint)
+    return isinstance(value, origin) if isinstance(origin, type) else True
+
+
+def describe_type(hint: Any) -> str:
+    """``int | None`` -> ``"an int or None"``: the expected type as an error message says it."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(describe_type(arg) for arg in typing.get_args(hint))
+    if hint is None or hint is type(None):
+        return "None"
+    name = hint.__name__ if isinstance(hint, type) else str(hint)
+    return ("an " if name[:1] in "aeiou" else "a ") + name
+
+
 @dataclass(frozen=True)
 class MethodOptions:
     """Options every method accepts. Subclass (as a frozen dataclass) to add a method's own."""
 
-    kernel: str | None = None  # attention kernel (methods/kernels.py); None: process default
+    kernel: str | None = None  # attention kernel (methods/core/kernels.py); None: process default
 
 
 class AttentionMethod(AttentionParams):
@@ -120,13 +158,23 @@ class AttentionMethod(AttentionParams):
     # ------------------------------------------------------------------ options and checks
     @classmethod
     def parse_options(cls, **options) -> MethodOptions:
-        """Typed options; an unknown name is refused with the list of valid ones."""
+        """Typed options. An unknown name is refused with the list of valid ones, a value whose
+        type does not match its field's annotation (``matches_type``) with the option, the
+        expected type and the value; each method's ``validate`` then checks ranges and
+        combinations knowing the types are right."""
         valid = [f.name for f in dataclasses.fields(cls.Options)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(
                 f"unknown option(s) {unknown} for method {cls.method_name!r}; valid options: {valid}"
             )
+        hints = typing.get_type_hints(cls.Options)
+        for name, value in options.items():
+            if not matches_type(value, hints[name]):
+                raise ValueError(
+                    f"option {name} of method {cls.method_name!r} must be {describe_type(hints[name])}, "
+                    f"got {value!r} ({type(value).__name__})"
+                )
         return cls.Options(**options)
 
     @classmethod
@@ -157,11 +205,11 @@ class AttentionMethod(AttentionParams):
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of a full-sequence tensor (contiguous chunk by default)."""
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return x.chunk(self.world_size, dim=dim)[self.rank].contiguous()
+        return layouts.contiguous_shard(x, dim, self.rank, self.world_size)
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Inverse of ``shard``: the full sequence on every rank (all-gather; no autograd)."""
-        return comm.all_gather_cat(x, self.group, dim)
+        return layouts.contiguous_unshard(x, dim, self.group)
 
     def default_positions(self, local_len: int, device) -> torch.Tensor:
         return self.shard(torch.arange(local_len * self.world_size, device=device), dim=0)

@@ -1,0 +1,115 @@
+"""A store of named tensors that can live in host memory between uses (FPDT's chunk store).
+
+Why it exists. A chunked method such as ``fpdt`` produces a tensor per sequence chunk (K, V,
+Q, output, LSE, gradients) long before it uses most of them again. Keeping them on the
+device would give back the memory the chunking saved, so they wait in host memory and
+come back shortly before they are needed. Doing that well takes the same few steps every
+time (pinned buffers, a side stream for the copies, ordering against the compute stream,
+prefetch of the next chunk while the current one is used), so they live here once, apart
+from the method's algorithm.
+
+Where it runs:
+
+* CUDA with ``offload``: ``put`` copies to pinned host memory on a side stream, after the
+  compute stream's work that produced the tensor; ``prefetch`` starts the copy back on that
+  stream; ``get`` makes the compute stream wait for it. ``record_stream`` keeps the
+  allocator from reusing a tensor's memory while the other stream still reads it.
+* CPU: the tensor already is in host memory, so it is kept as it is and there is no side
+  stream; the code path and the bookkeeping (which tests read) are the same.
+* Simulation (``hostmem.simulated_host``, used by bench's simulated mode): the accelerator
+  is a fake CPU device, so pinned memory and streams cannot be modelled with real ones.
+  Host memory is the ``meta`` device instead: ``put`` moves the tensor there (the memory
+  tracker counts it off the device) and ``get`` returns a fresh device tensor of the same
+  shape, which is all a peak-memory simulation needs. Streams play no part: a simulation
+  measures memory, not overlap.
+* Without ``offload`` every tensor stays on its device: the store is then just a dict.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable
+
+import torch
+
+from . import hostmem
+
+
+class ChunkStore:
+    """Named tensors kept on the device, or in host memory with prefetch back (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str, offload: bool) -> None:
+        self.device = torch.device(device)
+        self.offload = offload
+        cuda = offload and self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self._items: dict[Hashable, torch.Tensor] = {}
+        self._ready: dict[Hashable, tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def _side(self) -> contextlib.AbstractContextManager:
+        """The side stream's context on CUDA; a no-op elsewhere."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def put(self, key: Hashable, t: torch.Tensor) -> None:
+        """Keep ``t`` under ``key`` (in host memory when offloading)."""
+        self._ready.pop(key, None)
+        if self.offload and hostmem.simulated() is not None:
+            self._items[key] = hostmem.to_simulated_host(t)  # simulation: host memory is meta
+            return
+        if self.stream is None:
+            self._items[key] = t
+            return
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._side():
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # t's memory is not reused before the copy has read it
+        self._items[key] = host
+
+    def prefetch(self, key: Hashable) -> None:
+        """Start bringing ``key`` back to the device on the side stream (CUDA only)."""
+        if self.stream is None or key in self._ready or key not in self._items:
+            return
+        with self._side():
+            dev = self._items[key].to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._ready[key] = (dev, done)
+
+    def get(self, key: Hashable) -> torch.Tensor:
+        """``key``'s tensor on the device, ready for the compute stream."""
+        if self._items[key].device.type == "meta" and self.device.type != "meta":
+            return hostmem.back_to(self._items[key], self.device)
+        if self.stream is None:
+            return self._items[key]
+        self.prefetch(key)
+        dev, done = self._ready.pop(key)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        dev.record_stream(current)
+        return dev
+
+    def pop(self, key: Hashable) -> None:
+        """Forget ``key`` (its host copy and any prefetched device copy)."""
+        self._items.pop(key, None)
+        self._ready.pop(key, None)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    # -- bookkeeping read by tests and reports
+    def in_host_memory(self, key: Hashable) -> bool:
+        """Whether ``key`` is held as an offloaded copy in host memory."""
+        return self.offload and self._items[key].device.type in ("cpu", "meta")
+
+    def location(self, key: Hashable) -> torch.device:
+        return self._items[key].device
+
+    def is_pinned(self, key: Hashable) -> bool:
+        return self._items[key].is_pinned()
+
+    def keys(self) -> list[Hashable]:
+        return list(self._items)
+
+    def host_bytes(self) -> int:
+        """Bytes held in host memory (offloaded copies only)."""
+        return sum(t.numel() * t.element_size() for k, t in self._items.items() if self.in_host_memory(k))
