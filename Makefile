@@ -8,7 +8,7 @@ TORCH   ?= torch==2.13.0
 EXTRAS  := dev,deepspeed,ring,notebooks
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv figs clean
+.PHONY: demo test test-fast lint venv figs clean slurm-up slurm-down
 
 venv: $(STAMP)
 
@@ -32,7 +32,14 @@ demo: $(STAMP)
 	$(VPY) -m sweeps.demo
 
 figs: $(STAMP)
-	$(VPY) -m analysis figs
+	$(VPY) -m analysis figs --out paper_figs
+
+# the single-node Slurm cluster the Slurm tests use (installed with apt and started as root)
+slurm-up:
+	bash scripts/slurm-up.sh
+
+slurm-down:
+	bash scripts/slurm-down.sh
 
 clean:
 	rm -rf $(VENV)

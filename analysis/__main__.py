@@ -1,14 +1,18 @@
-"""``python -m analysis figs [--results DIR] [--out DIR]``: regenerate every table and figure.
+"""``python -m analysis figs [--results DIR] [--mine DIR ...] [--out DIR]``: every table and figure.
 
-Reads every row under ``--results`` (default: the repository's ``results/``) and writes the
-paper's tables (Markdown + CSV) and figures (PNG + SVG), paper and ours side by side, with an
-index ``README.md``, into ``--out`` (default: ``paper_figs/``). Works with no rows at all.
+Reads every row under ``--results`` (default: the repository's committed ``results/``) and,
+with ``--mine``, the user's own rows (e.g. ``runs/``, labelled ``yours`` in every series), and
+writes the paper's tables (Markdown + CSV) and figures (PNG + SVG), paper and ours side by
+side, with an index ``README.md``, into ``--out`` (default: ``runs/figs``; the maintainers
+regenerate the committed ``paper_figs/`` with ``make figs``). Works with no rows at all.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+
+from records.outputs import OutputError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     figs = sub.add_parser("figs", help="regenerate every table and figure of the paper")
     figs.add_argument("--results", default=None, help="folder of result rows (*.jsonl); default: results/")
-    figs.add_argument("--out", default=None, help="output folder; default: paper_figs/")
+    figs.add_argument("--mine", action="append", default=[], metavar="DIR",
+                      help="a folder of your own rows to show beside the committed ones (repeatable), e.g. runs")
+    figs.add_argument("--out", default=None, help="output folder; default: runs/figs (make figs: paper_figs/)")
     figs.add_argument("--quiet", action="store_true", help="print nothing but errors")
     args = parser.parse_args(argv)
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -25,7 +31,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.results is not None and not os.path.isdir(args.results):
         print(f"note: {args.results} does not exist: paper-only tables and figures", file=sys.stderr)
-    make_all(args.results, args.out, verbose=not args.quiet)
+    for mine in args.mine:
+        if not os.path.isdir(mine):
+            print(f"python -m analysis figs: error: --mine {mine} is not a folder of rows", file=sys.stderr)
+            return 2
+    try:
+        make_all(args.results, args.out, verbose=not args.quiet, user_dirs=tuple(args.mine))
+    except OutputError as err:
+        print(f"python -m analysis figs: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

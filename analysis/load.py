@@ -132,8 +132,14 @@ def row_files(results_dir: str | Path = RESULTS) -> list[Path]:
                   if p.is_file() and "paper" not in p.relative_to(root).parts[:-1])
 
 
-def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bool = False) -> pd.DataFrame:
+def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bool = False,
+              user_dirs: Iterable[str | Path] = ()) -> pd.DataFrame:
     """All valid rows under ``results_dir`` as one flat DataFrame (see the module docstring).
+
+    ``user_dirs``: folders of the user's own rows (``runs/``...), read beside the committed
+    ones and labelled apart: their ``origin`` is ``yours`` (``committed`` otherwise) and their
+    ``mode_label`` ends in ``, yours``, so every table and figure shows them as their own
+    series; a trial run by both keeps one row of each.
 
     ``keep="newest"``: one row per ``trial_key`` (the newest by ``env.time``; the
     ``replaced_rows`` column counts the older ones dropped); ``keep="all"``: every row.
@@ -145,13 +151,16 @@ def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bo
     root = Path(results_dir)
     bad: list[BadLine] = []
     records = []
-    for path in row_files(root):
-        try:
-            source = str(path.relative_to(root))
-        except ValueError:
-            source = str(path)
-        for row in read_rows(path, on_error="skip", bad=bad):
-            records.append(_row_record(row, source))
+    for origin, folder in [("committed", root)] + [("yours", Path(d)) for d in user_dirs]:
+        for path in row_files(folder):
+            try:
+                source = str(path.relative_to(folder))
+            except ValueError:
+                source = str(path)
+            if origin == "yours":
+                source = str(path)
+            for row in read_rows(path, on_error="skip", bad=bad):
+                records.append({**_row_record(row, source), "origin": origin})
     if not quiet:
         for issue in bad:
             print(f"warning: skipping corrupt row {issue}", file=sys.stderr)
@@ -170,7 +179,7 @@ def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bo
 
 def _empty_frame() -> pd.DataFrame:
     cols = KEY_COLUMNS + ["status", "message"] + list(Figures.__dataclass_fields__) + \
-        [f"env.{n}" for n in _ENV_FIELDS] + ["options_dict", "notes", "trial_key", "source_file"]
+        [f"env.{n}" for n in _ENV_FIELDS] + ["options_dict", "notes", "trial_key", "source_file", "origin"]
     return pd.DataFrame({c: pd.Series(dtype=object) for c in cols})
 
 
@@ -189,7 +198,9 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     scratch = df["lever.kernel_workspace"] if "lever.kernel_workspace" in df else [None] * len(df)
     df["label"] = [method_label(m, o) + (f" +{w} scratch" if isinstance(w, str) and w != "none" else "")
                    for m, o, w in zip(df["method"], df["options"], scratch)]
-    df["mode_label"] = [mode_label(m, d, n) for m, d, n in zip(df["mode"], df["device"], df["env.device_name"])]
+    origins = df["origin"] if "origin" in df else ["committed"] * len(df)
+    df["mode_label"] = [mode_label(m, d, n) + (", yours" if o == "yours" else "")
+                        for m, d, n, o in zip(df["mode"], df["device"], df["env.device_name"], origins)]
     df["seq"] = [human_size(s) if s else "" for s in df["seq_len"]]
     df["time"] = pd.to_datetime(df["env.time"], utc=True, errors="coerce")
     return df
@@ -209,7 +220,7 @@ def _search_probes(df: pd.DataFrame) -> list[bool]:
 def _keep_newest(df: pd.DataFrame) -> pd.DataFrame:
     """One row per trial key: the newest (ties: the one read last). ``source_files`` keeps
     every file that had the trial, so a row shared by two sweeps still counts for both."""
-    keys = df["trial_key"].map(repr)
+    keys = df["trial_key"].map(repr) + "|" + df["origin"].astype(str)
     order = df.assign(_key=keys, _pos=range(len(df))).sort_values(["_key", "time", "_pos"])
     counts = order.groupby("_key")["_pos"].transform("size")
     files = order.groupby("_key")["source_file"].agg(lambda f: tuple(sorted(set(f))))

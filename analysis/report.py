@@ -15,6 +15,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import yaml
 
+from records.outputs import check_dir, runs_dir
+
 from . import figures, tables
 from .load import REPO, describe_bad_lines, load_rows
 
@@ -139,13 +141,15 @@ def _rel(path: Path) -> str:
 
 
 def write_index(out_dir: Path, done: list[tuple[Artefact, object, list[Path]]], rows: pd.DataFrame,
-                results_dir: Path) -> Path:
+                results_dir: Path, user_dirs: tuple[Path, ...] = ()) -> Path:
     configs = sweep_configs()
+    mine = ("; your rows (series labelled `yours`) from " + ", ".join(f"`{_rel(d)}`" for d in user_dirs)
+            if user_dirs else "")
     lines = [
         "# paper_figs: the paper's tables and figures, regenerated",
         "",
         "Written by `python -m analysis figs` (`make figs`) from the rows under "
-        f"`{_rel(results_dir)}` ({len(rows)} rows after keeping the newest per trial"
+        f"`{_rel(results_dir)}`{mine} ({len(rows)} rows after keeping the newest per trial"
         + (f"; {len(rows.attrs.get('bad_lines', []))} corrupt lines skipped" if rows.attrs.get("bad_lines") else "")
         + "). Do not edit by hand: run the sweeps below, then `make figs`.",
         "",
@@ -173,12 +177,17 @@ def write_index(out_dir: Path, done: list[tuple[Artefact, object, list[Path]]], 
 
 
 def make_all(results_dir: str | Path | None = None, out_dir: str | Path | None = None,
-             verbose: bool = True) -> list[Path]:
-    """Build every artefact from the rows under ``results_dir`` into ``out_dir``; returns the paths."""
+             verbose: bool = True, user_dirs: tuple[str | Path, ...] = ()) -> list[Path]:
+    """Build every artefact from the committed rows under ``results_dir`` (and the user's under
+    ``user_dirs``, labelled ``yours``) into ``out_dir``; returns the paths written.
+
+    ``out_dir`` defaults to ``runs/figs`` under the working directory: the committed
+    ``paper_figs/`` are rewritten only when asked (``make figs``)."""
     results_dir = Path(results_dir) if results_dir is not None else REPO / "results"
-    out_dir = Path(out_dir) if out_dir is not None else REPO / "paper_figs"
+    out_dir = check_dir(Path(out_dir) if out_dir is not None else runs_dir() / "figs", "--out")
+    user_dirs = tuple(Path(d) for d in user_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = load_rows(results_dir)
+    rows = load_rows(results_dir, user_dirs=user_dirs)
     if verbose:
         print(f"read {len(rows)} rows from {_rel(results_dir)}"
               + (f" ({len(rows.attrs['bad_lines'])} corrupt lines skipped)" if rows.attrs.get("bad_lines") else ""))
@@ -194,7 +203,7 @@ def make_all(results_dir: str | Path | None = None, out_dir: str | Path | None =
         if verbose:
             for p in paths:
                 print(f"wrote {_rel(p)}  ({art.paper}; ours: {obj.modes})")
-    index = write_index(out_dir, done, rows, results_dir)
+    index = write_index(out_dir, done, rows, results_dir, user_dirs)
     written.append(index)
     if verbose:
         print(f"wrote {_rel(index)}  (index)")

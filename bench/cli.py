@@ -10,7 +10,9 @@
 
 Sizes accept ``K``/``M``/``G`` suffixes with K = 1024 (``128K``, ``1M``, ``1.5M``).
 Every run appends its validated rows (JSON Lines, ``records``) to ``--out``, by default
-``results/bench/<mode>.jsonl`` in the repository (``--no-save``: none). Output: a short
+``runs/bench/<mode>.jsonl`` under the working directory (``$CPAB_RUNS`` replaces ``runs/``;
+``--no-save``: none). The committed ``results/`` are written only when ``--out`` names them.
+An output path that cannot be written is refused before the trial runs. Output: a short
 table on stdout (``--json``: one JSON row per line), progress on stderr. Every bad argument
 gets a one-line error and exit code 2, never a traceback.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import methods
 from records import GiB, Kind, Row, append_rows, human
 from records import parse_size as parse_tokens
+from records.outputs import OutputError, check_dir, check_file, runs_dir
 
 from .measure.hardware import DEVICES, LINKS
 from .measure.launch import is_rank_zero
@@ -35,8 +38,6 @@ from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
 from .training.config import StepConfig
 from .training.presets import expand
-
-DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results" / "bench"
 
 
 class UsageError(Exception):
@@ -115,7 +116,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads per rank (real/emulated; default: cores / local ranks when spawned)")
     p.add_argument("--out", default=None, help="JSON Lines file to append rows to "
-                   "(default results/bench/<mode>.jsonl)")
+                   "(default runs/bench/<mode>.jsonl)")
     p.add_argument("--no-save", action="store_true", help="do not append rows to any file")
     p.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
 
@@ -137,7 +138,7 @@ def build_parser() -> Parser:
     tr = sub.add_parser("trial", help="run a trial given as JSON (bench.measure.trial.Trial.to_json; what sweeps send)")
     tr.add_argument("trial", help="the trial as JSON")
     tr.add_argument("--out", default=None,
-                    help="JSON Lines file to append rows to (default results/bench/<mode>.jsonl)")
+                    help="JSON Lines file to append rows to (default runs/bench/<mode>.jsonl)")
     tr.add_argument("--no-save", action="store_true", help="do not append rows to any file")
     tr.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
     tr.add_argument("--in-process", action="store_true", help="a search's simulated probes in this process")
@@ -148,7 +149,8 @@ def build_parser() -> Parser:
     pl.add_argument("--nodes", type=positive_int, default=1, help="nodes (usp/usp-upipe across them when > 1)")
     pl.add_argument("--max-seq-len", type=parse_size, default=32 << 20, help="search limit (default 32M)")
     pl.add_argument("--granularity", type=parse_size, default=512 << 10, help="answer exact to this (default 512K)")
-    pl.add_argument("--out-dir", default="paper_figs", help="where plan_<model>_<gpus>x<device>.md/.png go")
+    pl.add_argument("--out-dir", default=None,
+                    help="where plan_<model>_<gpus>x<device>.md/.png go (default runs/plans)")
     pl.add_argument("--no-figs", action="store_true", help="print only")
     return parser
 
@@ -170,10 +172,15 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
         raise UsageError(f"python -m bench: error: {err}") from None
 
 
-def _out_path(args) -> Path | None:
+def _out_path(args, mode: str) -> Path | None:
+    """Where rows go, checked before anything runs (``UsageError`` if it cannot be written)."""
     if args.no_save:
         return None
-    return Path(args.out) if args.out else DEFAULT_OUT_DIR / f"{args.mode}.jsonl"
+    out = Path(args.out) if args.out else runs_dir() / "bench" / f"{mode}.jsonl"
+    try:
+        return check_file(out, "--out")
+    except OutputError as err:
+        raise UsageError(f"python -m bench {args.command}: error: {err}") from None
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -281,9 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             return _list()
         if args.command == "plan":
+            out_dir = None if args.no_figs else Path(args.out_dir) if args.out_dir else runs_dir() / "plans"
             try:
+                if out_dir is not None:
+                    check_dir(out_dir, "--out-dir")
                 res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
-                           None if args.no_figs else args.out_dir)
+                           out_dir)
             except ValueError as err:
                 raise UsageError(f"python -m bench plan: error: {err}") from None
             print(res["text"])
@@ -295,9 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                 trial = Trial.from_json(args.trial)
             except ValueError as err:
                 raise UsageError(f"python -m bench trial: error: {err}") from None
-            out = None if args.no_save else Path(args.out) if args.out else DEFAULT_OUT_DIR / f"{trial.mode}.jsonl"
-            return execute(trial, out, args.json, args.in_process)
-        out = _out_path(args)
+            return execute(trial, _out_path(args, trial.mode), args.json, args.in_process)
+        out = _out_path(args, args.mode)
         if args.command == "run":
             return execute(_trial(args, args.seq_len), out, args.json)
         try:

@@ -15,26 +15,47 @@ from .runner import _bar, run_sweep, status_counts
 from .spec import SpecError, load_spec
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
 def _overrides(pairs: list[str]) -> dict:
     out = {}
     for pair in pairs:
         if "=" not in pair:
             raise SpecError(f"--set {pair!r}: expected KEY=VALUE (e.g. slurm.partition=gpu)")
         key, value = pair.split("=", 1)
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise SpecError(f"--set {pair!r}: {value!r} is not a YAML value") from None
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sweeps", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="python -m sweeps", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     run = sub.add_parser("run", help="submit the trials of SPEC that have no row yet")
     run.add_argument("spec")
     run.add_argument("--executor", choices=("local", "slurm", "debug"), default="local")
-    run.add_argument("--dry-run", action="store_true", help="print the bench commands, submit nothing")
-    run.add_argument("--max-parallel", type=int, default=None, help="jobs in flight at once")
+    run.add_argument("--dry-run", action="store_true", help="check the spec, print the bench commands, submit nothing")
+    run.add_argument("--max-parallel", type=positive_int, default=None, help="jobs in flight at once (>= 1)")
     run.add_argument("--retry-errors", action="store_true", help="run trials whose row is an error again")
+    run.add_argument("--rerun", action="store_true",
+                     help="run every trial again, rows or not (e.g. after changing a method); the newest row wins")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a spec key, e.g. --set slurm.partition=gpu --set mode=simulated")
     st = sub.add_parser("status", help="done / running / failed / pending counts of SPEC")
@@ -47,9 +68,17 @@ def main(argv: list[str] | None = None) -> int:
             counts = status_counts(spec)
             total = sum(counts.values())
             print(f"{spec.name}: {_bar(counts['done'] + counts['failed'], total)}  "
-                  + "  ".join(f"{k} {counts[k]}" for k in ("done", "running", "failed", "pending")))
+                  + "  ".join(f"{k} {counts[k]}" for k in ("done", "running", "failed", "pending"))
+                  + f"  (rows: {spec.rows_path})")
             return 0
-        summary = run_sweep(spec, args.executor, args.dry_run, args.max_parallel, args.retry_errors)
+        problems = spec.problems()
+        if problems:
+            for line in problems:
+                print(f"error: {line}", file=sys.stderr)
+            print(f"error: {spec.source}: {len(problems)} problem(s); nothing was submitted", file=sys.stderr)
+            return 2
+        summary = run_sweep(spec, args.executor, args.dry_run, args.max_parallel, args.retry_errors,
+                            rerun=args.rerun)
     except (SpecError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import submitit
 
 from bench.measure.trial import Trial
+from records import GiB, human
 
 from .jobs import TrialJob, bench_argv
 from .results import error_row_for, finished, trial_id
@@ -154,11 +155,14 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 
 def run_sweep(
     spec: SweepSpec, executor: str = "local", dry_run: bool = False, max_parallel: int | None = None,
-    retry_errors: bool = False, poll_s: float = 1.0, stream: TextIO = sys.stderr,
+    retry_errors: bool = False, poll_s: float = 1.0, stream: TextIO = sys.stderr, rerun: bool = False,
 ) -> SweepSummary:
+    if max_parallel is not None and max_parallel < 1:
+        raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
     trials = spec.trials()
     rows = finished(spec.rows_path, trials)
-    todo = [t for t in trials if trial_id(t) not in rows or (retry_errors and rows[trial_id(t)] == "error")]
+    todo = [t for t in trials
+            if rerun or trial_id(t) not in rows or (retry_errors and rows[trial_id(t)] == "error")]
     skipped = len(trials) - len(todo)
     print(f"sweep {spec.name}: {len(trials)} trials, {skipped} already have rows in {spec.rows_path}, "
           f"{len(todo)} to run ({executor})", file=stream)
@@ -170,6 +174,9 @@ def run_sweep(
     spec.rows_path.parent.mkdir(parents=True, exist_ok=True)
     folder = spec.rows_path.parent / "logs" / spec.name
     limit = max_parallel or int(spec.slurm.get("max_parallel", 0)) or (1 if executor != "slurm" else len(todo) or 1)
+    if limit < 1:
+        raise ValueError(f"slurm.max_parallel must be >= 1, got {spec.slurm.get('max_parallel')}")
+    tail = RowTail(spec.rows_path)
     jobs_state = _load_jobs(spec)
     pending, running = [], []
     for trial in todo:  # jobs left behind by a killed `run`: adopt them on Slurm, kill them locally
@@ -208,6 +215,9 @@ def run_sweep(
             jobs_state[trial_id(trial)]["alive_hint"] = False
             _save_jobs(spec, jobs_state)
         running = still
+        for row in tail.new_rows():  # each trial and each max-context probe, as it ends
+            print(("\n" if stream.isatty() else "") + "    " + describe(row), file=stream, flush=True)
+            last_line = ""
         line = f"  {_bar(ok + failed, len(todo))} ok {ok} failed {failed} running {len(running)}"
         if line != last_line:  # redraw in place on a terminal, one line per change otherwise
             print(("\r" if stream.isatty() else "") + line, end="" if stream.isatty() else "\n",
@@ -217,6 +227,48 @@ def run_sweep(
             time.sleep(poll_s)
     print(file=stream)
     return SweepSummary(len(trials), skipped, len(todo), ok, failed)
+
+
+class RowTail:
+    """The rows appended to a file since this object was made (complete lines only), so the
+    runner can report each trial, and each probe of a max-context search, as it ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def new_rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        rows = []
+        for line in data[:end].splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a foreign line: read_rows reports it where rows are read
+        return rows
+
+
+def describe(row: dict) -> str:
+    """One line for a finished row: what ran, how it ended, the figure that matters."""
+    figures = row.get("figures") or {}
+    if row.get("kind") == "max_context":
+        what = f"max context {human(figures.get('max_context') or 0)}"
+        return (f"{row['method']} {row['model']} x{row['world_size']} {row['mode']}: search done, {what} "
+                f"({row['status']})")
+    peak = figures.get("peak_bytes")
+    detail = f"peak {peak / GiB:.2f} GiB" if peak is not None else ""
+    if figures.get("step_time_s"):
+        detail += f", step {figures['step_time_s']:.3f} s"
+    if row.get("status") != "ok":
+        detail = (row.get("message") or "").splitlines()[0][:100] if row.get("message") else detail
+    return f"{row['method']} {row['model']} {human(row['seq_len'])} x{row['world_size']} {row['mode']}: " \
+           f"{row['status']} {detail}".rstrip()
 
 
 def _record_failure(spec: SweepSpec, trial: Trial, job, err: Exception, stream: TextIO) -> None:

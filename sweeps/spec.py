@@ -36,6 +36,7 @@ from bench.training.config import StepConfig
 from bench.training.presets import expand
 from records import DType, Kind, Mode, Scope
 from records import parse_size as parse_tokens
+from records.outputs import OutputError, check_file, runs_dir
 
 TOP_KEYS = {
     "name", "kind", "mode", "scope", "dtype", "device", "models", "seq_lens", "world_sizes",
@@ -93,7 +94,36 @@ class SweepSpec:
 
     @property
     def rows_path(self) -> Path:
-        return Path(self.out) if self.out else Path("results") / f"{self.name}.jsonl"
+        """``out:`` if the spec (or ``--set out=...``) names one, else ``runs/sweeps/<name>.jsonl``
+        under the working directory (``records.outputs.runs_dir``): a user's sweep never writes
+        into the committed ``results/`` unless asked."""
+        return Path(self.out) if self.out else runs_dir() / "sweeps" / f"{self.name}.jsonl"
+
+    def problems(self) -> list[str]:
+        """Every reason a trial of this spec would be refused, one line each, found before anything
+        is submitted: unknown method, model, device or link, a method option or constraint that a
+        model and world size of the spec violate, a length the layout cannot split, an output
+        path that cannot be written. Checks that need the compute node (CUDA, GPU count) wait."""
+        out: list[str] = []
+        seen: set[str] = set()
+        try:
+            check_file(self.rows_path, "rows file (out:)")
+        except OutputError as err:
+            out.append(str(err))
+        for trial in self.trials():
+            try:
+                trial.validate(here=False)
+            except ValueError as err:
+                opts = ",".join(f"{k}={v}" for k, v in sorted(trial.requested_opts().items()))
+                where = f"{trial.method}{f'[{opts}]' if opts else ''} on {trial.model} x{trial.world_size}"
+                message = str(err).splitlines()[0]
+                line = f"{where}: {message}"
+                if trial.kind == Kind.TRIAL and "sequence length" in message:
+                    line = f"{where} at {trial.seq_len}: {message}"
+                if line not in seen:
+                    seen.add(line)
+                    out.append(line)
+        return out
 
     def trial(self, entry: MethodEntry, model: str, world_size: int, seq_len: int) -> Trial:
         """One trial of the spec (``ValueError`` when the entry's options or levers are invalid)."""
@@ -221,10 +251,20 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Swee
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise SpecError(f"{path}: not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError(f"{where}: not valid YAML: {problem}") from None
+    if raw is None:
+        raw = {}  # an empty file: parse_spec names what is missing
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: a sweep spec is a mapping of keys, got {type(raw).__name__}")
     for key, value in (overrides or {}).items():
         if key.startswith("slurm."):
-            raw.setdefault("slurm", {})[key[len("slurm."):]] = value
+            slurm = raw.setdefault("slurm", {})
+            if not isinstance(slurm, dict):
+                raise SpecError(f"{path}: slurm: expected a mapping, got {slurm!r}")
+            slurm[key[len("slurm."):]] = value
         else:
             raw[key] = value
     return parse_spec(raw, str(path))

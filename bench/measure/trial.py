@@ -185,8 +185,11 @@ class Trial:
         return self.options.kernel or default_kernel_name()
 
     # ------------------------------------------------------------------ checks
-    def validate(self, check_seq_len: bool = True) -> None:
-        """Every check that needs no computation; raises ``ValueError`` saying what to fix."""
+    def validate(self, check_seq_len: bool = True, here: bool = True) -> None:
+        """Every check that needs no computation; raises ``ValueError`` saying what to fix.
+
+        ``here=False`` leaves out what only the machine that runs the trial can answer (CUDA
+        present, enough GPUs): a sweep checks its trials on a login node before submitting."""
         Mode.parse(self.mode, "mode")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
@@ -198,12 +201,13 @@ class Trial:
         methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
         if check_seq_len and self.kind == Kind.TRIAL:
             self.method_cls().check_seq_len(self.seq_len, self.world_size, self.options)
-        if self.mode in (Mode.REAL, Mode.EMULATED) and preset.kind == "cuda" and not torch.cuda.is_available():
+        if here and self.mode in (Mode.REAL, Mode.EMULATED) and preset.kind == "cuda" \
+                and not torch.cuda.is_available():
             raise ValueError(
                 f"mode {self.mode!r} on device preset {self.device!r} needs CUDA, which this machine "
                 f"lacks; use --device cpu, or --mode simulated"
             )
-        if self.mode == Mode.REAL and preset.kind == "cuda" and launch.launched_env() is None \
+        if here and self.mode == Mode.REAL and preset.kind == "cuda" and launch.launched_env() is None \
                 and self.world_size > torch.cuda.device_count():
             raise ValueError(
                 f"real mode with {self.world_size} ranks needs {self.world_size} GPUs here "

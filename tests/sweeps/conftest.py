@@ -1,8 +1,10 @@
 """Fixtures for the sweep tests.
 
 ``slurm_cluster`` (session scope) brings up the single-node Slurm cluster of
-``scripts/slurm-up.sh`` once per session (a no-op when it is already up) and leaves it running
-afterwards, so later sessions start in well under a second. It skips the tests that use it only
+``scripts/slurm-up.sh`` once per session (a no-op when it is already up). A cluster this
+session started is stopped at its end (``scripts/slurm-down.sh``: slurmd, slurmctld, slurmdbd,
+MariaDB, munged), unless ``CPAB_KEEP_SLURM=1`` keeps it for faster later sessions; a cluster
+that was already up is left as it was. It skips the tests that use it only
 when the script says it cannot work here (exit 3: not root; exit 4: no apt-get, or apt cannot
 offer the packages); any other failure of the script errors those tests with its output.
 
@@ -27,6 +29,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SLURM_UP = REPO_ROOT / "scripts" / "slurm-up.sh"
+SLURM_DOWN = REPO_ROOT / "scripts" / "slurm-down.sh"
 SLURM_UP_TIMEOUT_S = 1200  # a first run installs packages with apt
 # Exit codes of slurm-up.sh that mean "Slurm cannot be brought up on this machine": skip.
 SKIP_EXIT_CODES = {3: "not root", 4: "apt-get missing or cannot offer the packages"}
@@ -87,11 +90,23 @@ def _cancel_orphaned_jobs(user: str) -> None:
             _run(["scancel", job_id])
 
 
+def _cluster_is_up() -> bool:
+    """True when a Slurm controller answers and a node is up (slurm-up.sh's own test)."""
+    if shutil.which("sinfo") is None:
+        return False
+    try:
+        proc = _run(["sinfo", "-h", "-o", "%T"], timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0 and any(s.strip() in ("idle", "mixed", "allocated") for s in proc.stdout.split())
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     bash = shutil.which("bash")
     if bash is None:
         pytest.skip("Slurm cluster unavailable: bash not found, cannot run scripts/slurm-up.sh")
+    was_up = _cluster_is_up()
     start = time.monotonic()
     try:
         proc = subprocess.run(
@@ -137,5 +152,8 @@ def slurm_cluster():
     try:
         yield cluster
     finally:
-        # The cluster stays up (later sessions are fast); the session's jobs do not.
-        cluster.cancel_all()
+        cluster.cancel_all()  # the session's jobs never outlive it
+        if not was_up and os.environ.get("CPAB_KEEP_SLURM") != "1":
+            down = _run([bash, str(SLURM_DOWN)], timeout=120)
+            if down.returncode != 0:
+                print(f"scripts/slurm-down.sh failed (exit {down.returncode}):\n{_tail(down.stdout + down.stderr)}")

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from records import read_rows
@@ -57,12 +59,16 @@ def test_dry_run_prints_bench_commands_and_submits_nothing(tmp_path):
     assert not (tmp_path / "rows.jsonl").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA: the job must fail there")
 def test_failed_trial_becomes_an_error_row_with_its_log(tmp_path):
-    path = write_spec(tmp_path, methods=[{"name": "upipe", "options": {"chunk_heads": 3}}])
+    """A trial the spec check lets through (it cannot know the compute node has no CUDA) fails in
+    its job; the runner records the failure as an error row with the job's log. (Invalid options
+    no longer get this far: tests/test_user_runs.py checks they are refused before submitting.)"""
+    path = write_spec(tmp_path, mode="emulated")
     out = sweep_cli("run", str(path), "--executor", "local")
     assert out.returncode == 1, out.stdout + out.stderr
     (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
-    assert row.status == "error" and "chunk_heads=3 is not a multiple of the world size 2" in row.message
+    assert row.status == "error" and "needs CUDA, which this machine lacks" in row.message
     log = row.message.rsplit("log: ", 1)[1].strip()
     assert Path(log).is_file(), log
     counts = status_counts(load_spec(path))
