@@ -4,7 +4,7 @@ A spec is validated on load and expands into ``bench.measure.trial.Trial`` objec
 trials ``python -m bench`` runs, with typed method options; every error names the bad key and
 what is allowed. Example::
 
-    name: table3-llama3-8b          # rows go to results/<name>.jsonl unless `out:` says otherwise
+    name: table3-llama3-8b          # rows go to runs/sweeps/<name>.jsonl unless `out:` says otherwise
     kind: trial                     # trial (one row per trial) | max_context (a search per trial)
     mode: real                      # real | emulated | simulated
     scope: model                    # model | attention
