@@ -42,7 +42,7 @@ def _distributed_env(tasks: int) -> dict[str, str]:
     }
 
 
-class TrialJob(submitit.helpers.Checkpointable):
+class BenchJob(submitit.helpers.Checkpointable):
     """A submitit callable running one trial; requeued as-is on preemption (trials are atomic)."""
 
     def __call__(self, trial: Trial, rows_path: str, tasks: int, timeout_s: float | None = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import submitit
 from bench.measure.trial import Trial
 from records import GiB, human
 
-from .jobs import TrialJob, bench_argv
+from .jobs import BenchJob, bench_argv
 from .results import error_row_for, finished, trial_id
 from .spec import SweepSpec
 
@@ -195,7 +195,7 @@ def run_sweep(
         while pending and len(running) < limit:
             trial = pending.pop(0)
             ex, tasks = make_executor(spec, executor, folder, trial)
-            job = ex.submit(TrialJob(), trial, str(spec.rows_path.resolve()), tasks)
+            job = ex.submit(BenchJob(), trial, str(spec.rows_path.resolve()), tasks)
             jobs_state[trial_id(trial)] = {"job_id": str(job.job_id), "executor": executor, "alive_hint": True,
                                            "label": trial.label}
             _save_jobs(spec, jobs_state)
