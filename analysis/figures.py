@@ -253,9 +253,77 @@ def table3_plot(rows=None) -> Plot:
 
 # ----------------------------------------------------------------------------- max context
 
+def _one_answer_per_series(ours: pd.DataFrame) -> list:
+    """Our max-context answers of one setup, one per series (label, mode, scope): the search
+    where the series has one (``max_context_rows`` keeps its finest), else the longest run.
+
+    A search and a longest run of one series answer the same question, the search exactly to
+    its step; shown together they contradict each other whenever the runs' lengths are not the
+    search's (e.g. "search: < 1M" above "longest run: 896K")."""
+    if not len(ours):
+        return []
+    out = []
+    for _, sub in ours.groupby(["label", "mode_label", "scope"], sort=False):
+        searches = sub[sub["kind"] == "search"]
+        out.append((searches if len(searches) else sub).iloc[0])
+    return out
+
+
+def _answer_text(r, step_on_bar: bool) -> str:
+    """What one of our max-context answers says at the end of its bar."""
+    step = human_size(r["step"]) if r["kind"] == "search" and pd.notna(r["step"]) else None
+    value = int(r["max_seq_len"])
+    if r["kind"] == "runs":
+        if value == 0:
+            return "no run fits (no search)"
+        return ("≥ " if r["lower_bound"] else "") + f"{human_size(value)} (longest run, no search)"
+    if value == 0:
+        if r["status"] == "error":
+            return "no answer: the search stopped by an error"
+        return f"< {step}: nothing fits (search step {step})" if step else "nothing fits"
+    text = ("≥ " if r["lower_bound"] else "") + human_size(value)
+    if r["status"] == "error":
+        text += " (search stopped by an error)"
+    elif r["lower_bound"]:
+        text += " (search limit)"
+    return text + (f"  step {step}" if step_on_bar and step else "")
+
+
+def _fit_bar_texts(axes, lo: float, hi: float) -> None:
+    """Widen the shared log2 x axis of the max-context panels until every text at a bar's end
+    ends inside its panel ("≥ 32M (search limit)" at the longest bar would otherwise run over
+    the frame). A text keeps its width in pixels while the axis compresses, so a few rounds."""
+    renderer = axes[0].get_figure(root=True).canvas.get_renderer()
+    for _ in range(4):
+        octaves = np.log2(hi / lo)
+        need = octaves
+        for ax in axes:
+            box = ax.get_window_extent(renderer)
+            for t in ax.texts:
+                if t.get_transform() != ax.transData:
+                    continue
+                start = np.log2(t.get_position()[0] / lo) / octaves * box.width  # pixels from the left edge
+                width = t.get_window_extent(renderer).width + 6
+                if start + width > box.width:
+                    need = max(need, np.log2(t.get_position()[0] / lo) * box.width / (box.width - width))
+        if need <= octaves:
+            return
+        hi = lo * 2 ** need
+        ticks = [2**k for k in range(int(np.log2(lo)), int(np.log2(hi)) + 1)]
+        for ax in axes:
+            ax.set_xticks(ticks, [human_size(t) for t in ticks], fontsize=7.5)
+            ax.set_xlim(lo, hi)
+
+
 def max_context_plot(rows=None) -> Plot:
-    """Max context per method: paper (hatched) vs our searches and runs (solid), log2 axis.
-    Panels: Table 3's two setups and Fig. 5's Llama3-8B on 16 GPUs (8×2)."""
+    """Max context per method: paper (hatched) vs ours (solid), log2 axis. Panels: Table 3's
+    two setups and Fig. 5's Llama3-8B on 16 GPUs (8×2), then any other setup of ours.
+
+    One bar per method and source: the paper's number, and per series of ours one answer,
+    its search's (the finest of several) or, without a search, its longest run. The search
+    step says how exact an answer is ("6.125M" is exact to 128K), so the panel title states it
+    (each bar does when a panel's searches differ), and a search that fit nothing says
+    "< step" rather than drawing a zero."""
     import matplotlib.pyplot as plt
 
     rows = _rows(rows)
@@ -268,28 +336,34 @@ def max_context_plot(rows=None) -> Plot:
     seen = {(m, g) for m, g, _ in panels}
     for m, g in sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])} - seen) if len(ours) else []:
         panels.append((m, g, f"{m}, {g} ranks (ours only: no paper values at this scale)"))
+    modes = sorted(ours["mode_label"].unique()) if len(ours) else []
     order = {m: i for i, m in enumerate(PAPER_METHODS)}
     content = []
     for model, gpus, title in panels:
-        bars = []  # (family, label, value, lower_bound, is_paper, color)
+        bars = []  # (family, label, value, text, is_paper, color, series name)
         for r in paper[(paper["model"] == model) & (paper["gpus"] == gpus)].itertuples():
-            bars.append((family(r.method), f"{display_name(r.method)} — paper", int(r.max_seq_len),
-                         "lower bound" in str(r.note), True, method_color(r.method)))
+            text = ("≥ " if "lower bound" in str(r.note) else "") + human_size(int(r.max_seq_len))
+            bars.append((family(r.method), f"{display_name(r.method)} — paper", int(r.max_seq_len), text, True,
+                         method_color(r.method), (r.method,)))
         for r in claims[(claims["model"] == model) & (claims["gpus"] == gpus)].itertuples():
             name = "USP-Hybrid 8×2" if r.method == "usp" else "UPipe 8×2"
-            bars.append((family(r.method), f"{name} — paper", int(r.seq_len), False, True, method_color(r.method)))
+            bars.append((family(r.method), f"{name} — paper", int(r.seq_len), human_size(int(r.seq_len)), True,
+                         method_color(r.method), (r.method,)))
         o = ours[(ours["model"] == model) & (ours["world_size"] == gpus)] if len(ours) else ours
-        for r in (o.itertuples() if len(o) else []):
-            if pd.isna(r.max_seq_len):
-                continue
-            how = ("search" if r.kind == "search" else "longest run") + (
-                ", attention block" if r.scope == "attention" else "") + (
-                ", stopped by an error" if r.status == "error" else "")
-            bars.append((family(r.method), f"{r.label} — ours, {how} ({r.mode_label})", int(r.max_seq_len),
-                         bool(r.lower_bound), False, method_color(r.method)))
-        bars.sort(key=lambda b: (order.get(b[0], len(order)), not b[4], b[1]))
+        answers = [r for r in _one_answer_per_series(o) if pd.notna(r["max_seq_len"])]
+        steps = sorted({int(r["step"]) for r in answers if r["kind"] == "search" and pd.notna(r["step"])})
+        for r in answers:
+            label = f"{r['label']} — ours" + (f" ({r['mode_label']})" if len(modes) > 1 else "") + (
+                ", attention block" if r["scope"] == "attention" else "")
+            bars.append((family(r["method"]), label, int(r["max_seq_len"]), _answer_text(r, len(steps) > 1), False,
+                         method_color(r["method"]), (r["label"], r["mode_label"], r["scope"])))
+        bars.sort(key=lambda b: (order.get(b[0], len(order)), not b[4], b[6]))
+        if len(steps) == 1:
+            title += f"\nours: max-context search, step {human_size(steps[0])}"
+        elif steps:
+            title += "\nours: max-context searches, step on each bar"
         content.append((model, gpus, title, bars, len(o)))
-    heights = [len(c[3]) + 2.2 for c in content]
+    heights = [len(c[3]) + 2.6 for c in content]
     fig = plt.figure(figsize=(10, 0.3 * sum(heights) + 1.2))
     grid = fig.add_gridspec(len(content), 1, height_ratios=heights)
     all_values = [b[2] for c in content for b in c[3] if b[2] > 0]
@@ -303,10 +377,9 @@ def max_context_plot(rows=None) -> Plot:
         ys = np.arange(len(bars))[::-1] + 1.0  # slot 0 (bottom) stays free for a note
         for y, b in zip(ys, bars):
             style = paper_bar_style(b[5]) if b[4] else ours_bar_style(b[5])
-            width = max(b[2], lo * 1.001)
-            ax.barh(y, width - lo, left=lo, height=0.72, **style)
-            text = ("≥ " if b[3] else "") + (human_size(b[2]) if b[2] else "none fits")
-            ax.text(width * 1.08, y, text, va="center", fontsize=8)
+            if b[2] > 0:  # a search that fit nothing has no bar: its text says "< step"
+                ax.barh(y, b[2] - lo, left=lo, height=0.72, **style)
+            ax.text(max(b[2], lo) * 1.08, y, b[3], va="center", fontsize=8)
         ax.set_yticks(ys, [b[1] for b in bars], fontsize=7.5)
         ax.set_ylim(-0.2 if n_ours else -0.6, len(bars) + 0.6)
         ax.set_xscale("log", base=2)
@@ -320,12 +393,11 @@ def max_context_plot(rows=None) -> Plot:
             ax.text(0.5, 0.5 / (len(bars) + 1.2), f"no rows of ours yet: python -m sweeps run "
                     f"sweeps/configs/{prefix}.yaml", transform=ax.transAxes, ha="center", va="center",
                     fontsize=7.5, color="#555555")
-        if k == 0:
-            ax.legend(handles=[Patch(**paper_bar_style("black"), label="paper (hatched)"),
-                               Patch(**ours_bar_style("grey"), label="ours (solid)")],
-                      fontsize=7.5, loc="lower right")
+    ours_text = "ours (solid)" + (f": {modes[0]}" if len(modes) == 1 else "")
     fig.suptitle("Maximum context per method (≥: lower bound)")
-    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    layout_with_legends(fig, [("source", [Patch(**paper_bar_style("black"), label="paper (hatched)"),
+                                          Patch(**ours_bar_style("grey"), label=ours_text)])])
+    _fit_bar_texts(fig.axes, lo, hi)
     return Plot("max_context", "Maximum context per method", fig, [], rows[rows["kind"] == "max_context"]
                 if len(rows) else rows)
 

@@ -1,6 +1,7 @@
 """Figures a reader can use: nothing overprints another panel, an OOM is never drawn at a
-value, legends stay short. Checked on the artists of each ``Plot.fig`` (positions after a
-draw, the data of lines), never on pixels."""
+value, legends stay short, and the max-context figure gives one answer per series with its
+search step. Checked on the artists of each ``Plot.fig`` (positions after a draw, the data
+of lines), never on pixels."""
 from __future__ import annotations
 
 import itertools
@@ -258,6 +259,64 @@ def test_attention_and_u_ablation_draw_oom_in_bands(crowded):
             x_oom = _points(band)[0][0]
             lines = [line for line in ax.get_lines() if line.get_label().startswith("256K")]
             assert lines and all(x_oom not in line.get_xdata() for line in lines)
+    finally:
+        plot.close()
+
+
+# ----------------------------------------------------------------------------- max context
+
+def _search(method, found, step, time="2026-11-20T00:00:00+00:00", mode="simulated", **kw):
+    return make_row(method, seq_len=16 * M, mode=mode, kind="max_context", max_context=found, time=time,
+                    search={"granularity": step, "step": step, "max_seq_len": 16 * M, "start": step}, **kw)
+
+
+def _panel(plot, title_start: str):
+    (ax,) = [ax for ax in plot.fig.axes if ax.get_title().startswith(title_start)]
+    return ax, [t.get_text() for t in ax.get_yticklabels()], {t.get_position()[1]: t.get_text() for t in ax.texts}
+
+
+def test_max_context_gives_one_answer_per_method_and_series(tmp_path):
+    rows = [
+        # two searches of one series: the finer (128K) answers, though the 1M one is newer
+        _search("upipe", 5 * M + 256 * K, 128 * K, time="2026-11-20T00:00:00+00:00"),
+        _search("upipe", 5 * M, 1 * M, time="2026-11-22T00:00:00+00:00"),
+        # a search that fit nothing at its 1M step, and runs of the same series that fit 896K
+        _search("ulysses", 0, 1 * M),
+        make_row("ulysses", seq_len=896 * K, mode="simulated", peak_gib=70.0),
+        make_row("ulysses", seq_len=1 * M, mode="simulated", status="oom", peak_gib=OOM_PEAK),
+        # runs only, no search
+        make_row("ring", seq_len=128 * K, tps=2000.0, reserved_gib=30.0),
+        make_row("ring", seq_len=256 * K, status="oom"),
+    ]
+    plot = figures.max_context_plot(_load(tmp_path, rows))
+    try:
+        ax, labels, texts = _panel(plot, "llama3-8b, 8 GPUs")
+        assert len(labels) == len(set(labels))  # one bar per method and series
+        ours = [t for t in labels if "— ours" in t]
+        assert sorted(ours) == ["ring — ours (real, NVIDIA H100 80GB HBM3)", "ulysses — ours (simulated, h100-80g)",
+                                "upipe — ours (simulated, h100-80g)"]
+        assert len([t for t in labels if t.endswith("— paper")]) == 5
+        by_label = {label: texts[y] for label, y in zip(labels, ax.get_yticks())}
+        assert by_label["upipe — ours (simulated, h100-80g)"].startswith("5.25M")  # the finest search
+        assert "step 128K" in by_label["upipe — ours (simulated, h100-80g)"]
+        assert by_label["ulysses — ours (simulated, h100-80g)"].startswith("< 1M")
+        assert "step 1M" in by_label["ulysses — ours (simulated, h100-80g)"]
+        assert not [t for t in texts.values() if "896K" in t]  # the search answers; no longest run beside it
+        assert "longest run" in by_label["ring — ours (real, NVIDIA H100 80GB HBM3)"]
+        bars = [p for p in ax.patches if p.get_width() > 0]
+        assert len(bars) == len(labels) - 1  # every answer has a bar but "nothing fits"
+    finally:
+        plot.close()
+
+
+def test_max_context_states_a_shared_search_step_once_in_the_panel(tmp_path):
+    rows = [_search("upipe", 5 * M + 256 * K, 128 * K), _search("ulysses", 4 * M, 128 * K)]
+    plot = figures.max_context_plot(_load(tmp_path, rows))
+    try:
+        ax, labels, texts = _panel(plot, "llama3-8b, 8 GPUs")
+        assert "step 128K" in ax.get_title()
+        assert sorted(t for t in labels if "ours" in t) == ["ulysses — ours", "upipe — ours"]
+        assert {"5.25M", "4M"} <= set(texts.values())
     finally:
         plot.close()
 
