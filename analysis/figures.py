@@ -1,24 +1,29 @@
 """One function per regenerated figure; each returns a ``Plot`` (paper and ours together).
 
 Paper values are hollow (dashed lines with open markers, hatched unfilled bars) and say
-"paper" in the legend; ours are solid and say their mode and device. OOM is drawn as an
-"x" on the axis floor (lines) or written on the bar, and a missing value is not drawn.
+"paper" in the legend; ours are solid and say their mode and device. A missing value is
+not drawn. An OOM has no memory or throughput value, so it is never a point on a value
+axis: line plots put it in an "OOM" band above the panel (one row per series, the series'
+own marker), bar plots write "OOM" in the bar's slot. Figures with many series encode them
+(colour = method, marker = source, line style = variant) in a few short legends under the
+panels instead of one entry per series.
 """
 from __future__ import annotations
 
-import matplotlib.transforms as mtransforms
 import numpy as np
 import pandas as pd
-from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
+from matplotlib.transforms import Bbox
 
-from .load import human_size, load_paper
-from .select import PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, family, groups, lookup, number
+from .load import human_size, load_paper, method_label
+from .select import PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, family, family_order, groups, lookup, number
 from .style import (
     CAPACITY_COLOR,
+    Encoding,
     Plot,
     display_name,
+    layout_with_legends,
     method_color,
     new_figure,
     note_box,
@@ -54,21 +59,117 @@ from .tables import (
 
 H100_GIB = 81559 / 1024  # what nvidia-smi reports for an H100 80GB, in GiB
 OURS_MARKERS = ["s", "^", "D", "v", "P", "*"]
+OOM_COLOR = "#b00000"
+OOM_ROW_IN = 0.1  # height of one series' row in an OOM band, inches
+OOM_GAP_IN = 0.05  # between a panel and its OOM band, inches
 
 
-def _oom_marks(ax, xs, color, hollow: bool = False) -> None:
-    """OOM points: an 'x' on the axis floor at each length that ran out of memory; several
-    at one length stack upwards so none hides another. ``hollow``: a paper value."""
-    if not xs:
-        return
-    stack = ax.__dict__.setdefault("_oom_stack", {})
-    trans = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
-    for x in xs:
-        level = stack.get(x, 0)
-        stack[x] = level + 1
-        ax.scatter([x], [0.035 + 0.055 * level], transform=trans, marker="X", s=60, zorder=5, clip_on=False,
-                   facecolor="white" if hollow else color, edgecolor=color if hollow else "black",
-                   linewidth=1.2 if hollow else 0.5)
+class _Above:
+    """Axes locator of an OOM band: as wide as its panel, a fixed height in inches just above
+    it, wherever the layout moves the panel (a height in axes fractions would shrink with it).
+    Computed in pixels of the figure's own transform, which ``savefig(bbox_inches="tight")``
+    keeps consistent while it crops (the figure's size in inches does not stay)."""
+
+    def __init__(self, parent, height_in: float):
+        self.parent, self.height_in = parent, height_in
+
+    def __call__(self, ax, renderer) -> Bbox:
+        fig = self.parent.get_figure(root=False)
+        p = self.parent.get_position().transformed(fig.transFigure)
+        bottom = p.y1 + OOM_GAP_IN * fig.dpi
+        band = Bbox.from_extents(p.x0, bottom, p.x1, bottom + self.height_in * fig.dpi)
+        return band.transformed(fig.transFigure.inverted())
+
+
+class OOMs:
+    """Out-of-memory points of line plots, kept per panel and drawn in a band above it.
+
+    An OOM row has no value on the panel's axis (a simulated one records the demand that did
+    not fit, a real one nothing), so a point at the axis floor or at a recorded peak would
+    read as a measurement; in the band a point only says "this length ran out of memory".
+    Each series gets its own row, so OOMs of several series at one length never hide or
+    push each other out of the panel."""
+
+    def __init__(self):
+        self.by_axes: dict = {}
+
+    def add(self, ax, xs, style: dict) -> None:
+        """The OOM lengths (x values) of one series, drawn with the series' own style."""
+        xs = sorted({float(x) for x in xs})
+        if xs:
+            self.by_axes.setdefault(ax, []).append((xs, style))
+
+    def draw(self) -> list:
+        """One band per panel with OOMs (call once the panels' x axes are set); the bands.
+
+        The figure grows by the tallest band of each row of panels, so that the bands do not
+        take their height from the panels' value axes."""
+        bands, grow = [], {}
+        for ax, series in self.by_axes.items():
+            height = 0.08 + OOM_ROW_IN * len(series)
+            spec = ax.get_subplotspec()
+            row = spec.rowspan.start if spec is not None else id(ax)
+            grow[row] = max(grow.get(row, 0.0), height + OOM_GAP_IN)
+            band = ax.inset_axes([0, 1, 1, 0.1], sharex=ax)
+            band.set_axes_locator(_Above(ax, height))
+            band.set_label("OOM band")
+            n = len(series)
+            for i, (xs, style) in enumerate(series):
+                band.plot(xs, [n - 1 - i] * len(xs), **dict(style, markersize=4.5, linewidth=1.0))
+            band.set_ylim(-0.7, n - 0.3)
+            band.set_yticks([])
+            band.tick_params(axis="x", which="both", bottom=False, labelbottom=False)
+            band.set_facecolor("#fbf1f1")
+            band.grid(True, axis="x", alpha=0.3, linewidth=0.6)
+            band.set_ylabel("OOM", rotation=0, ha="right", va="center", fontsize=8.5, color=OOM_COLOR,
+                            fontweight="bold")
+            bands.append(band)
+        if grow:
+            fig = next(iter(self.by_axes)).get_figure(root=True)
+            width, height = fig.get_size_inches()
+            fig.set_size_inches(width, height + sum(grow.values()))
+        return bands
+
+
+def seq_span(ax, xs) -> None:
+    """A sequence-length axis with the paper's ticks, widened by powers of two to every length
+    drawn (lines and OOM bands alike), so that no point lies outside its panel."""
+    xs = [float(x) for x in xs if x and x == x]
+    lo, hi = min([PAPER_LENGTHS[0]] + xs), max([PAPER_LENGTHS[-1]] + xs)
+    ticks = list(PAPER_LENGTHS)
+    k = PAPER_LENGTHS[0] // 2
+    while k >= lo:
+        ticks.insert(0, k)
+        k //= 2
+    k = 2 ** int(np.ceil(np.log2(PAPER_LENGTHS[-1] + 1)))
+    while k <= hi:
+        ticks.append(k)
+        k *= 2
+    seq_axis(ax, ticks)
+    ax.set_xlim(lo / 1.35, hi * 1.35)
+
+
+def series_style(enc: Encoding, sub: pd.DataFrame) -> dict:
+    """The plot style of one series of ours: colour by its method and options, marker by its
+    mode and device, line style by what its label adds (e.g. "+fa3 scratch")."""
+    r = sub.iloc[0]
+    key = method_label(r["method"], r["options"])
+    label = str(r["label"])
+    variant = label[len(key):].strip().lstrip("+").strip() if label.startswith(key) else ""
+    return enc.style(key, r["mode_label"], variant, method=r["method"])
+
+
+def paper_order(key: str) -> tuple:
+    """Sort key of a method key (``usp[ulysses_degree=8]``): the paper's family order, then the name."""
+    base = key.split("[", 1)[0]
+    return family_order(family(base)), base != family(base), key
+
+
+def capacity_line(ax, label: str = "H100 capacity (79.6 GiB)") -> None:
+    """The H100's memory as a dotted line, named on the line (no legend entry to look up)."""
+    ax.axhline(H100_GIB, color=CAPACITY_COLOR, linestyle=":", linewidth=1.2)
+    ax.text(0.01, H100_GIB + 1, label, transform=ax.get_yaxis_transform(), fontsize=7.5, color=CAPACITY_COLOR,
+            va="bottom")
 
 
 def below(ax, handles=None, labels=None, ncol: int = 2) -> None:
@@ -86,17 +187,6 @@ def plain_log_y(ax) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "235" else ""))
 
 
-def _legend_extras(paper_oom: bool, ours_oom: bool = False) -> list:
-    out = []
-    if paper_oom:
-        out.append(Line2D([], [], marker="X", linestyle="", markerfacecolor="white", markeredgecolor="grey",
-                          markersize=8, label="OOM — paper (on the axis floor)"))
-    if ours_oom:
-        out.append(Line2D([], [], marker="X", linestyle="", color="grey", markeredgecolor="black",
-                          markersize=8, label="OOM — ours (on the axis floor)"))
-    return out
-
-
 def _run_hint(ax, sweeps: str) -> None:
     note_box(ax, f"no rows of ours yet\n{sweeps}", loc="bottom")
 
@@ -104,27 +194,30 @@ def _run_hint(ax, sweeps: str) -> None:
 # ----------------------------------------------------------------------------- Table 3
 
 def table3_plot(rows=None) -> Plot:
-    """Table 3 as curves: tokens/s per GPU vs sequence length, paper (dashed, open) vs ours."""
+    """Table 3 as curves: tokens/s per GPU vs sequence length, paper (dashed, open) vs ours.
+
+    Colour = method, marker = source, line style = variant, in legends under the panels; OOM
+    lengths (the paper's and those of our series that measure throughput) in a band above
+    each panel, not at the axis floor where they read as a throughput."""
     rows = _rows(rows)
     paper = load_paper("table3_throughput")
-    fig, axes = new_figure(2, 1, width=6.8, height=6.2)
+    fig, axes = new_figure(2, 1, width=6.8, height=4.6)
+    enc = Encoding("kernel-scratch model (simulation)")
+    ooms = OOMs()
     used = []
     for ax, setup in zip(axes[0], TABLE3_SETUPS):
         p = paper[paper["model"] == setup.model]
-        paper_oom = ours_oom = False
+        xs_drawn = list(p["seq_len"])
         for pm in PAPER_METHODS:
             pp = p[p["method"] == pm]
             ok = pp[pp["status"] == "ok"]
-            ax.plot(ok["seq_len"], ok["tokens_per_s_per_gpu"], label=f"{display_name(pm)} — paper",
-                    **paper_line_style(method_color(pm)))
-            oom = pp[pp["status"] == "oom"]["seq_len"].tolist()
-            paper_oom |= bool(oom)
-            _oom_marks(ax, oom, method_color(pm), hollow=True)
+            style = enc.style(pm, "paper")
+            ax.plot(ok["seq_len"], ok["tokens_per_s_per_gpu"], **style)
+            ooms.add(ax, pp[pp["status"] == "oom"]["seq_len"], style)
         ours = table3_rows(rows, setup)
         used.append(ours)
         drawn = 0
-        for i, (key, sub) in enumerate(groups(ours)):
-            color = method_color(sub["method"].iloc[0])
+        for _, sub in groups(ours):
             xs, ys, oom = [], [], []
             for s in sorted(sub["seq_len"].unique()):
                 r = lookup(sub, s)
@@ -133,16 +226,16 @@ def table3_plot(rows=None) -> Plot:
                     xs.append(s), ys.append(v)
                 elif r["status"] == "oom":
                     oom.append(s)
-            if xs:
-                ax.plot(xs, ys, label=f"{key[0]} — ours ({key[1]})",
-                        **ours_line_style(color, OURS_MARKERS[i % len(OURS_MARKERS)]))
-                drawn += 1
-            if oom and xs:  # OOM marks only for series that measure throughput (not simulated ones)
-                _oom_marks(ax, oom, color)
-                ours_oom = True
+            if not xs:  # a series without throughput (e.g. simulated: memory only) is not on this figure
+                continue
+            style = series_style(enc, sub)
+            ax.plot(xs, ys, **style)
+            ooms.add(ax, oom, style)
+            xs_drawn += xs + oom
+            drawn += 1
         ax.set_yscale("log")
         plain_log_y(ax)
-        seq_axis(ax, PAPER_LENGTHS)
+        seq_span(ax, xs_drawn)
         ax.set_xlabel("sequence length (tokens, K = 1024)")
         ax.set_ylabel("throughput (tokens/s per GPU)")
         ax.set_title(f"Table 3: {setup.model}, {setup.gpus} GPUs")
@@ -150,11 +243,9 @@ def table3_plot(rows=None) -> Plot:
             msg = "no throughput rows of ours yet" if not len(ours) else \
                 "our rows here have no throughput (e.g. simulated: memory only)"
             note_box(ax, f"{msg}\npython -m sweeps run sweeps/configs/table3-{setup.model}.yaml", loc="top")
-        handles, labels = ax.get_legend_handles_labels()
-        extra = _legend_extras(paper_oom, ours_oom)
-        below(ax, handles + extra, labels + [e.get_label() for e in extra])
+    ooms.draw()
     fig.suptitle("Training throughput vs sequence length (paper: dashed, open markers; ours: solid)")
-    fig.tight_layout()
+    layout_with_legends(fig, enc.legend_groups(order=paper_order))
     used_df = pd.concat(used) if any(len(u) for u in used) else rows.iloc[0:0]
     return Plot("table3_throughput", "Table 3 as curves", fig,
                 ["Ours: rows with the paper's levers on a GPU preset; CPU rows are in table3_cpu.md."], used_df)
@@ -162,9 +253,77 @@ def table3_plot(rows=None) -> Plot:
 
 # ----------------------------------------------------------------------------- max context
 
+def _one_answer_per_series(ours: pd.DataFrame) -> list:
+    """Our max-context answers of one setup, one per series (label, mode, scope): the search
+    where the series has one (``max_context_rows`` keeps its finest), else the longest run.
+
+    A search and a longest run of one series answer the same question, the search exactly to
+    its step; shown together they contradict each other whenever the runs' lengths are not the
+    search's (e.g. "search: < 1M" above "longest run: 896K")."""
+    if not len(ours):
+        return []
+    out = []
+    for _, sub in ours.groupby(["label", "mode_label", "scope"], sort=False):
+        searches = sub[sub["kind"] == "search"]
+        out.append((searches if len(searches) else sub).iloc[0])
+    return out
+
+
+def _answer_text(r, step_on_bar: bool) -> str:
+    """What one of our max-context answers says at the end of its bar."""
+    step = human_size(r["step"]) if r["kind"] == "search" and pd.notna(r["step"]) else None
+    value = int(r["max_seq_len"])
+    if r["kind"] == "runs":
+        if value == 0:
+            return "no run fits (no search)"
+        return ("≥ " if r["lower_bound"] else "") + f"{human_size(value)} (longest run, no search)"
+    if value == 0:
+        if r["status"] == "error":
+            return "no answer: the search stopped by an error"
+        return f"< {step}: nothing fits (search step {step})" if step else "nothing fits"
+    text = ("≥ " if r["lower_bound"] else "") + human_size(value)
+    if r["status"] == "error":
+        text += " (search stopped by an error)"
+    elif r["lower_bound"]:
+        text += " (search limit)"
+    return text + (f"  step {step}" if step_on_bar and step else "")
+
+
+def _fit_bar_texts(axes, lo: float, hi: float) -> None:
+    """Widen the shared log2 x axis of the max-context panels until every text at a bar's end
+    ends inside its panel ("≥ 32M (search limit)" at the longest bar would otherwise run over
+    the frame). A text keeps its width in pixels while the axis compresses, so a few rounds."""
+    renderer = axes[0].get_figure(root=True).canvas.get_renderer()
+    for _ in range(4):
+        octaves = np.log2(hi / lo)
+        need = octaves
+        for ax in axes:
+            box = ax.get_window_extent(renderer)
+            for t in ax.texts:
+                if t.get_transform() != ax.transData:
+                    continue
+                start = np.log2(t.get_position()[0] / lo) / octaves * box.width  # pixels from the left edge
+                width = t.get_window_extent(renderer).width + 6
+                if start + width > box.width:
+                    need = max(need, np.log2(t.get_position()[0] / lo) * box.width / (box.width - width))
+        if need <= octaves:
+            return
+        hi = lo * 2 ** need
+        ticks = [2**k for k in range(int(np.log2(lo)), int(np.log2(hi)) + 1)]
+        for ax in axes:
+            ax.set_xticks(ticks, [human_size(t) for t in ticks], fontsize=7.5)
+            ax.set_xlim(lo, hi)
+
+
 def max_context_plot(rows=None) -> Plot:
-    """Max context per method: paper (hatched) vs our searches and runs (solid), log2 axis.
-    Panels: Table 3's two setups and Fig. 5's Llama3-8B on 16 GPUs (8×2)."""
+    """Max context per method: paper (hatched) vs ours (solid), log2 axis. Panels: Table 3's
+    two setups and Fig. 5's Llama3-8B on 16 GPUs (8×2), then any other setup of ours.
+
+    One bar per method and source: the paper's number, and per series of ours one answer,
+    its search's (the finest of several) or, without a search, its longest run. The search
+    step says how exact an answer is ("6.125M" is exact to 128K), so the panel title states it
+    (each bar does when a panel's searches differ), and a search that fit nothing says
+    "< step" rather than drawing a zero."""
     import matplotlib.pyplot as plt
 
     rows = _rows(rows)
@@ -177,28 +336,34 @@ def max_context_plot(rows=None) -> Plot:
     seen = {(m, g) for m, g, _ in panels}
     for m, g in sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])} - seen) if len(ours) else []:
         panels.append((m, g, f"{m}, {g} ranks (ours only: no paper values at this scale)"))
+    modes = sorted(ours["mode_label"].unique()) if len(ours) else []
     order = {m: i for i, m in enumerate(PAPER_METHODS)}
     content = []
     for model, gpus, title in panels:
-        bars = []  # (family, label, value, lower_bound, is_paper, color)
+        bars = []  # (family, label, value, text, is_paper, color, series name)
         for r in paper[(paper["model"] == model) & (paper["gpus"] == gpus)].itertuples():
-            bars.append((family(r.method), f"{display_name(r.method)} — paper", int(r.max_seq_len),
-                         "lower bound" in str(r.note), True, method_color(r.method)))
+            text = ("≥ " if "lower bound" in str(r.note) else "") + human_size(int(r.max_seq_len))
+            bars.append((family(r.method), f"{display_name(r.method)} — paper", int(r.max_seq_len), text, True,
+                         method_color(r.method), (r.method,)))
         for r in claims[(claims["model"] == model) & (claims["gpus"] == gpus)].itertuples():
             name = "USP-Hybrid 8×2" if r.method == "usp" else "UPipe 8×2"
-            bars.append((family(r.method), f"{name} — paper", int(r.seq_len), False, True, method_color(r.method)))
+            bars.append((family(r.method), f"{name} — paper", int(r.seq_len), human_size(int(r.seq_len)), True,
+                         method_color(r.method), (r.method,)))
         o = ours[(ours["model"] == model) & (ours["world_size"] == gpus)] if len(ours) else ours
-        for r in (o.itertuples() if len(o) else []):
-            if pd.isna(r.max_seq_len):
-                continue
-            how = ("search" if r.kind == "search" else "longest run") + (
-                ", attention block" if r.scope == "attention" else "") + (
-                ", stopped by an error" if r.status == "error" else "")
-            bars.append((family(r.method), f"{r.label} — ours, {how} ({r.mode_label})", int(r.max_seq_len),
-                         bool(r.lower_bound), False, method_color(r.method)))
-        bars.sort(key=lambda b: (order.get(b[0], len(order)), not b[4], b[1]))
+        answers = [r for r in _one_answer_per_series(o) if pd.notna(r["max_seq_len"])]
+        steps = sorted({int(r["step"]) for r in answers if r["kind"] == "search" and pd.notna(r["step"])})
+        for r in answers:
+            label = f"{r['label']} — ours" + (f" ({r['mode_label']})" if len(modes) > 1 else "") + (
+                ", attention block" if r["scope"] == "attention" else "")
+            bars.append((family(r["method"]), label, int(r["max_seq_len"]), _answer_text(r, len(steps) > 1), False,
+                         method_color(r["method"]), (r["label"], r["mode_label"], r["scope"])))
+        bars.sort(key=lambda b: (order.get(b[0], len(order)), not b[4], b[6]))
+        if len(steps) == 1:
+            title += f"\nours: max-context search, step {human_size(steps[0])}"
+        elif steps:
+            title += "\nours: max-context searches, step on each bar"
         content.append((model, gpus, title, bars, len(o)))
-    heights = [len(c[3]) + 2.2 for c in content]
+    heights = [len(c[3]) + 2.6 for c in content]
     fig = plt.figure(figsize=(10, 0.3 * sum(heights) + 1.2))
     grid = fig.add_gridspec(len(content), 1, height_ratios=heights)
     all_values = [b[2] for c in content for b in c[3] if b[2] > 0]
@@ -212,10 +377,9 @@ def max_context_plot(rows=None) -> Plot:
         ys = np.arange(len(bars))[::-1] + 1.0  # slot 0 (bottom) stays free for a note
         for y, b in zip(ys, bars):
             style = paper_bar_style(b[5]) if b[4] else ours_bar_style(b[5])
-            width = max(b[2], lo * 1.001)
-            ax.barh(y, width - lo, left=lo, height=0.72, **style)
-            text = ("≥ " if b[3] else "") + (human_size(b[2]) if b[2] else "none fits")
-            ax.text(width * 1.08, y, text, va="center", fontsize=8)
+            if b[2] > 0:  # a search that fit nothing has no bar: its text says "< step"
+                ax.barh(y, b[2] - lo, left=lo, height=0.72, **style)
+            ax.text(max(b[2], lo) * 1.08, y, b[3], va="center", fontsize=8)
         ax.set_yticks(ys, [b[1] for b in bars], fontsize=7.5)
         ax.set_ylim(-0.2 if n_ours else -0.6, len(bars) + 0.6)
         ax.set_xscale("log", base=2)
@@ -229,12 +393,11 @@ def max_context_plot(rows=None) -> Plot:
             ax.text(0.5, 0.5 / (len(bars) + 1.2), f"no rows of ours yet: python -m sweeps run "
                     f"sweeps/configs/{prefix}.yaml", transform=ax.transAxes, ha="center", va="center",
                     fontsize=7.5, color="#555555")
-        if k == 0:
-            ax.legend(handles=[Patch(**paper_bar_style("black"), label="paper (hatched)"),
-                               Patch(**ours_bar_style("grey"), label="ours (solid)")],
-                      fontsize=7.5, loc="lower right")
+    ours_text = "ours (solid)" + (f": {modes[0]}" if len(modes) == 1 else "")
     fig.suptitle("Maximum context per method (≥: lower bound)")
-    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    layout_with_legends(fig, [("source", [Patch(**paper_bar_style("black"), label="paper (hatched)"),
+                                          Patch(**ours_bar_style("grey"), label=ours_text)])])
+    _fit_bar_texts(fig.axes, lo, hi)
     return Plot("max_context", "Maximum context per method", fig, [], rows[rows["kind"] == "max_context"]
                 if len(rows) else rows)
 
@@ -463,6 +626,7 @@ def attn_memory_plot(rows=None) -> Plot:
     fig, axes = new_figure(len(setups), 2, width=6.2, height=5.6)
     default_lengths = [128 * 2**10, 512 * 2**10, 2**20, 2 * 2**20, 4 * 2**20]
     palette = ["#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2"]
+    ooms = OOMs()
     for col, (model, ws) in enumerate(setups):
         h, g = heads_of(rows, model)
         top, bot = axes[0][col], axes[1][col]
@@ -486,8 +650,8 @@ def attn_memory_plot(rows=None) -> Plot:
                 pts = [(s, scale * v) for s, v in pts if v is not None]
                 if pts:
                     top.plot(*zip(*pts), **style, label=f"{variant_name(u, h, ws)} — ours ({ml})")
-                _oom_marks(top, [s for s in lengths if (r := lookup(vs, s)) is not None and r["status"] == "oom"],
-                           color)
+                ooms.add(top, [s for s in lengths if (r := lookup(vs, s)) is not None and r["status"] == "oom"],
+                         style)
                 if u is None or not len(base):
                     continue
                 red = []
@@ -524,6 +688,7 @@ def attn_memory_plot(rows=None) -> Plot:
         else:
             below(top, ncol=1)
         below(bot, ncol=1)
+    ooms.draw()
     fig.suptitle("Attention-block micro-benchmark (ours: solid; paper reference: dashed)")
     fig.tight_layout()
     return Plot("attn_memory", "Attention-block memory", fig, [], ours)
@@ -542,6 +707,7 @@ def u_ablation_plot(rows=None) -> Plot:
     setups = u_setups(ours) or [("llama3-8b", 4, "model")]
     fig, axes = new_figure(3, len(setups), width=5.4, height=5.0)
     metric = "tokens_per_s_per_device"
+    ooms = OOMs()
     for row_axes, (model, ws, scope) in zip(axes, setups):
         sub = ours[(ours["model"] == model) & (ours["world_size"] == ws) & (ours["scope"] == scope)] \
             if len(ours) else ours
@@ -580,8 +746,8 @@ def u_ablation_plot(rows=None) -> Plot:
                     if p:
                         row_axes[k].plot(*zip(*p), **style, label=label)
                         drawn[k] += 1
-                _oom_marks(row_axes[0], oom, color)
-                _oom_marks(row_axes[2], oom, color)
+                ooms.add(row_axes[0], oom, style)
+                ooms.add(row_axes[2], oom, style)
         what = "training step" if scope == "model" else "attention block"
         labels = ["Ulysses" if u is None else f"U={u}" + (" (=C)" if u == ws else "") + (" (=H)" if u == h else "")
                   for u in variants]
@@ -602,6 +768,7 @@ def u_ablation_plot(rows=None) -> Plot:
         who = f"ours, {modes[0]}" if len(modes) == 1 else "ours"
         for ax, t in zip(row_axes, ("throughput", "throughput relative to Ulysses", "peak memory")):
             ax.set_title(f"{t}: {model}, {ws} ranks, {what}\n({who})", fontsize=9.5)
+    ooms.draw()
     fig.suptitle("U ablation, one line per sequence length (ours only: the paper has no U ablation numbers)")
     fig.tight_layout()
     return Plot("u_ablation", "U ablation", fig, [], ours)
@@ -610,42 +777,48 @@ def u_ablation_plot(rows=None) -> Plot:
 # ----------------------------------------------------------------------------- memory vs length
 
 def memory_vs_seq_plot(rows=None) -> Plot:
-    """Peak memory per GPU vs sequence length per method (Table 3 setups), with the paper's
-    two 128K anchors (open markers) and the H100's capacity."""
+    """Peak memory per GPU vs sequence length per series (Table 3 setups), with the paper's
+    two 128K anchors (open markers) and the H100's capacity.
+
+    A dozen series per panel: colour = method, marker = source, line style = kernel-scratch
+    model, in legends under the panels. An OOM row is drawn in the band above its panel,
+    never at the memory it recorded (the demand that did not fit is not a peak that ran)."""
     rows = _rows(rows)
     anchors = load_paper("memory_anchors")
-    fig, axes = new_figure(2, 1, width=6.8, height=6.4)
+    fig, axes = new_figure(2, 1, width=6.8, height=4.6)
+    enc = Encoding("kernel-scratch model (simulation)")
+    ooms = OOMs()
     used = []
     for ax, setup in zip(axes[0], TABLE3_SETUPS):
+        xs_drawn = []
         for a in anchors[anchors["model"] == setup.model].itertuples():
-            ax.plot([a.seq_len], [a.peak_mem_gib], linestyle="", **{k: v for k, v in
-                    paper_line_style(method_color(a.method)).items() if k != "linestyle"},
-                    label=f"{display_name(a.method)} at 128K — paper (unconfirmed)")
+            enc.source("paper", line=False, text="paper (128K anchors, unconfirmed)")
+            ax.plot([a.seq_len], [a.peak_mem_gib], **dict(enc.style(a.method, "paper"), linestyle=""))
+            xs_drawn.append(a.seq_len)
         ours = table3_rows(rows, setup)
         used.append(ours)
-        any_oom = False
-        for i, (key, sub) in enumerate(groups(ours)):
-            color = method_color(sub["method"].iloc[0])
-            pts = [(s, number(lookup(sub, s), "mem_gib")) for s in sorted(sub["seq_len"].unique())]
+        for _, sub in groups(ours):
+            lengths = sorted(sub["seq_len"].unique())
+            pts = [(s, number(lookup(sub, s), "mem_gib")) for s in lengths]
             pts = [(s, v) for s, v in pts if v is not None]
+            oom = [s for s in lengths if lookup(sub, s)["status"] == "oom"]
+            if not pts and not oom:  # e.g. only an error row: nothing to draw, nothing to list in a legend
+                continue
+            style = series_style(enc, sub)
             if pts:
-                ax.plot(*zip(*pts), **ours_line_style(color, OURS_MARKERS[i % len(OURS_MARKERS)]),
-                        label=f"{key[0]} — ours ({key[1]})")
-            oom = [s for s in sorted(sub["seq_len"].unique()) if lookup(sub, s)["status"] == "oom"]
-            _oom_marks(ax, oom, color)
-            any_oom |= bool(oom)
-        ax.axhline(H100_GIB, color=CAPACITY_COLOR, linestyle=":", linewidth=1.2, label="H100 capacity (79.6 GiB)")
-        seq_axis(ax, PAPER_LENGTHS)
+                ax.plot(*zip(*pts), **style)
+            ooms.add(ax, oom, style)
+            xs_drawn += [s for s, _ in pts] + oom
+        capacity_line(ax)
+        seq_span(ax, xs_drawn)
         ax.set_ylim(0, 100)
         ax.set_xlabel("sequence length (tokens, K = 1024)")
         ax.set_ylabel("peak memory per GPU (GiB)")
         ax.set_title(f"{setup.model}, {setup.gpus} GPUs")
         if not len(ours):
             _run_hint(ax, f"python -m sweeps run sweeps/configs/table3-{setup.model}.yaml")
-        handles, labels = ax.get_legend_handles_labels()
-        extra = _legend_extras(False, any_oom)
-        below(ax, handles + extra, labels + [e.get_label() for e in extra], ncol=1)
+    ooms.draw()
     fig.suptitle("Peak memory vs sequence length (reserved where measured, else allocated)")
-    fig.tight_layout()
+    layout_with_legends(fig, enc.legend_groups(order=paper_order))
     used_df = pd.concat(used) if any(len(u) for u in used) else rows.iloc[0:0]
     return Plot("memory_vs_seq", "Peak memory vs sequence length", fig, [], used_df)

@@ -27,7 +27,6 @@ from .select import (
     has_paper_levers,
     is_missing,
     lookup,
-    newest_per,
     number,
     paper_cell,
     trials,
@@ -217,28 +216,47 @@ def _max_ctx_text(n, lower_bound: bool) -> str:
     return ("≥ " if lower_bound else "") + human_size(int(n))
 
 
+def search_params(search) -> dict[str, int]:
+    """A row's ``search`` column (``granularity=131072,max_seq_len=...,step=131072``) as numbers."""
+    out = {}
+    for part in search.split(",") if isinstance(search, str) else []:
+        k, _, v = part.partition("=")
+        if v.isdigit():
+            out[k] = int(v)
+    return out
+
+
+def search_step(search) -> int | None:
+    """A search's length step: ``step`` where the row records it (granularity rounded up to
+    the layout multiple), else its granularity; None for a row that is not a search."""
+    params = search_params(search)
+    return params.get("step", params.get("granularity"))
+
+
 def our_max_context(rows: pd.DataFrame) -> pd.DataFrame:
     """Per series: the max-context search result (``kind: max_context`` rows) and the longest
     length our trial rows ran without OOM. Columns: model, world_size, label, method,
-    scope, mode_label, kind ('search' | 'runs'), max_seq_len, lower_bound, status."""
+    scope, mode_label, kind ('search' | 'runs'), max_seq_len, lower_bound, status, step
+    (the search's length step; None for runs).
+
+    Of several searches of one series the finest (smallest step) answers, the newest of
+    those if more than one: a coarser search only bounds the same answer less tightly."""
     recs = []
     if not len(rows):
         return pd.DataFrame(columns=["model", "world_size", "scope", "label", "method", "mode_label", "kind",
-                                     "max_seq_len", "lower_bound", "status"])
-    searches = newest_per(rows[rows["kind"] == "max_context"], ["model", "world_size", "scope", "label", "mode_label"])
+                                     "max_seq_len", "lower_bound", "status", "step"])
+    searches = rows[rows["kind"] == "max_context"]
+    searches = searches.assign(_step=[search_step(s) or 0 for s in searches["search"]])
+    searches = searches.sort_values(["_step", "time"], ascending=[False, True], kind="stable").drop_duplicates(
+        ["model", "world_size", "scope", "label", "mode_label"], keep="last")
     for _, r in searches.iterrows():
-        limit = None
-        if isinstance(r.get("search"), str):
-            for part in r["search"].split(","):
-                k, _, v = part.partition("=")
-                if k == "max_seq_len" and v.isdigit():
-                    limit = int(v)
+        limit = search_params(r.get("search")).get("max_seq_len")
         mc = r.get("max_context")
         # an error ends a search early: what it reached is then only a lower bound
         lower = r["status"] == "error" or (limit is not None and not is_missing(mc) and int(mc) >= limit)
         recs.append(dict(model=r["model"], world_size=r["world_size"], scope=r["scope"], label=r["label"],
                          method=r["method"], mode_label=r["mode_label"], kind="search", status=r["status"],
-                         max_seq_len=mc, lower_bound=lower))
+                         max_seq_len=mc, lower_bound=lower, step=r["_step"] or None))
     t = trials(rows, scope="model")
     if len(t):
         t = t[has_paper_levers(t)]
@@ -251,7 +269,7 @@ def our_max_context(rows: pd.DataFrame) -> pd.DataFrame:
             continue
         recs.append(dict(model=model, world_size=ws, scope="model", label=label, method=sub["method"].iloc[0],
                          mode_label=ml, kind="runs", status="ok", max_seq_len=best,
-                         lower_bound=bool(len(ok)) and lower))
+                         lower_bound=bool(len(ok)) and lower, step=None))
     return pd.DataFrame.from_records(recs)
 
 

@@ -61,6 +61,8 @@ def test_figures_label_paper_and_ours(results_dir):
                 if legend is not None:
                     labels += [t.get_text() for t in legend.get_texts()]
                 labels += [t.get_text() for t in ax.get_yticklabels()] + [ax.get_title()]
+            for legend in plot.fig.legends:  # figures with many series have their legends under the panels
+                labels += [t.get_text() for t in legend.get_texts()]
             text = " ".join(labels)
             if plot.name != "u_ablation":  # the paper has no U ablation numbers
                 assert "paper" in text, (plot.name, text)
