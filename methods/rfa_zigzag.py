@@ -28,9 +28,11 @@ Constraints and decisions (``validate`` and ``forward``):
   next rank, i.e. to itself, which gloo refuses ("Pair is not connected").
 
 ``import ring_flash_attn`` also imports its Hugging Face adapters, which need
-``transformers``; the zigzag function does not. When transformers is missing, the
-package's ``__init__`` is bypassed: the package is registered bare and only the zigzag
-submodule is imported. The library is imported lazily (in ``__init__``).
+``transformers`` and, in ring-flash-attn 0.1.8, fail to import under transformers 5
+(``is_flash_attn_greater_or_equal_2_10`` is gone from it); the zigzag function needs neither.
+So the package's ``__init__`` is bypassed unless something imported the package already: it is
+registered bare and only the zigzag submodule is imported. The library is imported lazily
+(in ``__init__``).
 """
 from __future__ import annotations
 
@@ -49,10 +51,10 @@ from .ds_ulysses import require_group
 
 
 def load_zigzag_func():
-    """``ring_flash_attn.zigzag_ring_flash_attn.zigzag_ring_flash_attn_func``, without needing
-    transformers (see the module docstring)."""
+    """``ring_flash_attn.zigzag_ring_flash_attn.zigzag_ring_flash_attn_func``, without the
+    package's Hugging Face adapters (see the module docstring)."""
     name = "ring_flash_attn.zigzag_ring_flash_attn"
-    if "ring_flash_attn" not in sys.modules and importlib.util.find_spec("transformers") is None:
+    if "ring_flash_attn" not in sys.modules:
         spec = importlib.util.find_spec("ring_flash_attn")
         if spec is None:
             raise ValueError("rfa-zigzag needs ring_flash_attn: pip install ring-flash-attn")

@@ -1,6 +1,6 @@
 """The library wrappers against our own implementation of the same method, on equal weights.
 
-``ds-ulysses`` vs ``ulysses``, ``rfa-zigzag`` vs ``ring``, ``ds-fpdt`` vs ``fpdt`` (offload off,
+``ds-ulysses`` and ``ds-ulysses-hf`` vs ``ulysses``, ``rfa-zigzag`` vs ``ring``, ``ds-fpdt`` vs ``fpdt`` (offload off,
 same chunk count): outputs, dx and every weight gradient, gathered to global order with
 each method's own ``unshard`` (so layouts may differ), within the matrix tolerances. On a
 CPU machine the flash-attn based wrappers run on the plain-torch stand-in (tests/conftest.py).
@@ -9,6 +9,7 @@ says about them without the stand-in.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from tests.flash_attn_standin import real_flash_attn_available
 from tests.methods.cases import BATCH, SEQ_LEN, SPECS, TOLERANCE, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WRAPPERS = ("ds-ulysses", "rfa-zigzag", "ds-fpdt")
+WRAPPERS = ("ds-ulysses", "ds-ulysses-hf", "rfa-zigzag", "ds-fpdt")
 
 
 def compare_methods(group, a: str, opts_a: dict, b: str, opts_b: dict, spec_kwargs: dict, dtype: str,
@@ -53,8 +54,9 @@ def compare_methods(group, a: str, opts_a: dict, b: str, opts_b: dict, spec_kwar
 # the matrix already checks every wrapper against the reference in every case it accepts;
 # these add a direct comparison on the cases that stress the layouts and head handling
 CASES = [
-    pytest.param("ds-ulysses", {}, "ulysses", {}, spec, causal,
-                 id=f"ds-ulysses-vs-ulysses-{spec}-{'causal' if causal else 'full'}")
+    pytest.param(wrapper, {}, "ulysses", {}, spec, causal,
+                 id=f"{wrapper}-vs-ulysses-{spec}-{'causal' if causal else 'full'}")
+    for wrapper in ("ds-ulysses", "ds-ulysses-hf")
     for spec, causal in (("gqa-kv2", True), ("gqa-qknorm", False))
 ] + [
     pytest.param("rfa-zigzag", {}, "ring", {}, spec, True, id=f"rfa-zigzag-vs-ring-{spec}")
@@ -96,7 +98,7 @@ def _layouts(group, seq_len: int) -> dict:
     spec = methods.AttnSpec(**dict(SPECS["gqa"], causal=True))
     out = {}
     for name, opts in (("rfa-zigzag", {}), ("ring", {}), ("ds-fpdt", {"num_chunks": 2}), ("fpdt", {"num_chunks": 2}),
-                       ("ds-ulysses", {}), ("ulysses", {})):
+                       ("ds-ulysses", {}), ("ds-ulysses-hf", {}), ("ulysses", {})):
         if name not in methods.available():
             continue
         block = methods.build(name, spec, group=group, **opts)
@@ -111,7 +113,8 @@ def test_wrapper_layouts_are_their_counterparts(pool, ws):
     for rank, layouts in enumerate(pool.run(_layouts, 32, world_size=ws)):
         for name, (_, roundtrip) in layouts.items():
             assert roundtrip, f"{name} rank {rank}: unshard(shard(x)) != x"
-        for wrapper, ours in (("rfa-zigzag", "ring"), ("ds-fpdt", "fpdt"), ("ds-ulysses", "ulysses")):
+        for wrapper, ours in (("rfa-zigzag", "ring"), ("ds-fpdt", "fpdt"), ("ds-ulysses", "ulysses"),
+                              ("ds-ulysses-hf", "ulysses")):
             if ours in layouts:
                 assert layouts[wrapper][0] == layouts[ours][0], (wrapper, ours, rank)
         chunks = torch.arange(32).chunk(2 * ws)
@@ -136,11 +139,36 @@ GQA = methods.AttnSpec(**SPECS["gqa"])
          r"option offload of method 'ds-fpdt' must be a bool or None, got 'yes'"),
         ("ds-fpdt", GQA, 3, {}, r"ds-fpdt: n_heads=8 is not divisible by the world size 3"),
         ("ds-ulysses", GQA, 3, {}, r"ds-ulysses: n_heads=8 is not divisible by the world size 3"),
+        ("ds-ulysses-hf", GQA, 3, {}, r"ds-ulysses-hf: n_heads=8 is not divisible by the world size 3"),
+        ("ds-ulysses-hf", methods.AttnSpec(dim=96, n_heads=12, n_kv_heads=6, head_dim=8), 4, {},
+         r"ds-ulysses-hf: n_kv_heads=6 and world size 4 do not divide one another.*choose such a world size"),
+        ("ds-ulysses-hf", GQA, 2, {"kernel": "nope"}, r"unknown attention kernel 'nope'"),
+        ("ds-ulysses-hf", GQA, 2, {"chunks": 2}, r"unknown option\(s\) \['chunks'\] for method 'ds-ulysses-hf'"),
     ],
 )
 def test_wrapper_refusals_say_why(name, spec, ws, options, match):
     with pytest.raises(ValueError, match=match):
         methods.validate(name, spec, ws, **options)
+
+
+def test_ds_ulysses_hf_refuses_an_old_transformers(monkeypatch):
+    """UlyssesSPAttentionHF raises below transformers 4.51.3 in its constructor; validate says so first."""
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "4.50.0" if d == "transformers" else real(d))
+    with pytest.raises(ValueError, match=r"ds-ulysses-hf: UlyssesSPAttentionHF needs transformers>=4\.51\.3, "
+                                         r"found 4\.50\.0; pip install -U 'transformers>=4\.51\.3'"):
+        methods.validate("ds-ulysses-hf", GQA, 2)
+
+
+def test_ds_ulysses_hf_without_transformers_says_what_to_install(monkeypatch):
+    from methods.core import registry
+
+    real = registry._importable
+    monkeypatch.setattr(registry, "_importable", lambda mod: mod != "transformers" and real(mod))
+    info = methods.get_info("ds-ulysses-hf")
+    assert info.status == "needs transformers" and "ds-ulysses-hf" not in methods.available()
+    with pytest.raises(ValueError, match=r"needs transformers.*pip install -e '\.\[deepspeed,hf\]'"):
+        methods.validate("ds-ulysses-hf", GQA, 2)
 
 
 @pytest.mark.parametrize("name", WRAPPERS)
@@ -181,13 +209,15 @@ def test_cli_lists_every_method_with_its_status_without_the_standin():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    for lib in ("deepspeed", "ring_flash_attn", "flash_attn"):
+    for lib in ("deepspeed", "transformers", "ring_flash_attn", "flash_attn"):
         assert lib not in imported, f"`import methods` imported {lib}: wrappers must import their library lazily"
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.strip()}
     for info in methods.available(detail=True):
         assert info.name in lines, f"{info.name} missing from `python -m methods`"
     for name in ("fpdt", "offload", "ulysses"):
         assert " ok " in lines[name], lines[name]
+    hf = methods.get_info("ds-ulysses-hf")  # ok, or "needs transformers" (deepspeed) where missing here
+    assert f" {hf.status} " in lines["ds-ulysses-hf"], lines["ds-ulysses-hf"]
     if not real_flash_attn_available():
         for name in ("ds-fpdt", "rfa-zigzag"):
             assert "needs flash_attn" in lines[name], lines[name]

@@ -1,0 +1,118 @@
+"""DeepSpeed's ``UlyssesSPAttentionHF`` (Ulysses as the Hugging Face stack runs it) around our kernel.
+
+DeepSpeed's Arctic Long Sequence Training (ALST) is how Transformers/Accelerate train with
+Ulysses: ``UlyssesSPAttentionHF`` (``deepspeed/runtime/sequence_parallel/ulysses_sp.py``) takes
+the place of the model's attention function, receives Q/K/V in Transformers' layout
+``[batch, heads, local seq, head_dim]``, exchanges them with its own dim-0 all-to-alls (after
+moving the sequence first and making copies), all-gathers ``position_ids``, calls the wrapped
+Transformers-style attention function on ``[batch, heads/C, seq, head_dim]``, and sends the
+output ``[batch, seq, heads/C, head_dim]`` back with a third all-to-all. As with ``ds-ulysses``,
+the projections, RoPE (at the contiguous layout's global positions), QK-norm and ``wo`` are ours
+on the shared weights, and the wrapped function calls our kernel (``methods.core.kernels``):
+only the wrapper's communication and layout differ from ``ulysses``. Layout: contiguous, as
+the HF stack shards its batches.
+
+What is checked, in ``validate`` before any communication: the constraints the library's
+constructor raises on (C divides H; C divides G or G divides C, the library replicating each KV
+head C/G times itself when G < C, and autograd summing the replicas' gradients back), and its
+minimum transformers version. World size 1 and non-causal attention are the wrapped function's
+business and run. The library fixes the batch size at construction, so one wrapper is built per
+batch size seen (they hold no state but shapes); ``seq_length_is_variable`` lets the sequence
+length change. deepspeed.comm is set up as for ``ds-ulysses`` (``init_deepspeed_comm``), and the
+libraries are imported lazily, in ``__init__``, never when ``methods`` is imported.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+from .core.base import AttentionMethod, MethodOptions
+from .core.kernels import attention
+from .core.registry import register
+from .core.spec import AttnSpec
+from .ds_ulysses import init_deepspeed_comm, require_group
+
+NAME = "ds-ulysses-hf"
+MIN_TRANSFORMERS = "4.51.3"  # UlyssesSPAttentionHF.__init__ raises below this version
+HF_HINT = "pip install -e '.[deepspeed,hf]' (deepspeed and transformers; pin torch==<your version> in the same command)"
+
+
+class _KernelAttentionInterface:
+    """Our kernel as a Transformers attention function (an ``ALL_ATTENTION_FUNCTIONS`` entry).
+
+    Called as ``fn(module, query, key, value, attention_mask, **kwargs)`` on
+    ``[batch, heads, seq, head_dim]`` (query heads a multiple of KV heads); returns
+    ``(out [batch, seq, heads, head_dim], attn_weights)``. The block passes no mask (causality
+    is the spec's) and no dropout, and ``scaling`` as Transformers' attention modules do.
+    """
+
+    def __init__(self, causal: bool, kernel, scale: float) -> None:
+        self.causal, self.kernel, self.scale = causal, kernel, scale
+
+    def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+        if attention_mask is not None or dropout:
+            raise ValueError(f"{NAME}: the kernel interface takes no attention mask and no dropout")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [batch, seq, heads, head_dim]
+        out = attention(q, k, v, self.causal, self.kernel, self.scale if scaling is None else scaling)
+        return out, None
+
+
+@register(
+    NAME,
+    "DeepSpeed's UlyssesSPAttentionHF (ALST, Ulysses under Transformers/Accelerate) around our attention kernel",
+    requires=("deepspeed", "transformers"),
+    install_hint=HF_HINT,
+)
+class DeepSpeedUlyssesHF(AttentionMethod):
+    @classmethod
+    def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
+        super().validate(spec, world_size, options)
+        cls.check_head_split(spec, world_size, NAME)
+        try:
+            have = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            return  # the registry reports the missing library
+        from packaging.version import Version
+
+        if Version(have) < Version(MIN_TRANSFORMERS):
+            raise ValueError(
+                f"{NAME}: UlyssesSPAttentionHF needs transformers>={MIN_TRANSFORMERS}, found {have}; "
+                f"pip install -U 'transformers>={MIN_TRANSFORMERS}'"
+            )
+
+    def __init__(self, spec: AttnSpec, group=None, **options) -> None:
+        super().__init__(spec, group, **options)
+        require_group(group, NAME, "DeepSpeed's UlyssesSPAttentionHF")
+        init_deepspeed_comm()
+        self.attention_interface = _KernelAttentionInterface(spec.causal, self.kernel, self.scale)
+        self._wrappers: dict[int, torch.nn.Module] = {}  # batch size -> UlyssesSPAttentionHF
+
+    def sp_attention(self, batch: int) -> torch.nn.Module:
+        """The library's wrapper for this batch size (it fixes the batch at construction)."""
+        if batch not in self._wrappers:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+            self._wrappers[batch] = UlyssesSPAttentionHF(
+                self.attention_interface,
+                batch_size=batch,
+                attn_head_count=self.spec.n_heads,
+                attn_head_size=self.spec.head_dim,
+                kv_head_count=self.spec.n_kv_heads,
+                num_hidden_layers=1,
+                process_group=self.group,
+                seq_length_is_variable=True,
+            )
+        return self._wrappers[batch]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = self.default_positions(x.shape[1], x.device)
+        cos, sin = self.rope_for(x, positions)
+        q, k, v = self.project_qkv(x, cos, sin)  # all H query and G KV heads of the local tokens
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # Transformers' [batch, heads, seq, head_dim]
+        position_ids = positions.unsqueeze(0).expand(x.shape[0], -1).contiguous()  # all-gathered as is
+        # `self` stands for the Transformers attention module: the library reads its `training`
+        # and, when it replicates KV heads, sets its `num_key_value_groups`
+        out, _ = self.sp_attention(x.shape[0])(self, q, k, v, None, scaling=self.scale, position_ids=position_ids)
+        return self.wo(out)  # out: [batch, local seq, H * head_dim]
