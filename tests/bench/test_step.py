@@ -192,13 +192,36 @@ def test_deepspeed_tiled_levers_equal_ours(pool, lever, dtype):
         assert err < grad_tol, (name, err)
 
 
-def test_deepspeed_impl_needs_its_lever_and_a_known_value():
+def test_deepspeed_impl_needs_its_lever_and_a_known_value(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)  # a machine without DeepSpeed
+    with pytest.raises(ValueError, match="needs DeepSpeed, which is not installed: pip install deepspeed"):
+        StepConfig(tiled_mlp_impl="deepspeed")
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="tiled_mlp_impl must be one of"):
         StepConfig(tiled_mlp_impl="liger")
     with pytest.raises(ValueError, match="picks the implementation of chunked_loss, which is off"):
         StepConfig(chunked_loss=False, chunked_loss_impl="deepspeed")
     # rows written before these levers existed keep their identity: the defaults are not recorded
     assert "tiled_mlp_impl" not in StepConfig().levers() and "chunked_loss_impl" not in StepConfig().levers()
+
+
+def test_deepspeed_levers_from_the_cli_and_the_simulated_refusal():
+    pytest.importorskip("deepspeed")
+    from bench.cli import _trial, build_parser
+
+    argv = ["run", "--method", "upipe", "--model", TINY, "--seq-len", "8K", "--world-size", "2",
+            "--tiled-mlp-impl", "deepspeed", "--chunked-loss-impl", "deepspeed"]
+    args = build_parser().parse_args(argv + ["--mode", "emulated", "--device", "cpu"])
+    step = _trial(args, 8192).step
+    assert (step.tiled_mlp_impl, step.chunked_loss_impl) == ("deepspeed", "deepspeed")
+    # TiledFusedLogitsLoss.backward reads its incoming gradient's value, which fake tensors lack
+    with pytest.raises(ValueError, match="chunked_loss_impl='deepspeed' cannot be simulated"):
+        Trial.make("upipe", TINY, 8192, 2, mode="simulated", step=step).validate()
+    Trial.make("upipe", TINY, 8192, 2, mode="simulated", step=StepConfig(tiled_mlp_impl="deepspeed")).validate()
 
 
 def full_step_runs(group, method: str) -> float:
