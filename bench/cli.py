@@ -109,6 +109,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-loss", action="store_true")
     p.add_argument("--tiles", type=int, default=0, help="tiles of the tiled MLP/norms (0: ceil(local tokens/dim))")
     p.add_argument("--loss-chunk", type=parse_size, default=2048, help="tokens per loss chunk")
+    p.add_argument("--tiled-mlp-impl", choices=["ours", "deepspeed"], default="ours",
+                   help="whose tiled MLP: ours or DeepSpeed's TiledMLP (needs deepspeed)")
+    p.add_argument("--chunked-loss-impl", choices=["ours", "deepspeed"], default="ours",
+                   help="whose chunked loss: ours or DeepSpeed's TiledFusedLogitsLoss (needs deepspeed)")
     p.add_argument("--kernel-workspace", choices=["none", "fa2", "fa3"], default="none",
                    help="simulated mode: model the attention backward's scratch buffers (bench.measure.workspace)")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
@@ -163,7 +167,8 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
         method, options, levers = expand(args.method, dict(args.opt), levers)  # named configurations
         step = StepConfig(
             scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
-            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, **levers,
+            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace,
+            tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl, **levers,
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
                           device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,

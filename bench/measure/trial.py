@@ -219,6 +219,13 @@ class Trial:
                 f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
                 f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
             )
+        if self.step.chunked_loss_impl == "deepspeed" and self.mode == Mode.SIMULATED:
+            # its backward branches on `grads[0] != 1.0`, a value (.item()) fake tensors do not have
+            raise ValueError(
+                "chunked_loss_impl='deepspeed' cannot be simulated: DeepSpeed's TiledFusedLogitsLoss.backward "
+                "tests the incoming gradient's value (grads[0] != 1.0), which FakeTensorMode does not know; "
+                "use --mode real/emulated, or chunked_loss_impl='ours'"
+            )
         if self.iters < 1 or self.warmup < 1:
             raise ValueError("iters and warmup must both be >= 1 (the first step is never timed)")
         if self.search is not None and self.search.max_seq_len < self.search_step():

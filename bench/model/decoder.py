@@ -6,6 +6,10 @@ a final RMSNorm and an untied LM head. The attention block, with its GQA project
 optional QK-norm and RoPE, is built by ``methods.build(method, spec, group, **options)``,
 so RoPE uses the global positions of the method's sequence layout. Weights are random
 (no download): the suite measures memory and speed, not quality.
+
+The tiled MLP and the chunked loss can also run through DeepSpeed's ALST autograd functions
+(``impl="deepspeed"``, see ``deepspeed_tiled``) around the same weights, so that our
+implementations can be checked against, and measured beside, the ones the paper's stack uses.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import methods
 
@@ -106,6 +110,19 @@ class _Tiled(torch.autograd.Function):
         return (None, None, dx, *grads)
 
 
+def deepspeed_tiled():
+    """DeepSpeed's ALST module (``TiledMLP``, ``TiledFusedLogitsLoss``), imported on first use.
+
+    Lazily, because DeepSpeed is optional and slow to import; outside any FakeTensorMode,
+    because simulation builds and runs the model under one and an import must not create its
+    module-level tensors as fake ones. Neither function communicates, so ``deepspeed.comm``
+    need not be initialised (and its CPU shared-memory op is never built).
+    """
+    with unset_fake_temporarily():
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+    return ulysses_sp
+
+
 def auto_tiles(local_len: int, dim: int) -> int:
     """The paper's (ALST) tile count: ``ceil(local tokens / dim)``."""
     return max(1, math.ceil(local_len / dim))
@@ -134,7 +151,14 @@ def _rms(x, w, eps):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP with its pre-norm; ``tiles`` > 1: tiled over the sequence (recomputing)."""
+    """SwiGLU MLP with its pre-norm; ``tiles`` > 1: tiled over the sequence (recomputing).
+
+    ``impl`` says whose tiling runs: ``ours`` (``_Tiled``, weights passed as inputs and their
+    gradients returned) or ``deepspeed`` (``TiledMLP``, which calls ``plain(self, tile)`` and
+    lets autograd accumulate into the weights' ``.grad`` tile by tile). DeepSpeed cuts tiles
+    with ``torch.chunk`` (sizes ``ceil(n / tiles)``, possibly fewer of them) where ours cuts
+    ``tensor_split``'s near-equal ones; the function is token-wise, so the result is the same.
+    """
 
     def __init__(self, dim: int, ffn_dim: int, eps: float) -> None:
         super().__init__()
@@ -144,6 +168,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)
         self.eps = eps
         self.tiles: int | None = None  # None/1: plain autograd; 0: auto (ceil(local tokens / dim))
+        self.impl = "ours"  # whose tiling: ours | deepspeed
 
     def n_tiles(self, local_len: int) -> int:
         if self.tiles is None:
@@ -152,12 +177,21 @@ class FeedForward(nn.Module):
             return auto_tiles(local_len, self.w1.in_features)
         return max(1, min(self.tiles, local_len))
 
+    def weights(self) -> list[torch.Tensor]:
+        return [self.norm.weight, self.w1.weight, self.w2.weight, self.w3.weight]
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The untiled MLP half; also DeepSpeed's ``fn(self, tile)``."""
+        return norm_mlp(x, self.norm.weight, self.eps, self.w1.weight, self.w2.weight, self.w3.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.n_tiles(x.shape[1])
-        args = (self.norm.weight, self.w1.weight, self.w2.weight, self.w3.weight)
         if tiles == 1 or not torch.is_grad_enabled():
-            return norm_mlp(x, args[0], self.eps, *args[1:])
-        return _Tiled.apply(partial(norm_mlp_fn, eps=self.eps), tiles, x, *args)
+            return self.plain(x)
+        if self.impl == "deepspeed":
+            # weights are read from the module at call time (FSDP's unsharded ones in both passes)
+            return deepspeed_tiled().TiledMLP.apply(type(self).plain, self, x, tiles, self.weights())
+        return _Tiled.apply(partial(norm_mlp_fn, eps=self.eps), tiles, x, *self.weights())
 
 
 class Block(nn.Module):
@@ -241,6 +275,31 @@ def chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor
     return _ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), chunk, ignore_index)
 
 
+def _shard_cross_entropy(head: "LMHead", h: torch.Tensor, labels: torch.Tensor,
+                         count: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """DeepSpeed's ``fn(self, x, y)`` for one shard: its summed cross-entropy over ``count``.
+
+    ``TiledFusedLogitsLoss`` reduces the shards' outputs by mean (of the shard means: unequal
+    shards or ignored labels weigh wrong) or sum; dividing each shard's sum by the rank's
+    valid-token count and summing gives exactly our mean over valid tokens.
+    """
+    logits = F.linear(h, head.output.weight).to(_acc_dtype(h))
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / count
+
+
+def deepspeed_cross_entropy(head: "LMHead", h: torch.Tensor, labels: torch.Tensor, chunk: int,
+                            ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy through DeepSpeed's ``TiledFusedLogitsLoss``: as many shards as our
+    chunks of ``chunk`` tokens (``torch.chunk`` sizes, so at most ``chunk`` each). It runs each
+    shard's backward inside forward: ``head.output.weight.grad`` is filled then, and backward
+    only hands back the saved ``dh``."""
+    count = (labels != ignore_index).sum().clamp_min(1).to(_acc_dtype(h))
+    shards = math.ceil(labels.numel() / chunk)
+    fn = partial(_shard_cross_entropy, count=count, ignore_index=ignore_index)
+    return deepspeed_tiled().TiledFusedLogitsLoss.apply(fn, head, h, labels, None, shards,
+                                                        [head.output.weight], "sum")
+
+
 def full_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
                        ignore_index: int = -100) -> torch.Tensor:
     """The plain version: materialises ``[tokens, vocab]`` logits (fp32 for the softmax)."""
@@ -256,9 +315,12 @@ class LMHead(nn.Module):
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.loss_chunk: int | None = None  # tokens per chunk; None: full logits
+        self.loss_impl = "ours"  # whose chunking: ours | deepspeed (deepspeed_cross_entropy)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
+        if self.loss_chunk and self.loss_impl == "deepspeed" and torch.is_grad_enabled():
+            return deepspeed_cross_entropy(self, h, labels, self.loss_chunk)
         if self.loss_chunk:
             return chunked_cross_entropy(h, self.output.weight, labels, self.loss_chunk)
         return full_cross_entropy(h, self.output.weight, labels)
@@ -299,10 +361,15 @@ class Decoder(nn.Module):
         """This rank's part of a full-sequence tensor in the attention method's layout."""
         return self.attention_module().shard(x, dim)
 
-    def set_mlp_tiles(self, tiles: int | None) -> None:
-        """None: plain MLP; 0: the paper's auto rule ceil(local tokens / dim); n: n tiles."""
+    def set_mlp_tiles(self, tiles: int | None, impl: str = "ours") -> None:
+        """None: plain MLP; 0: the paper's auto rule ceil(local tokens / dim); n: n tiles.
+        ``impl``: whose tiling (``ours`` | ``deepspeed``; imported now, so that a missing or
+        broken DeepSpeed fails at build time)."""
+        if impl == "deepspeed":
+            deepspeed_tiled()
         for layer in self.layers:
             layer.feed_forward.tiles = tiles
+            layer.feed_forward.impl = impl
 
     def set_norm_tiles(self, tiles: int | None) -> None:
         """Tiling of the attention norms and the final norm (None: plain; 0: auto)."""
@@ -310,8 +377,12 @@ class Decoder(nn.Module):
             if isinstance(module, RMSNorm):
                 module.tiles = tiles
 
-    def set_loss_chunk(self, chunk: int | None) -> None:
+    def set_loss_chunk(self, chunk: int | None, impl: str = "ours") -> None:
+        """None: full logits; n: chunks of n tokens, by ``impl`` (``ours`` | ``deepspeed``)."""
+        if impl == "deepspeed":
+            deepspeed_tiled()
         self.head.loss_chunk = chunk
+        self.head.loss_impl = impl
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)

@@ -3,20 +3,31 @@
 Kept apart from the step itself (``bench.training.step``) so that a trial, a sweep spec and
 the planner can hold and compare levers without building anything. Defaults are the paper's
 record setup (``docs/paper.md``); ``levers()`` is what a result row records.
+
+``tiled_mlp_impl`` and ``chunked_loss_impl`` pick whose code runs the tiled MLP and the
+chunked loss: ours (``bench.model.decoder``) or DeepSpeed's ALST autograd functions
+(``TiledMLP``, ``TiledFusedLogitsLoss``), so that the two can be compared on the same step;
+DeepSpeed is then an optional dependency, checked here so that a missing install fails before
+any work. The paper's loss is Liger's fused linear cross-entropy, which is CUDA/Triton only
+and so not offered here: ``chunked_loss`` is its CPU-runnable stand-in.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from methods.ds_ulysses import DEEPSPEED_HINT
 from records import DType, Scope
 
 TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP32: torch.float32}
 # simulation only: how the attention backward's scratch buffers are modelled (bench.measure.workspace)
 KERNEL_WORKSPACES = ("none", "fa2", "fa3")
+# whose implementation runs the tiled MLP / chunked loss (DeepSpeed's: runtime.sequence_parallel.ulysses_sp)
+IMPLS = ("ours", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,8 @@ class StepConfig:
     loss_chunk: int = 2048
     lr: float = 3e-4
     kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.measure.workspace)
+    tiled_mlp_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledMLP), when tiled_mlp
+    chunked_loss_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledFusedLogitsLoss), when chunked_loss
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -54,6 +67,14 @@ class StepConfig:
         if self.kernel_workspace not in KERNEL_WORKSPACES:
             raise ValueError(f"kernel_workspace must be one of {list(KERNEL_WORKSPACES)}, "
                              f"got {self.kernel_workspace!r}")
+        for name, lever in (("tiled_mlp_impl", "tiled_mlp"), ("chunked_loss_impl", "chunked_loss")):
+            value = getattr(self, name)
+            if value not in IMPLS:
+                raise ValueError(f"{name} must be one of {list(IMPLS)}, got {value!r}")
+            if value != "ours" and not getattr(self, lever):  # else a row records a choice that did nothing
+                raise ValueError(f"{name}={value!r} picks the implementation of {lever}, which is off")
+            if value == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+                raise ValueError(f"{name}='deepspeed' needs DeepSpeed, which is not installed: {DEEPSPEED_HINT}")
 
     @classmethod
     def plain(cls, **overrides) -> "StepConfig":
@@ -72,8 +93,12 @@ class StepConfig:
         d = dataclasses.asdict(self)
         for k in ("scope", "batch", "dtype"):
             d.pop(k)
-        if d["kernel_workspace"] == "none":  # the default is left out: keys of earlier rows stay valid
-            d.pop("kernel_workspace")
+        # fields added after rows were committed are left out at their default, so that the
+        # trial identity (and the key) of every earlier row stays what it was
+        for name, default in (("kernel_workspace", "none"), ("tiled_mlp_impl", "ours"),
+                              ("chunked_loss_impl", "ours")):
+            if d[name] == default:
+                d.pop(name)
         return d
 
     @classmethod

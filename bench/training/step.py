@@ -16,8 +16,10 @@
 * ``tiled_mlp``: RMSNorm + SwiGLU run over sequence tiles, recomputed in backward
   (``mlp_tiles=0``: the paper's ``ceil(local tokens / dim)`` tiles). ``tiled_norm``: the
   attention's RMSNorm and the final one tiled the same way (the paper's tiled RMSNorm).
+  ``tiled_mlp_impl="deepspeed"``: the MLP tiles run through DeepSpeed's ``TiledMLP`` instead.
 * ``chunked_loss``: cross-entropy over chunks of ``loss_chunk`` tokens; the
-  ``[tokens, vocab]`` logits never exist.
+  ``[tokens, vocab]`` logits never exist. ``chunked_loss_impl="deepspeed"``: through
+  DeepSpeed's ``TiledFusedLogitsLoss`` instead (LM-head gradients computed in forward).
 * AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1).
 * ``kernel_workspace`` (simulation only): the attention kernel's backward scratch buffers,
   which fake kernels do not allocate (``bench.measure.workspace``: ``none``, ``fa2``, ``fa3``).
@@ -138,9 +140,9 @@ def build_model(
         torch.set_default_dtype(previous)
     if seed is not None:
         init_weights(model, seed)
-    model.set_mlp_tiles(step.mlp_tiles if step.tiled_mlp else None)
+    model.set_mlp_tiles(step.mlp_tiles if step.tiled_mlp else None, step.tiled_mlp_impl)
     model.set_norm_tiles(step.mlp_tiles if step.tiled_norm else None)
-    model.set_loss_chunk(step.loss_chunk if step.chunked_loss else None)
+    model.set_loss_chunk(step.loss_chunk if step.chunked_loss else None, step.chunked_loss_impl)
     if step.ac:
         offload = HostOffload(host, pin=step.offload_pin and device.type == "cuda") if step.ac_offload else None
         n = len(model.layers)

@@ -116,12 +116,12 @@ def _names(model) -> dict[str, torch.nn.Parameter]:
     return {n.replace(".block.", "."): p for n, p in model.named_parameters()}
 
 
-def cp_step(group, method: str, levers: dict) -> dict:
-    """One forward+backward on the ranks of ``group`` with the given levers (fp32)."""
+def cp_step(group, method: str, levers: dict, dtype: str = "fp32") -> dict:
+    """One forward+backward on the ranks of ``group`` with the given levers (fp32 by default)."""
     from bench.model.config import get_config
 
     torch.manual_seed(0)
-    step = StepConfig(dtype="fp32", **levers)
+    step = StepConfig(dtype=dtype, **levers)
     model, _ = build_model(get_config(TINY), method, {}, group, step, "cpu", seed=0)
     batch = make_batch(model, SEQ, 2, "cpu", seed=1)
     loss = model(batch.tokens, batch.positions, batch.labels)
@@ -166,6 +166,62 @@ def test_step_with_levers_equals_plain_single_device_step(pool, method, levers):
         want = ref["grads"][name]
         err = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
         assert err < 1e-4, (name, err)
+
+
+# DeepSpeed's tiled MLP and tiled loss against ours: the same step (every lever on, tiles and loss
+# chunks of unequal sizes) with one implementation swapped; fp32 to the tolerances above, bf16 to
+# a few bf16 roundings (2**-8 relative each), since tiles of other sizes sum in another order
+IMPL_TOL = {"fp32": (1e-5, 1e-4), "bf16": (1e-3, 3e-2)}  # (loss relative, gradient relative to its max)
+_OURS: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("lever", ["tiled_mlp_impl", "chunked_loss_impl"])
+def test_deepspeed_tiled_levers_equal_ours(pool, lever, dtype):
+    pytest.importorskip("deepspeed")
+    if dtype not in _OURS:
+        _OURS[dtype] = pool.run(cp_step, "upipe", ALL_ON, dtype, world_size=2)[0]
+    ours = _OURS[dtype]
+    theirs = pool.run(cp_step, "upipe", {**ALL_ON, lever: "deepspeed"}, dtype, world_size=2)[0]
+    loss_tol, grad_tol = IMPL_TOL[dtype]
+    assert theirs["loss"] == pytest.approx(ours["loss"], rel=loss_tol)
+    assert set(theirs["grads"]) == set(ours["grads"])
+    for name, g in theirs["grads"].items():
+        want = ours["grads"][name]
+        err = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+        assert err < grad_tol, (name, err)
+
+
+def test_deepspeed_impl_needs_its_lever_and_a_known_value(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)  # a machine without DeepSpeed
+    with pytest.raises(ValueError, match="needs DeepSpeed, which is not installed: pip install deepspeed"):
+        StepConfig(tiled_mlp_impl="deepspeed")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="tiled_mlp_impl must be one of"):
+        StepConfig(tiled_mlp_impl="liger")
+    with pytest.raises(ValueError, match="picks the implementation of chunked_loss, which is off"):
+        StepConfig(chunked_loss=False, chunked_loss_impl="deepspeed")
+    # rows written before these levers existed keep their identity: the defaults are not recorded
+    assert "tiled_mlp_impl" not in StepConfig().levers() and "chunked_loss_impl" not in StepConfig().levers()
+
+
+def test_deepspeed_levers_from_the_cli_and_the_simulated_refusal():
+    pytest.importorskip("deepspeed")
+    from bench.cli import _trial, build_parser
+
+    argv = ["run", "--method", "upipe", "--model", TINY, "--seq-len", "8K", "--world-size", "2",
+            "--tiled-mlp-impl", "deepspeed", "--chunked-loss-impl", "deepspeed"]
+    args = build_parser().parse_args(argv + ["--mode", "emulated", "--device", "cpu"])
+    step = _trial(args, 8192).step
+    assert (step.tiled_mlp_impl, step.chunked_loss_impl) == ("deepspeed", "deepspeed")
+    # TiledFusedLogitsLoss.backward reads its incoming gradient's value, which fake tensors lack
+    with pytest.raises(ValueError, match="chunked_loss_impl='deepspeed' cannot be simulated"):
+        Trial.make("upipe", TINY, 8192, 2, mode="simulated", step=step).validate()
+    Trial.make("upipe", TINY, 8192, 2, mode="simulated", step=StepConfig(tiled_mlp_impl="deepspeed")).validate()
 
 
 def full_step_runs(group, method: str) -> float:
