@@ -94,7 +94,7 @@ def main() -> int:
     make_all(REPO / "results", figs, verbose=False, user_dirs=(OUT,))
     summary()
     print(f"\ndemo finished in {time.time() - start:.0f}s: rows in {OUT}/, figures and tables in {figs}/ "
-          f"(index: {figs}/README.md); results/ and paper_figs/ untouched"
+          f"(its index is the README.md there); results/ and paper_figs/ untouched"
           + (f"; {failed} trial(s) failed, see their error rows" if failed else ""))
     return 1 if failed else 0
 
