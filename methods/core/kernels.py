@@ -35,8 +35,9 @@ materialised. What each kernel does with a causal call:
 * ``torch``: native for ``q_offset = 0, Sq == Sk``; otherwise blockwise. Extra memory forward:
   for the rows that merge two blocks, ``merge_partials``' fp32 temporaries (a few fp32 buffers of
   those rows' output size) and the second block's output; backward: fp32 accumulators for dq,
-  dk, dv (``Sq + 2 Sk`` rows at fp32) and one block's gradients at a time in the input dtype. (The aten CPU op would take an explicit ``attn_mask``, an
-  ``Sq x Sk`` tensor: quadratic, which is what the split avoids.)
+  dk, dv (``Sq + 2 Sk`` rows at fp32) and one block's gradients at a time in the input dtype.
+  (The aten CPU op would take an explicit ``attn_mask``, an ``Sq x Sk`` tensor: quadratic,
+  which is what the split avoids.)
 * ``flash-attn``: native when ``q_offset == Sk - Sq`` (its bottom-right alignment, which covers
   ``Sq == Sk`` at offset 0); otherwise blockwise, at the same cost as ``torch``.
 * ``math``: an explicit boolean ``[Sq, Sk]`` mask on the fp32 scores it materialises anyway.
