@@ -1,9 +1,16 @@
 """Collectives with autograd, written against plain ``torch.distributed``.
 
 Plain ``torch.distributed`` calls (``all_to_all_single``, ``all_gather_into_tensor``,
-``batch_isend_irecv``) so the same code runs on NCCL, gloo and the ``fake`` backend used
-for simulation. ``group=None`` means "one device": every helper is then the identity,
-which is how a method runs at world size 1 with the same code path.
+``reduce_scatter_tensor``, ``batch_isend_irecv``) so the same code runs on NCCL, gloo and
+the ``fake`` backend used for simulation, and every call passes through the dispatcher as a
+``c10d::*`` op, which is where the benchmark's ``CommCounter`` counts it.
+``group=None`` means "one device": every helper is then the identity, which is how a
+method runs at world size 1 with the same code path.
+
+Head-parallel methods (Ulysses and its kin) move tokens between the two layouts below
+with all-to-alls; a method that keeps every head on every rank (Llama-3-style context
+parallelism: gather K/V along the sequence, attend the local queries to all of it) uses
+``all_gather_seq`` and its transpose ``reduce_scatter_seq``.
 
 Layouts: activations are ``[batch, seq, heads, head_dim]``. "seq" layout: each rank holds
 ``S/C`` tokens and all heads; "head" layout: each rank holds all ``S`` tokens of ``h/C``
@@ -88,9 +95,11 @@ def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _HeadToSeq.apply(x, group)
 
 
-# ----------------------------------------------------------------------- gathers
-# torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases lack the new name.
+# ----------------------------------------------------------------------- gathers and reduce-scatters
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (deprecated there) to
+# *_single; older releases lack the new names. Both dispatch to the same c10d ops.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -102,6 +111,86 @@ def all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=group)
     return torch.cat(out.chunk(size, dim=0), dim=dim)
+
+
+def reduce_scatter_cat(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Sum every rank's ``x`` and keep this rank's chunk along ``dim`` (no autograd).
+
+    The backward of ``all_gather_seq`` and the forward of ``reduce_scatter_seq``. Inverse in
+    shape of ``all_gather_cat``: ``x.shape[dim]`` must be a multiple of the group size, and
+    rank ``r`` gets chunk ``r`` of the sum. Along any dimension but the first, the chunks are
+    copied one after the other into one send buffer (a copy of ``x``: a chunk along a later
+    dimension is not contiguous). The sum runs in ``x``'s dtype (the backend's reduction); a
+    caller that wants an fp32 sum of bf16 values passes them in fp32.
+    """
+    size, _ = world(group)
+    if size == 1:
+        return x
+    dim = dim % x.dim()
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"reduce-scatter along dim {dim}: length {x.shape[dim]} is not a multiple of the group size {size}"
+        )
+    chunks = x.chunk(size, dim=dim)
+    # the chunks one after the other along dim 0 (gloo takes only this form): rank r gets the r-th's sum
+    send = torch.cat(chunks, dim=0) if dim else x.contiguous()
+    out = torch.empty(chunks[0].shape, dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, send, group=group)
+    return out
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather forward, reduce-scatter backward (see ``all_gather_seq``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_cat(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return reduce_scatter_cat(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Reduce-scatter forward, all-gather backward (see ``reduce_scatter_seq``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_cat(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather_cat(grad, ctx.group, ctx.dim), None, None
+
+
+def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Differentiable all-gather: every rank's ``x`` concatenated along ``dim`` in rank order.
+
+    For methods that are not head-parallel (Llama-3-style context parallelism gathers the
+    whole K/V on every rank). The backward is a reduce-scatter: every rank's copy of the
+    gathered tensor feeds its own part of the loss, so the gradient of this rank's ``x`` is
+    the sum over ranks of their gradients for this rank's slice. The result is the global
+    sequence only if the layout is contiguous (rank r holds chunk r); with another layout
+    it is in the layout's order, and the caller masks accordingly.
+    """
+    if world(group)[0] == 1:
+        return x
+    return _AllGatherSeq.apply(x, group, dim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Differentiable reduce-scatter: the sum over ranks of ``x``, this rank's chunk along ``dim``.
+
+    The transpose of ``all_gather_seq``: for a method that computes a full-length partial
+    result on every rank (e.g. each rank's contribution to every token) and keeps its own
+    tokens of the total. The backward all-gathers the gradient (this rank's chunk of the
+    sum is used by this rank only, and every rank's ``x`` contributed to it).
+    """
+    if world(group)[0] == 1:
+        return x
+    return _ReduceScatterSeq.apply(x, group, dim)
 
 
 def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
