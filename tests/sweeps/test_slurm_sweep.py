@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from records import read_rows
@@ -71,14 +72,18 @@ def test_two_task_gloo_trial_through_slurm(tmp_path, cancel_after):
     assert again.returncode == 0 and "1 skipped" in again.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA: the job must fail there")
 def test_failing_trial_on_slurm_is_an_error_row(tmp_path, cancel_after):
+    """A trial the spec check lets through (it cannot know the node has no CUDA) fails in its job;
+    the runner records an error row with the job's log. (Invalid options are refused before
+    submitting now: tests/test_user_runs.py.)"""
     name = f"slurm-bad-{tmp_path.name[-12:]}"
     cancel_after(name)
-    path = spec_file(tmp_path, name, methods=[{"name": "upipe", "options": {"chunk_heads": 3}}])
+    path = spec_file(tmp_path, name, device="h100-80g")
     out = sweeps("run", str(path), "--executor", "slurm")
     assert out.returncode == 1, out.stdout + out.stderr
     (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
-    assert row.status == "error" and "chunk_heads=3 is not a multiple of the world size 2" in row.message
+    assert row.status == "error" and "needs CUDA, which this machine lacks" in row.message
     assert Path(row.message.rsplit("log: ", 1)[1].strip()).is_file()
 
 
