@@ -13,7 +13,9 @@ DeepSpeed's ``FPDT_Attention`` refuses to build without it. Both only call the p
   caller's buffers and returns ``softmax_d`` (rowsum(dout * out)) fp32 ``[b, h, seq_q]``;
 * dropout, sliding windows, softcap and ALiBi are refused (nothing here uses them);
 * the varlen functions exist because ``import ring_flash_attn`` imports them; calling
-  them raises ``NotImplementedError``.
+  them raises ``NotImplementedError``;
+* the public ``flash_attn.flash_attn_func`` (autograd through the two functions above),
+  because yunchang imports it when it finds flash-attn and its ``UlyssesAttention`` calls it.
 
 ``install_if_missing()`` puts the module tree ``flash_attn`` / ``flash_attn.flash_attn_interface``
 into ``sys.modules`` with proper ``__spec__`` (so ``importlib.util.find_spec`` and the method
@@ -106,6 +108,35 @@ def _flash_attn_backward(
     return delta.float()
 
 
+class _FlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal):
+        out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, softmax_scale, causal, -1, -1, 0.0, None, False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal = softmax_scale, causal
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, ctx.softmax_scale, ctx.causal,
+                             -1, -1, 0.0, None, False)
+        return dq, dk, dv, None, None
+
+
+def flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):
+    """flash-attn 2's public function: ``out`` (or ``(out, lse, None)`` with return_attn_probs)."""
+    _refuse_unsupported(dropout_p, window_size[0], window_size[1], softcap, alibi_slopes)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    out, lse = _FlashAttnFunc.apply(q, k, v, softmax_scale, causal)
+    return (out, lse, None) if return_attn_probs else out
+
+
 def _flash_attn_varlen_forward(*args, **kwargs):
     raise NotImplementedError("flash-attn stand-in: varlen functions are not implemented")
 
@@ -145,6 +176,7 @@ def install_if_missing() -> bool:
     for fn in (_flash_attn_forward, _flash_attn_backward, _flash_attn_varlen_forward, _flash_attn_varlen_backward):
         setattr(iface, fn.__name__, fn)
     pkg.flash_attn_interface = iface
+    pkg.flash_attn_func = iface.flash_attn_func = flash_attn_func
     sys.modules["flash_attn"] = pkg
     sys.modules["flash_attn.flash_attn_interface"] = iface
     return True

@@ -1,11 +1,12 @@
 """The library wrappers against our own implementation of the same method, on equal weights.
 
-``ds-ulysses`` and ``ds-ulysses-hf`` vs ``ulysses``, ``rfa-zigzag`` vs ``ring``, ``ds-fpdt`` vs ``fpdt`` (offload off,
-same chunk count): outputs, dx and every weight gradient, gathered to global order with
-each method's own ``unshard`` (so layouts may differ), within the matrix tolerances. On a
-CPU machine the flash-attn based wrappers run on the plain-torch stand-in (tests/conftest.py).
-Also: the wrappers' layouts, their refusals (with reasons) and what ``python -m methods``
-says about them without the stand-in.
+``ds-ulysses``, ``ds-ulysses-hf`` and ``yc-ulysses`` vs ``ulysses``, ``rfa-zigzag`` and ``yc-ring`` vs ``ring``,
+``yc-usp`` vs ``usp`` (same Ulysses degree), ``ds-fpdt`` vs ``fpdt`` (offload off, same chunk
+count): outputs, dx and every weight gradient, gathered to global order with each method's
+own ``unshard`` (so layouts may differ), within the matrix tolerances. On a CPU machine the
+flash-attn based wrappers run on the plain-torch stand-in (tests/conftest.py). Also: the
+wrappers' layouts, their refusals (with reasons) and what ``python -m methods`` says about
+them without the stand-in.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.flash_attn_standin import real_flash_attn_available
 from tests.methods.cases import BATCH, SEQ_LEN, SPECS, TOLERANCE, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WRAPPERS = ("ds-ulysses", "ds-ulysses-hf", "rfa-zigzag", "ds-fpdt")
+WRAPPERS = ("ds-ulysses", "ds-ulysses-hf", "rfa-zigzag", "ds-fpdt", "yc-ulysses", "yc-ring", "yc-usp")
 
 
 def compare_methods(group, a: str, opts_a: dict, b: str, opts_b: dict, spec_kwargs: dict, dtype: str,
@@ -62,6 +63,17 @@ CASES = [
     pytest.param("rfa-zigzag", {}, "ring", {}, spec, True, id=f"rfa-zigzag-vs-ring-{spec}")
     for spec in ("gqa", "gqa-kv2", "gqa-qknorm")
 ] + [
+    pytest.param("yc-ulysses", {}, "ulysses", {}, spec, causal,
+                 id=f"yc-ulysses-vs-ulysses-{spec}-{'causal' if causal else 'full'}")
+    for spec, causal in (("gqa", True), ("mha", False))
+] + [
+    pytest.param("yc-ring", {}, "ring", {}, spec, True, id=f"yc-ring-vs-ring-{spec}")
+    for spec in ("gqa", "gqa-kv2", "gqa-qknorm")
+] + [
+    pytest.param("yc-usp", {"ulysses_degree": 2}, "usp", {"ulysses_degree": 2}, spec, True,
+                 id=f"yc-usp-vs-usp-u2-{spec}")  # ring degree 1 at 2 ranks, 2 at 4 (LongContextAttention)
+    for spec in ("gqa", "gqa-qknorm")
+] + [
     pytest.param("ds-fpdt", {"num_chunks": k}, "fpdt", {"num_chunks": k, "offload": False}, spec, True,
                  id=f"ds-fpdt-vs-fpdt-{spec}-chunks{k}")
     for spec, k in (("mha", 1), ("mha", 2), ("mha", 4), ("gqa-kv2", 2))
@@ -98,7 +110,8 @@ def _layouts(group, seq_len: int) -> dict:
     spec = methods.AttnSpec(**dict(SPECS["gqa"], causal=True))
     out = {}
     for name, opts in (("rfa-zigzag", {}), ("ring", {}), ("ds-fpdt", {"num_chunks": 2}), ("fpdt", {"num_chunks": 2}),
-                       ("ds-ulysses", {}), ("ds-ulysses-hf", {}), ("ulysses", {})):
+                       ("ds-ulysses", {}), ("ds-ulysses-hf", {}), ("ulysses", {}), ("yc-ulysses", {}), ("yc-ring", {}),
+                       ("yc-usp", {"ulysses_degree": 2}), ("usp", {"ulysses_degree": 2})):
         if name not in methods.available():
             continue
         block = methods.build(name, spec, group=group, **opts)
@@ -114,12 +127,14 @@ def test_wrapper_layouts_are_their_counterparts(pool, ws):
         for name, (_, roundtrip) in layouts.items():
             assert roundtrip, f"{name} rank {rank}: unshard(shard(x)) != x"
         for wrapper, ours in (("rfa-zigzag", "ring"), ("ds-fpdt", "fpdt"), ("ds-ulysses", "ulysses"),
-                              ("ds-ulysses-hf", "ulysses")):
+                              ("ds-ulysses-hf", "ulysses"), ("yc-ulysses", "ulysses"), ("yc-ring", "ring"),
+                              ("yc-usp", "usp")):
             if ours in layouts:
                 assert layouts[wrapper][0] == layouts[ours][0], (wrapper, ours, rank)
         chunks = torch.arange(32).chunk(2 * ws)
         want = torch.cat([chunks[rank], chunks[2 * ws - 1 - rank]]).tolist()
-        assert layouts["rfa-zigzag"][0] == want, f"rfa-zigzag rank {rank} must hold chunks {rank}, {2 * ws - 1 - rank}"
+        for name in ("rfa-zigzag", "yc-ring"):
+            assert layouts[name][0] == want, f"{name} rank {rank} must hold chunks {rank}, {2 * ws - 1 - rank}"
 
 
 # ----------------------------------------------------------------------- refusals
@@ -144,6 +159,17 @@ GQA = methods.AttnSpec(**SPECS["gqa"])
          r"ds-ulysses-hf: n_kv_heads=6 and world size 4 do not divide one another.*choose such a world size"),
         ("ds-ulysses-hf", GQA, 2, {"kernel": "nope"}, r"unknown attention kernel 'nope'"),
         ("ds-ulysses-hf", GQA, 2, {"chunks": 2}, r"unknown option\(s\) \['chunks'\] for method 'ds-ulysses-hf'"),
+        ("yc-ulysses", methods.AttnSpec(**SPECS["gqa-kv2"]), 4, {},
+         r"yc-ulysses: n_kv_heads=2 is not divisible by the world size 4; .*no replication.*divides 2"),
+        ("yc-ulysses", GQA, 3, {}, r"yc-ulysses: n_heads=8 is not divisible by the world size 3"),
+        ("yc-ulysses", GQA, 2, {"attn_type": "torch_math"}, r"attn_type='torch_math' is not supported; .*'fa3'"),
+        ("yc-ring", GQA, 2, {"kernel": "torch"}, r"kernel='torch' cannot be used: yunchang calls flash-attn"),
+        ("yc-ring", methods.AttnSpec(**SPECS["gqa"], causal=False), 2, {},
+         r"yc-ring: yunchang's zigzag ring is causal only.*use 'ring'"),
+        ("yc-usp", methods.AttnSpec(**SPECS["gqa"], causal=False), 4, {}, r"causal only.*use 'usp'"),
+        ("yc-usp", GQA, 4, {"ulysses_degree": 3}, r"ulysses_degree=3 does not divide the world size 4.*\[1, 2, 4\]"),
+        ("yc-usp", methods.AttnSpec(**SPECS["gqa-kv2"]), 4, {"ulysses_degree": 4},
+         r"yc-usp: n_kv_heads=2 is not divisible by the ulysses_degree 4; .*no replication"),
     ],
 )
 def test_wrapper_refusals_say_why(name, spec, ws, options, match):
@@ -209,7 +235,7 @@ def test_cli_lists_every_method_with_its_status_without_the_standin():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    for lib in ("deepspeed", "transformers", "ring_flash_attn", "flash_attn"):
+    for lib in ("deepspeed", "transformers", "ring_flash_attn", "flash_attn", "yunchang"):
         assert lib not in imported, f"`import methods` imported {lib}: wrappers must import their library lazily"
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.strip()}
     for info in methods.available(detail=True):
@@ -219,7 +245,7 @@ def test_cli_lists_every_method_with_its_status_without_the_standin():
     hf = methods.get_info("ds-ulysses-hf")  # ok, or "needs transformers" (deepspeed) where missing here
     assert f" {hf.status} " in lines["ds-ulysses-hf"], lines["ds-ulysses-hf"]
     if not real_flash_attn_available():
-        for name in ("ds-fpdt", "rfa-zigzag"):
+        for name in ("ds-fpdt", "rfa-zigzag", "yc-ulysses", "yc-ring", "yc-usp"):
             assert "needs flash_attn" in lines[name], lines[name]
     else:
         assert "needs flash_attn" not in lines["ds-fpdt"]
