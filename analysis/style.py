@@ -37,11 +37,14 @@ DISPLAY = {
     "torch-cp": "Native PyTorch", "ring": "Ring", "ulysses": "Ulysses", "fpdt": "FPDT", "upipe": "UPipe",
     "usp": "USP-Hybrid", "usp-upipe": "UPipe (USP mesh)", "offload": "Ulysses + offload",
     "ds-ulysses": "DeepSpeed Ulysses", "ds-fpdt": "DeepSpeed FPDT", "rfa-zigzag": "ring-flash-attn zigzag",
+    "ds-ulysses-hf": "DeepSpeed Ulysses (HF/ALST)", "yc-ulysses": "yunchang Ulysses", "yc-ring": "yunchang Ring",
+    "yc-usp": "yunchang USP",
 }
 _COLORS = {
     "torch-cp": "#7f7f7f", "ring": "#2ca02c", "ulysses": "#1f77b4", "usp": "#1f77b4", "fpdt": "#9467bd",
     "upipe": "#d62728", "usp-upipe": "#d62728", "offload": "#17becf", "ds-ulysses": "#8c564b",
-    "ds-fpdt": "#e377c2", "rfa-zigzag": "#bcbd22",
+    "ds-fpdt": "#e377c2", "rfa-zigzag": "#bcbd22", "ds-ulysses-hf": "#393b79", "yc-ulysses": "#6baed6",
+    "yc-ring": "#74c476", "yc-usp": "#9ecae1",
 }
 _SPARE = ["#ff7f0e", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#393b79", "#637939", "#843c39"]
 PAPER_HATCH = "///"
