@@ -19,6 +19,9 @@ class Vocab(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
+    def __hash__(self) -> int:  # equal to its spelling, so it hashes as it: {Mode.REAL: 1}["real"] works
+        return str.__hash__(self)
+
     @classmethod
     def values(cls) -> tuple[str, ...]:
         return tuple(m.value for m in cls)
