@@ -5,7 +5,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
-EXTRAS  := dev,deepspeed,ring,hf,notebooks
+EXTRAS  := dev,deepspeed,ring,hf,yunchang,notebooks
 STAMP   := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint venv figs clean slurm-up slurm-down

@@ -37,7 +37,8 @@ from .core.registry import register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
 
-YUNCHANG_HINT = "pip install yunchang flash-attn --no-build-isolation (CUDA only; fa3 needs flash-attn 3)"
+YUNCHANG_HINT = ("pip install -e '.[yunchang]'; pip install flash-attn --no-build-isolation "
+                 "(CUDA only; fa3: flash-attn 3)")
 ATTN_TYPES = ("fa", "fa3")
 
 
