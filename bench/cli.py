@@ -28,6 +28,7 @@ import methods
 from records import GiB, Kind, Row, append_rows, human
 from records import parse_size as parse_tokens
 from records.outputs import OutputError, check_dir, check_file, runs_dir
+from records.sizes import positive_int
 
 from .measure.hardware import DEVICES, LINKS
 from .measure.launch import is_rank_zero
@@ -76,16 +77,6 @@ def parse_opt(text: str) -> tuple[str, Any]:
         except ValueError:
             pass
     return name, raw
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:

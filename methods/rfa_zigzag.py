@@ -42,9 +42,8 @@ import sys
 
 import torch
 
-from .core.base import AttentionMethod, MethodOptions
-from .core.kernels import attention, get_kernel
-from .core.layouts import zigzag_shard, zigzag_unshard
+from .core.base import MethodOptions, ZigzagLayoutMethod
+from .core.kernels import attention, flash_attn_dtype, get_kernel
 from .core.registry import register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
@@ -68,7 +67,7 @@ def load_zigzag_func():
     requires=("ring_flash_attn", "flash_attn"),
     install_hint="pip install ring-flash-attn flash-attn --no-build-isolation (CUDA only)",
 )
-class RingFlashAttnZigzag(AttentionMethod):
+class RingFlashAttnZigzag(ZigzagLayoutMethod):
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
         if options.kernel not in (None, "flash-attn"):
@@ -93,29 +92,13 @@ class RingFlashAttnZigzag(AttentionMethod):
         self.kernel = get_kernel("flash-attn")  # what the library calls (recorded in result rows)
         self._zigzag = load_zigzag_func()
 
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return zigzag_shard(x, dim, self.rank, self.world_size)
-
-    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return zigzag_unshard(x, dim, self.group)
-
-    @staticmethod
-    def compute_dtype(x: torch.Tensor) -> torch.dtype:
-        if x.dtype in (torch.float16, torch.bfloat16):
-            return x.dtype
-        if x.device.type == "cuda":
-            raise ValueError(
-                f"rfa-zigzag: flash-attn computes in float16/bfloat16 only, got {x.dtype}; "
-                "cast the block and its input to bfloat16"
-            )
-        return torch.float64  # CPU stand-in: avoids ring_flash_attn's fp32 backward buffer alias
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[1] % 2:
             raise ValueError(f"rfa-zigzag: local sequence length {x.shape[1]} must be even (two zigzag chunks)")
         cos, sin = self.rope_for(x, positions)
-        dt = self.compute_dtype(x)
+        # fp64 on CPU: ring_flash_attn's fp32 backward aliases a buffer (CUDA flash-attn refuses fp32)
+        dt = flash_attn_dtype("rfa-zigzag", x, torch.float64)
         q, k, v = self.project_qkv(x, cos, sin)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if self.world_size == 1:  # see the module docstring: no self-send on gloo

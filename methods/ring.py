@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 
 from .core import comm
-from .core.base import AttentionMethod
+from .core.base import ZigzagLayoutMethod
 from .core.kernels import merge_partials
-from .core.layouts import zigzag_multiple, zigzag_shard, zigzag_unshard
 from .core.registry import register
 
 FULL = slice(None)
@@ -152,19 +151,7 @@ def ring_attention(q, k, v, causal: bool, kernel, scale: float, group) -> torch.
 
 
 @register("ring", "Ring Attention: K/V blocks passed around the ring (p2p overlapped), LSE merge, zigzag")
-class Ring(AttentionMethod):
-    @classmethod
-    def seq_multiple(cls, world_size, options) -> int:
-        return zigzag_multiple(world_size)
-
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Rank r's tokens: global chunks r and 2C-1-r of 2C (zigzag)."""
-        self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return zigzag_shard(x, dim, self.rank, self.world_size)
-
-    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return zigzag_unshard(x, dim, self.group)
-
+class Ring(ZigzagLayoutMethod):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
         q, k, v = self.project_qkv(x, cos, sin)

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .core.base import AttentionMethod
+from .core.base import ZigzagLayoutMethod
 from .core.kernels import get_kernel
-from .core.layouts import zigzag_shard, zigzag_unshard
 from .core.registry import register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
@@ -45,7 +44,7 @@ def check_causal(who: str, spec: AttnSpec, fix: str) -> None:
     requires=("yunchang", "flash_attn"),
     install_hint=YUNCHANG_HINT,
 )
-class YunchangRing(AttentionMethod):
+class YunchangRing(ZigzagLayoutMethod):
     Options = YunchangOptions
 
     @classmethod
@@ -64,12 +63,6 @@ class YunchangRing(AttentionMethod):
         self.kernel = get_kernel("flash-attn")
         _, self.attn_type = load_yunchang("yc-ring", self.options.attn_type)
 
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return zigzag_shard(x, dim, self.rank, self.world_size)
-
-    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return zigzag_unshard(x, dim, self.group)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .core.base import AttentionMethod, MethodOptions
-from .core.kernels import get_kernel
+from .core.kernels import flash_attn_dtype, get_kernel
 from .core.registry import register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
@@ -93,14 +93,7 @@ def compute_dtype(who: str, x: torch.Tensor, ring: bool) -> torch.dtype:
     (the stand-in) fp32 as is, except through yunchang's zigzag ring (``ring``), whose backward
     takes ``dq = dq_buffer.to(torch.float32)``, the buffer itself in fp32, which the next block's
     call overwrites: there fp64 (the ring still accumulates its output in fp32)."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        return x.dtype
-    if x.device.type == "cuda":
-        raise ValueError(
-            f"{who}: flash-attn computes in float16/bfloat16 only, got {x.dtype}; cast the block and its "
-            "input to bfloat16"
-        )
-    return torch.float64 if ring else x.dtype
+    return flash_attn_dtype(who, x, torch.float64 if ring else x.dtype)
 
 
 @register(

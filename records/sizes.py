@@ -5,6 +5,7 @@ one formatter (every table, plan, label and summary that prints a length).
 """
 from __future__ import annotations
 
+import argparse
 import re
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -31,6 +32,18 @@ def parse_size(value: object, what: str = "size") -> int:
     if size <= 0:
         raise ValueError(f"{what}: must be positive, got {value!r}")
     return int(size)
+
+
+def positive_int(text: str) -> int:
+    """A count given on a command line (ranks, steps, jobs in flight): an ``argparse`` type
+    refusing anything but a whole number >= 1, shared by ``python -m bench`` and ``python -m sweeps``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
 
 
 def human(n: int) -> str:

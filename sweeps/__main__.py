@@ -11,6 +11,8 @@ import sys
 
 import yaml
 
+from records.sizes import positive_int
+
 from .runner import _bar, run_sweep, status_counts
 from .spec import SpecError, load_spec
 
@@ -19,16 +21,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage dump
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def _overrides(pairs: list[str]) -> dict:

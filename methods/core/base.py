@@ -241,3 +241,22 @@ class AttentionMethod(AttentionParams):
                 f"split across ranks (C | G) or replicated C/G times (G | C): choose such a world size"
             )
         return c // g if g < c else 1
+
+
+class ZigzagLayoutMethod(AttentionMethod):
+    """A method whose tokens sit in the zigzag layout over all its ranks (rank r holds chunks r
+    and 2C-1-r of 2C, so causal work is balanced around a ring): ``ring``, ``rfa-zigzag``,
+    ``yc-ring``. The layout lives once here; a method overrides ``seq_multiple`` where its
+    library needs more than ``layouts.zigzag_multiple``."""
+
+    @classmethod
+    def seq_multiple(cls, world_size: int, options: MethodOptions) -> int:
+        return layouts.zigzag_multiple(world_size)
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rank r's tokens: global chunks r and 2C-1-r of 2C (zigzag)."""
+        self.check_seq_len(x.shape[dim], self.world_size, self.options)
+        return layouts.zigzag_shard(x, dim, self.rank, self.world_size)
+
+    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return layouts.zigzag_unshard(x, dim, self.group)

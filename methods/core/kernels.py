@@ -372,6 +372,21 @@ def get_kernel(name: str | None = None) -> Kernel:
     return KERNELS[name]()
 
 
+def flash_attn_dtype(who: str, x: torch.Tensor, cpu_fp32: torch.dtype) -> torch.dtype:
+    """The dtype a library that calls flash-attn itself is handed: fp16/bf16 as is; anything
+    else refused on CUDA (flash-attn computes in half precision only); on CPU, where the tests'
+    plain-torch stand-in serves, full precision runs as ``cpu_fp32`` (a wrapper picks fp64 where
+    its library's fp32 backward aliases a buffer)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.dtype
+    if x.device.type == "cuda":
+        raise ValueError(
+            f"{who}: flash-attn computes in float16/bfloat16 only, got {x.dtype}; cast the block and its "
+            "input to bfloat16"
+        )
+    return cpu_fp32
+
+
 def softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
