@@ -18,3 +18,9 @@ Layered so that each part imports only those above it (``tests/test_imports.py``
 Rows, sizes and the vocabulary live in ``records`` (torch-free). The repository's layout is in
 README.md, section "Layout".
 """
+
+# Before anything imports torch: the simulated CUDA device (bench.measure.simcuda) can only be
+# loaded first. It does nothing on a CUDA build of torch or when torch is already imported.
+from .measure import simcuda as _simcuda  # noqa: E402
+
+_simcuda.preload()

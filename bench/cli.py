@@ -106,6 +106,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="whose chunked loss: ours or DeepSpeed's TiledFusedLogitsLoss (needs deepspeed)")
     p.add_argument("--kernel-workspace", choices=["none", "fa2", "fa3"], default="none",
                    help="simulated mode: model the attention backward's scratch buffers (bench.measure.workspace)")
+    p.add_argument("--sim-device", choices=["auto", "cpu"], default="auto",
+                   help="simulated mode: auto = fake tensors of the preset's device (GPU code path for a GPU "
+                   "preset, bench.measure.simcuda); cpu = the CPU code path")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=2, help="timed steps (real/emulated)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -158,7 +161,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
         method, options, levers = expand(args.method, dict(args.opt), levers)  # named configurations
         step = StepConfig(
             scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
-            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace,
+            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, sim_device=args.sim_device,
             tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl, **levers,
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,

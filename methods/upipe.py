@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from .core import comm
-from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, project
+from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, index_tensor, project
 from .core.registry import register
 from .core.rope import apply_rope
 from .core.spec import AttnSpec
@@ -100,7 +100,7 @@ def plan_stages(spec: AttnSpec, world_size: int, chunk_heads: int) -> list[Stage
 
 def _rows(heads: list[int], head_dim: int, device) -> torch.Tensor:
     """Weight-row indices of ``heads`` (for scattering stage weight gradients)."""
-    idx = torch.tensor(heads, device=device)[:, None] * head_dim + torch.arange(head_dim, device=device)
+    idx = index_tensor(heads, device)[:, None] * head_dim + torch.arange(head_dim, device=device)
     return idx.reshape(-1)
 
 
@@ -137,7 +137,7 @@ class _UPipeFunction(torch.autograd.Function):
             o, lse = kernel.forward(q, k, v, spec.causal, block.scale)
             del q
             o = comm.head_to_seq_(o, group)
-            out_heads.index_copy_(2, torch.tensor(stage.q_heads, device=x.device), o)
+            out_heads.index_copy_(2, index_tensor(stage.q_heads, x.device), o)
             del o
             lses.append(lse)
         del k, v
@@ -183,7 +183,7 @@ class _UPipeFunction(torch.autograd.Function):
                 k = comm.seq_to_head_(project(x, wk_rows, d, kn, cos, sin), group)
                 v = comm.seq_to_head_(project(x, wv_rows, d), group)
                 dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-            heads = torch.tensor(stage.q_heads, device=x.device)
+            heads = index_tensor(stage.q_heads, x.device)
             wq_rows = head_rows(wq, stage.q_heads, d)
             q = comm.seq_to_head_(project(x, wq_rows, d, qn, cos, sin), group)
             o = comm.seq_to_head_(out_heads.index_select(2, heads), group)

@@ -5,11 +5,15 @@ unusable and drop out of ``methods.available()``, so the correctness matrix woul
 them. Installing the plain-torch stand-in at import time of this conftest (before collection
 imports the test modules) makes them usable here; the rank pools install it on each rank
 (tests/methods/conftest.py). It does nothing where a real flash-attn is importable.
+
+``bench`` is imported first, before anything imports torch, so that simulated trials in this
+process run on the GPU code path (``bench.measure.simcuda`` must be loaded before torch).
 """
 from pathlib import Path
 
 import pytest
 
+import bench  # noqa: F401, I001 - first of all: it loads the simulated CUDA device before torch
 from tests.flash_attn_standin import install_if_missing
 
 install_if_missing()

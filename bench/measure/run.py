@@ -13,10 +13,14 @@ Modes (recorded in every row):
   time comes from the link model (``bench.measure.hardware``) over the bytes actually issued:
   ``step_time = measured compute + modelled communication`` (no overlap assumed).
 * ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
-  shape and world size with nothing allocated. The simulated accelerator is a fake CPU
-  device and host memory is the ``meta`` device (for the checkpoint offload here, and for
-  the methods' own offloading through ``methods.core.hostmem``), so the two are counted apart.
-  Step time is not simulated; the communication bytes and their modelled time are recorded.
+  shape and world size with nothing allocated. For a GPU preset the step runs on fake CUDA
+  tensors (the GPU code path: CUDA SDPA ops, the methods' and libraries' CUDA branches,
+  pinned host buffers; ``bench.measure.simcuda`` says how streams and events are stood in
+  for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code
+  path: the accelerator is a fake CPU device and host memory the ``meta`` device (for the
+  checkpoint offload here, and for the methods' own offloading through
+  ``methods.core.hostmem``), so the two are still counted apart. Step time is not simulated;
+  the communication bytes and their modelled time are recorded.
 
 A trial "fits" in simulated mode (and on a CPU device in the other modes, which have no
 out-of-memory error to catch) when its peak is within the preset's usable bytes; otherwise
@@ -36,7 +40,7 @@ from records import Figures, GiB, Row, cpu_name, environment
 
 from ..model.config import flops_per_device
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
-from . import launch
+from . import launch, simcuda
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .trial import Trial
@@ -92,13 +96,30 @@ def _externals(trial: Trial, built) -> tuple:
 # --------------------------------------------------------------------------- the three modes
 
 
+def simulated_device(trial: Trial) -> torch.device:
+    """The fake device a simulated trial runs on: the preset's own (``cuda`` for a GPU preset:
+    the GPU code path, ``bench.measure.simcuda``), or ``cpu`` when the step asks for the CPU
+    code path (``sim_device="cpu"``) or the preset is a CPU."""
+    if trial.preset().kind == "cpu" or trial.step.sim_device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", 0)
+
+
 def measure_simulated(trial: Trial) -> dict[str, Any]:
     """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated)."""
-    with fake_process_group(trial.world_size) as group, fake_tensors(torch.float32), no_param_init():
-        # simulating an accelerator: host memory is the meta device; simulating a CPU, the
-        # host is the device itself and offloading does nothing, as on a real CPU
-        host = "meta" if trial.preset().kind != "cpu" else "cpu"
-        built, batch = _build(trial, group, torch.device("cpu"), host=host, fake=True)
+    device = simulated_device(trial)
+    on_gpu_path = device.type == "cuda"
+    if on_gpu_path:
+        simcuda.require()
+    # the GPU code path: host memory is the (fake) CPU; the CPU code path of a GPU preset:
+    # host memory is the meta device; simulating a CPU: the host is the device itself and
+    # offloading does nothing, as on a real CPU
+    accelerator = trial.preset().kind != "cpu"
+    host = "cpu" if on_gpu_path else ("meta" if accelerator else "cpu")
+    runtime = simcuda.runtime() if on_gpu_path else contextlib.nullcontext()
+    with fake_process_group(trial.world_size) as group, runtime, \
+            fake_tensors(torch.float32, meta_host=accelerator and not on_gpu_path), no_param_init():
+        built, batch = _build(trial, group, device, host=host, fake=True)
         if trial.step.scope == "model":
             maybe_prime_optimizer(*built)
         run = step_fn(trial.step.scope, built, batch, trial.step, group)
@@ -112,8 +133,8 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
                 run()
 
         peaks = track_peaks(tracked, *_externals(trial, built))
-    device_peak = peaks.get("cpu")
-    host_peak = peaks.get("meta")
+    device_peak = peaks.get(str(device))
+    host_peak = peaks.get(host) if host != str(device) else None
     return {
         "peak_bytes": device_peak.total if device_peak else 0,
         "peak_by_category": dict(device_peak.by_category) if device_peak else {},
@@ -121,6 +142,7 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         "comm_bytes": counter.bytes,
         "comm_bytes_by_op": counter.by_op(),
         "comm_time_s": counter.time(trial.link_model()),
+        "sim_device": str(device),
     }
 
 
@@ -271,7 +293,8 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     kernel = trial.kernel_name()
     if device_name is None:
         device_name = result.get("device_name") or (
-            f"fake tensors on {cpu_name()} (simulating {preset.name})" if trial.mode == "simulated" else cpu_name())
+            f"fake {result.get('sim_device', 'cpu').split(':')[0]} tensors on {cpu_name()} (simulating {preset.name})"
+            if trial.mode == "simulated" else cpu_name())
     return Row(**trial.row_fields(), status=status, message=message, figures=f,
                env=environment(kernel, device_name), model_arch=cfg.to_dict(), notes=notes)
 

@@ -6,8 +6,10 @@ torch's ``MemTracker`` records the bytes each live tensor would occupy, by categ
 Together they give one rank's peak memory for, say, Llama3-8B at 5M tokens on 8 GPUs in
 well under a second on a laptop CPU. What it measures is exactly what the code allocates:
 kernels are called through their fake implementations (the flash kernels' fakes allocate
-``out`` and ``lse`` only), and the CUDA caching allocator (fragmentation, workspaces)
-is not modelled, so figures are lower bounds on ``torch.cuda.max_memory_reserved``.
+``out`` and ``lse`` only; on the GPU code path, fake CUDA tensors, ``bench.measure.simcuda``,
+the CUDA flash op's fake also allocates its two small philox tensors), and the CUDA caching
+allocator (fragmentation, workspaces) is not modelled,
+so figures are lower bounds on ``torch.cuda.max_memory_reserved``.
 """
 from __future__ import annotations
 
@@ -43,15 +45,19 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator["dist.Process
 
 
 @contextlib.contextmanager
-def fake_tensors(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
+def fake_tensors(dtype: torch.dtype = torch.bfloat16, meta_host: bool = True) -> Iterator[None]:
     """Fake-tensor mode with ``dtype`` as the default dtype (modules are created in it:
-    ``.to(dtype)`` after construction fails under fake mode). Methods that offload to host
-    memory offload to the ``meta`` device meanwhile (``methods.core.hostmem``), so the tracker
-    counts those bytes apart from the simulated device's."""
+    ``.to(dtype)`` after construction fails under fake mode).
 
+    ``meta_host``: the CPU code path of a GPU simulation, where the accelerator is a fake CPU
+    device. Methods that offload to host memory then offload to the ``meta`` device
+    (``methods.core.hostmem``), so the tracker counts those bytes apart from the simulated
+    device's. On the GPU code path (fake CUDA tensors, ``bench.measure.simcuda``) host memory
+    is the fake CPU device itself and the methods take their CUDA branches."""
 
     previous = torch.get_default_dtype()
-    with FakeTensorMode(allow_non_fake_inputs=False), simulated_host("meta"):
+    host = simulated_host("meta") if meta_host else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=False), host:
         torch.set_default_dtype(dtype)
         try:
             yield

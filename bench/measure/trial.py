@@ -219,6 +219,9 @@ class Trial:
                 f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
                 f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
             )
+        if self.step.sim_device != "auto" and self.mode != Mode.SIMULATED:
+            raise ValueError(f"sim_device={self.step.sim_device!r} picks the fake device of a simulation; "
+                             f"in {self.mode} mode the trial runs on its real device: drop it")
         if self.step.chunked_loss_impl == "deepspeed" and self.mode == Mode.SIMULATED:
             # its backward branches on `grads[0] != 1.0`, a value (.item()) fake tensors do not have
             raise ValueError(

@@ -28,6 +28,10 @@ TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP32: torch.float32}
 KERNEL_WORKSPACES = ("none", "fa2", "fa3")
 # whose implementation runs the tiled MLP / chunked loss (DeepSpeed's: runtime.sequence_parallel.ulysses_sp)
 IMPLS = ("ours", "deepspeed")
+# simulation only: which fake device runs the step (bench.measure.simcuda). "auto": the device
+# preset's own (fake CUDA tensors for a GPU preset, fake CPU tensors for the CPU preset); "cpu":
+# fake CPU tensors for a GPU preset too (the CPU code path, host memory modelled by `meta`)
+SIM_DEVICES = ("auto", "cpu")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class StepConfig:
     kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.measure.workspace)
     tiled_mlp_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledMLP), when tiled_mlp
     chunked_loss_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledFusedLogitsLoss), when chunked_loss
+    sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -67,6 +72,8 @@ class StepConfig:
         if self.kernel_workspace not in KERNEL_WORKSPACES:
             raise ValueError(f"kernel_workspace must be one of {list(KERNEL_WORKSPACES)}, "
                              f"got {self.kernel_workspace!r}")
+        if self.sim_device not in SIM_DEVICES:
+            raise ValueError(f"sim_device must be one of {list(SIM_DEVICES)}, got {self.sim_device!r}")
         for name, lever in (("tiled_mlp_impl", "tiled_mlp"), ("chunked_loss_impl", "chunked_loss")):
             value = getattr(self, name)
             if value not in IMPLS:
@@ -96,7 +103,7 @@ class StepConfig:
         # fields added after rows were committed are left out at their default, so that the
         # trial identity (and the key) of every earlier row stays what it was
         for name, default in (("kernel_workspace", "none"), ("tiled_mlp_impl", "ours"),
-                              ("chunked_loss_impl", "ours")):
+                              ("chunked_loss_impl", "ours"), ("sim_device", "auto")):
             if d[name] == default:
                 d.pop(name)
         return d

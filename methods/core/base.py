@@ -29,6 +29,14 @@ from .spec import AttnSpec
 NORM_EPS = 1e-6
 
 
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on ``device``, made on the host and copied (what
+    ``torch.tensor(values, device=device)`` does on a GPU anyway). Written this way because a
+    tensor from Python data is first made real, which a simulated CUDA device cannot do
+    (``bench.measure.simcuda``): made on the CPU, it is fake from the copy on."""
+    return torch.tensor(values).to(device)
+
+
 def head_rows(weight: torch.Tensor, heads: list[int], head_dim: int) -> torch.Tensor:
     """Rows of a projection weight for the given heads, in that order.
 
@@ -38,7 +46,7 @@ def head_rows(weight: torch.Tensor, heads: list[int], head_dim: int) -> torch.Te
     """
     if heads == list(range(heads[0], heads[0] + len(heads))):
         return weight[heads[0] * head_dim : (heads[0] + len(heads)) * head_dim]
-    return weight.view(-1, head_dim, weight.shape[-1])[torch.tensor(heads, device=weight.device)].reshape(
+    return weight.view(-1, head_dim, weight.shape[-1])[index_tensor(heads, weight.device)].reshape(
         len(heads) * head_dim, weight.shape[-1]
     )
 

@@ -230,8 +230,11 @@ class TorchKernel:
         else:
             empty = torch.empty(0, dtype=torch.int32, device=q.device)
             seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            # the kernel needs a unit stride on head_dim only (flash-attn's mha_bwd checks
+            # dout.stride(-1) == 1); a BSHD tensor viewed as BHSD has it, so no copy is made
+            dot = dot if dot.stride(-1) == 1 else dot.contiguous()
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot.contiguous(), qt, kt, vt, ot, lse, empty, empty,
+                dot, qt, kt, vt, ot, lse, empty, empty,
                 q.shape[1], k.shape[1], 0.0, causal, seed, seed, scale=scale,
             )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -1,0 +1,110 @@
+"""Simulation on the GPU code path (``bench.measure.simcuda``) against the CPU code path.
+
+What is checked: the shim is loaded in this process (``tests/conftest.py`` imports ``bench``
+before torch); autograd runs on fake CUDA tensors and executes the CUDA flash-attention ops,
+not the CPU ones; a simulated trial on either path gives nearly the same peak on a small case
+(the CUDA op's fake allocates two extra philox scalars per call; nothing else differs for our
+own methods); the choice is recorded in the row and refused outside simulated mode; a process
+that imported torch first gets a one-line error naming the fix.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import methods
+from bench.measure import simcuda
+from bench.measure.run import run_trial
+from bench.measure.simulate import no_param_init
+from bench.measure.trial import Trial
+from bench.model.config import get_config
+from bench.training.config import StepConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_COMPILER = shutil.which("c++") is None and shutil.which("g++") is None and not os.environ.get("CXX")
+
+
+def test_shim_is_loaded_here():
+    if NO_COMPILER:
+        pytest.skip("no C++ compiler on this machine: the GPU code path cannot be built (CPU path only)")
+    simcuda.require()  # raises with the reason if the shim did not load
+    assert simcuda.active()
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["ulysses", "upipe"])
+def test_fake_cuda_runs_the_cuda_flash_ops(method):
+    simcuda.require()
+    spec = get_config("tiny-llama").attn_spec(causal=True)
+    with FakeTensorMode(), no_param_init(), simcuda.runtime():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                block = methods.build(method, spec, group=None)
+            x = torch.empty(1, 256, spec.n_heads * spec.head_dim, device="cuda", requires_grad=True)
+            ops = OpNames()
+            with ops:
+                block(x).sum().backward()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert x.grad is not None and x.grad.device.type == "cuda"
+    assert "aten._scaled_dot_product_flash_attention" in ops.names
+    assert "aten._scaled_dot_product_flash_attention_backward" in ops.names
+    assert not any(name.endswith("_for_cpu") for name in ops.names)
+
+
+@pytest.mark.parametrize("method,model,scope", [("ulysses", "llama3-8b", "attention"),
+                                                ("upipe", "llama3-8b", "attention"),
+                                                ("upipe", "tiny-llama", "model")])
+def test_gpu_and_cpu_code_paths_agree_on_a_small_case(method, model, scope):
+    simcuda.require()
+    rows = {}
+    for sim_device in ("auto", "cpu"):
+        trial = Trial.make(method, model, 64 << 10, 4, mode="simulated", device="h100-80g",
+                           step=StepConfig(scope=scope, sim_device=sim_device))
+        rows[sim_device] = run_trial(trial)
+    gpu, cpu = rows["auto"], rows["cpu"]
+    assert gpu.status == cpu.status == "ok", (gpu.message, cpu.message)
+    assert "fake cuda tensors" in gpu.env.device_name and "fake cpu tensors" in cpu.env.device_name
+    # same tensors but the CUDA op's two philox scalars per call: within 0.5%
+    assert abs(gpu.figures.peak_bytes - cpu.figures.peak_bytes) <= 0.005 * cpu.figures.peak_bytes
+    if scope == "model":  # checkpoint offload: host memory counted on both paths, equally
+        assert gpu.figures.host_peak_bytes > 0
+        assert abs(gpu.figures.host_peak_bytes - cpu.figures.host_peak_bytes) <= 0.005 * cpu.figures.host_peak_bytes
+    assert gpu.levers.get("sim_device") is None and cpu.levers["sim_device"] == "cpu"
+
+
+def test_sim_device_is_refused_outside_simulation():
+    trial = Trial.make("ulysses", "tiny-llama", 1024, 2, mode="real", device="cpu", step=StepConfig(sim_device="cpu"))
+    with pytest.raises(ValueError, match="sim_device='cpu' picks the fake device of a simulation"):
+        trial.validate()
+    with pytest.raises(ValueError, match="sim_device must be one of"):
+        StepConfig(sim_device="tpu")
+
+
+def test_torch_imported_first_gives_a_one_line_error():
+    code = ("import torch\nimport bench.measure.simcuda as s\n"
+            "try:\n    s.require()\nexcept s.SimCudaError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip()
+    assert line.startswith("ERR ") and "\n" not in line
+    assert "--sim-device cpu" in line and "torch was imported before" in line
