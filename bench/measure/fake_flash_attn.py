@@ -490,6 +490,25 @@ def check_bindings() -> None:
             "what it found then; run the simulation in a fresh process: python -m bench run --mode simulated ...")
 
 
+def needs_it(requires: tuple[str, ...]) -> bool:
+    """Whether a method with these requirements calls flash-attn through a library."""
+    return any(mod in PROVIDES for mod in requires)
+
+
+def check_fresh() -> None:
+    """Before a simulation that will install this flash-attn (none is importable now): refuse
+    (one line) when a library that decides at import whether flash-attn exists, and binds its
+    functions then, was already imported in this process (it found none)."""
+    if "flash_attn" in sys.modules or real_available("flash_attn"):
+        return
+    stale = sorted({m for m in ("yunchang.globals", *(b[0] for b in BINDINGS)) if m in sys.modules})
+    if stale:
+        raise ValueError(
+            f"{', '.join(stale)} was imported in this process before the simulated flash-attn could be "
+            "installed and keeps what it found then (no flash-attn); run the simulation in a fresh process: "
+            "python -m bench run --mode simulated ...")
+
+
 @contextlib.contextmanager
 def installed(check: bool = True) -> Iterator[list[str]]:
     """``install()`` for the duration of a simulation, then ``uninstall()`` of what it added

@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
+import methods
 from records import Figures, GiB, Row, cpu_name, environment
 
 from ..model.config import flops_per_device
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
-from . import launch
+from . import fake_flash_attn, launch
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .trial import Trial
@@ -93,8 +94,14 @@ def _externals(trial: Trial, built) -> tuple:
 
 
 def measure_simulated(trial: Trial) -> dict[str, Any]:
-    """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated)."""
-    with fake_process_group(trial.world_size) as group, fake_tensors(torch.float32), no_param_init():
+    """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated).
+
+    Where no flash-attn is installed, ``fake_flash_attn`` supplies one (installed before the
+    method is built, so that the libraries it wraps import it) whose kernels allocate what
+    flash-attn's do, scratch included."""
+    needs = fake_flash_attn.needs_it(methods.get_info(trial.method).requires)
+    with fake_flash_attn.installed(check=needs), fake_process_group(trial.world_size) as group, \
+            fake_tensors(torch.float32), no_param_init():
         # simulating an accelerator: host memory is the meta device; simulating a CPU, the
         # host is the device itself and offloading does nothing, as on a real CPU
         host = "meta" if trial.preset().kind != "cpu" else "cpu"
