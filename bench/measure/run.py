@@ -100,7 +100,7 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
     method is built, so that the libraries it wraps import it) whose kernels allocate what
     flash-attn's do, scratch included."""
     needs = fake_flash_attn.needs_it(methods.get_info(trial.method).requires)
-    with fake_flash_attn.installed(check=needs), fake_process_group(trial.world_size) as group, \
+    with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size) as group, \
             fake_tensors(torch.float32), no_param_init():
         # simulating an accelerator: host memory is the meta device; simulating a CPU, the
         # host is the device itself and offloading does nothing, as on a real CPU
@@ -128,6 +128,7 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         "comm_bytes": counter.bytes,
         "comm_bytes_by_op": counter.by_op(),
         "comm_time_s": counter.time(trial.link_model()),
+        "flash_attn_simulated": needs and "flash_attn" in added,
     }
 
 
@@ -263,6 +264,9 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         notes.append("ac_offload has no effect on a CPU device (the checkpoints are already in host memory)")
     if trial.mode == "simulated" and trial.step.kernel_workspace != "none":
         notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} (bench.measure.workspace)")
+    if result.get("flash_attn_simulated"):
+        notes.append("flash-attn (not installed) simulated by bench.measure.fake_flash_attn: its kernels' outputs "
+                     "and backward scratch (mha_bwd) are allocated whatever kernel_workspace says")
     if trial.mode == "simulated":
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
                      "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")
