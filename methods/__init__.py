@@ -30,12 +30,14 @@ def available(detail: bool = False) -> list[str] | list[MethodInfo]:
     return [info.name for info in all_infos() if info.usable]
 
 
-def validate(name: str, spec: AttnSpec, world_size: int, **options) -> None:
+def validate(name: str, spec: AttnSpec, world_size: int, *, provided: tuple[str, ...] = (), **options) -> None:
     """Every check ``build`` makes, without a process group: unknown method, missing optional
     library, unknown option, violated constraint. Raises ``ValueError`` saying how to fix it.
+    ``provided``: optional modules the caller will supply itself (bench's simulated mode supplies
+    ``flash_attn``, ``bench.measure.fake_flash_attn``), so their absence is not an error.
     """
     info = get_info(name)
-    missing = info.missing()
+    missing = info.missing(provided)
     if missing:
         hint = info.install_hint or f"pip install {' '.join(missing)}"
         raise ValueError(

@@ -20,6 +20,14 @@ What it supports, and why (``validate``/``forward``):
   accelerator, so it cannot run on CPU. ``offload=None`` (default) means on when the input
   is on CUDA; ``offload=True`` with a CPU input raises a ``ValueError``. The non-offloading
   path (``_FPDTGPUAttentionImpl_``) runs on CPU with a flash_attn stand-in (tests);
+* simulation (bench's simulated mode, ``methods.core.hostmem.simulated()`` set): the
+  non-offloading path is what is simulated, whatever the fake device: ``offload=None`` means
+  off and ``offload=True`` raises a ``ValueError`` (the offloading path needs accelerator
+  streams, which no simulated device has). So a simulated ``ds-fpdt`` row is DeepSpeed's chunked
+  Ulysses with every chunk kept on the device: its flash-attn calls (through
+  ``bench.measure.fake_flash_attn``: outputs and backward scratch), all-to-alls, QKV chunks and
+  its own chunked backward are modelled; the host offload and its double buffering are not
+  (the offloading path keeps fewer chunks on the device, so its real peak is lower);
 * on CUDA flash-attn needs fp16/bf16 (fp32 raises a ``ValueError``);
 * a process group is required (deepspeed.comm), also for one rank;
 * the block input must require grad (FPDT saves activations only when it does).
@@ -30,8 +38,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .core.base import MethodOptions, head_rows
+from .core.hostmem import simulated
 from .core.kernels import get_kernel
 from .core.registry import register
 from .core.spec import AttnSpec
@@ -53,6 +63,9 @@ class DSFPDTOptions(MethodOptions):
 )
 class DeepSpeedFPDT(FPDT):
     Options = DSFPDTOptions
+    simulated_cpu_path_reason = (
+        "DeepSpeed picks its accelerator at import from torch.cuda.is_available(), which the simulated "
+        "CUDA device leaves False, so FPDT makes its buffers on the CPU: simulated on the CPU code path")
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: DSFPDTOptions) -> None:
@@ -79,6 +92,16 @@ class DeepSpeedFPDT(FPDT):
         self._fpdt_cls = FPDT_Attention
 
     def offload_for(self, x: torch.Tensor) -> bool:
+        # simulation (fake tensors, on either fake device): see the module docstring, the
+        # non-offloading path is what is simulated
+        if simulated() is not None or is_fake(x):
+            if self.options.offload:
+                raise ValueError(
+                    "ds-fpdt: offload=True cannot be simulated: DeepSpeed's offloading path runs on "
+                    "accelerator streams, which a simulated device lacks; simulate offload=False (or None), "
+                    "or measure offload in real mode on CUDA"
+                )
+            return False
         offload = x.device.type == "cuda" if self.options.offload is None else self.options.offload
         if offload and x.device.type != "cuda":
             raise ValueError(

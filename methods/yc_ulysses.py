@@ -22,11 +22,14 @@ What is checked where. On CPU, flash-attn can only be the plain-torch stand-in o
 (``tests/flash_attn_standin.py``, which provides flash-attn 2's ``flash_attn_func`` and the
 private functions yunchang's ring calls), so the tests check yunchang's communication,
 layouts and autograd against the reference in fp32 and bf16; the real kernels, ``fa3`` and
-the timings only run on CUDA. yunchang is imported lazily (in ``__init__``), never when
-``methods`` is imported; it decides at its first import whether flash-attn is there.
+the timings only run on CUDA. Simulated mode (``bench run --mode simulated``) runs it, ``fa3``
+included, on ``bench.measure.fake_flash_attn`` where no flash-attn is installed (memory only).
+yunchang is imported lazily (in ``__init__``), never when ``methods`` is imported; it decides
+at its first import whether flash-attn is there (so simulation installs its flash-attn first).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +87,13 @@ def load_yunchang(who: str, attn_type: str):
     found = yc_globals.HAS_FLASH_ATTN_HOPPER if attn_type == "fa3" else yc_globals.HAS_FLASH_ATTN
     if not found:
         lib = "flash-attn 3 (flash_attn_interface)" if attn_type == "fa3" else "flash-attn"
+        module = sys.modules.get("flash_attn_interface" if attn_type == "fa3" else "flash_attn")
+        if getattr(module, "__cpab_simulated__", False):  # bench's simulated flash-attn came after yunchang
+            raise ValueError(
+                f"{who}: yunchang was imported in this process before the simulated {lib} was installed and "
+                "keeps what it found then (none); run the simulation in a fresh process: "
+                "python -m bench run --mode simulated ..."
+            )
         raise ValueError(f"{who}: attn_type={attn_type!r} needs {lib}, which yunchang did not find; {YUNCHANG_HINT}")
     return yunchang, AttnType.from_string(attn_type)
 

@@ -27,6 +27,7 @@ SLOW_MODULES = {
     "tests/methods/test_wrappers.py",
     "tests/bench/test_modes.py", "tests/bench/test_step.py", "tests/bench/test_autochunk.py",
     "tests/bench/test_maxctx.py", "tests/bench/test_plan.py", "tests/bench/test_cli.py", "tests/bench/test_launch.py",
+    "tests/bench/test_simulated_flash_attn.py",
     "tests/sweeps/test_local_sweep.py", "tests/sweeps/test_slurm_cluster.py", "tests/sweeps/test_slurm_sweep.py",
     "tests/analysis/test_notebooks.py", "tests/analysis/test_adding_a_method.py", "tests/analysis/test_figs_cli.py",
     "tests/test_user_runs.py",

@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 
+import methods
 from records import Figures, GiB, Row, cpu_name, environment
 
 from ..model.config import flops_per_device
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
-from . import launch, simcuda
+from . import fake_flash_attn, launch, simcuda
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .trial import Trial
@@ -100,13 +101,18 @@ def simulated_device(trial: Trial) -> torch.device:
     """The fake device a simulated trial runs on: the preset's own (``cuda`` for a GPU preset:
     the GPU code path, ``bench.measure.simcuda``), or ``cpu`` when the step asks for the CPU
     code path (``sim_device="cpu"``) or the preset is a CPU."""
-    if trial.preset().kind == "cpu" or trial.step.sim_device == "cpu":
+    if trial.preset().kind == "cpu" or trial.step.sim_device == "cpu" \
+            or trial.method_cls().simulated_cpu_path_reason:
         return torch.device("cpu")
     return torch.device("cuda", 0)
 
 
 def measure_simulated(trial: Trial) -> dict[str, Any]:
-    """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated)."""
+    """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated).
+
+    Where no flash-attn is installed, ``fake_flash_attn`` supplies one (installed before the
+    method is built, so that the libraries it wraps import it) whose kernels allocate what
+    flash-attn's do, scratch included."""
     device = simulated_device(trial)
     on_gpu_path = device.type == "cuda"
     if on_gpu_path:
@@ -117,8 +123,9 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
     accelerator = trial.preset().kind != "cpu"
     host = "cpu" if on_gpu_path else ("meta" if accelerator else "cpu")
     runtime = simcuda.runtime() if on_gpu_path else contextlib.nullcontext()
-    with fake_process_group(trial.world_size) as group, runtime, \
-            fake_tensors(torch.float32, meta_host=accelerator and not on_gpu_path), no_param_init():
+    needs = fake_flash_attn.needs_it(methods.get_info(trial.method).requires)
+    with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size) as group, \
+            runtime, fake_tensors(torch.float32, meta_host=accelerator and not on_gpu_path), no_param_init():
         built, batch = _build(trial, group, device, host=host, fake=True)
         if trial.step.scope == "model":
             maybe_prime_optimizer(*built)
@@ -143,6 +150,7 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         "comm_bytes_by_op": counter.by_op(),
         "comm_time_s": counter.time(trial.link_model()),
         "sim_device": str(device),
+        "flash_attn_simulated": needs and "flash_attn" in added,
     }
 
 
@@ -276,8 +284,13 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if trial.step.ac_offload and trial.step.scope == "model" and (
             preset.kind == "cpu" and trial.mode != "simulated"):
         notes.append("ac_offload has no effect on a CPU device (the checkpoints are already in host memory)")
+    if trial.mode == "simulated" and trial.method_cls().simulated_cpu_path_reason and preset.kind != "cpu":
+        notes.append(trial.method_cls().simulated_cpu_path_reason)
     if trial.mode == "simulated" and trial.step.kernel_workspace != "none":
         notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} (bench.measure.workspace)")
+    if result.get("flash_attn_simulated"):
+        notes.append("flash-attn (not installed) simulated by bench.measure.fake_flash_attn: its kernels' outputs "
+                     "and backward scratch (mha_bwd) are allocated whatever kernel_workspace says")
     if trial.mode == "simulated":
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
                      "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")

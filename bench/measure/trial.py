@@ -30,7 +30,7 @@ from records.sizes import parse_size
 
 from ..model.config import ModelConfig, get_config
 from ..training.config import StepConfig
-from . import launch
+from . import fake_flash_attn, launch
 from .hardware import DevicePreset, LinkModel, get_device, get_link
 
 AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and rows
@@ -198,7 +198,12 @@ class Trial:
         cfg = self.config()
         preset = self.preset()
         self.link_model()
-        methods.validate(self.method, cfg.attn_spec(), self.world_size, **self.opts)
+        # simulated mode supplies a memory-faithful flash-attn where none is installed
+        simulated = self.mode == Mode.SIMULATED
+        provided = fake_flash_attn.PROVIDES if simulated else ()
+        methods.validate(self.method, cfg.attn_spec(), self.world_size, provided=provided, **self.opts)
+        if simulated and fake_flash_attn.needs_it(methods.get_info(self.method).requires):
+            fake_flash_attn.check_fresh()
         if check_seq_len and self.kind == Kind.TRIAL:
             self.method_cls().check_seq_len(self.seq_len, self.world_size, self.options)
         if here and self.mode in (Mode.REAL, Mode.EMULATED) and preset.kind == "cuda" \

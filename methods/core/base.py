@@ -153,6 +153,10 @@ class AttentionMethod(AttentionParams):
 
     method_name: ClassVar[str] = "?"
     Options: ClassVar[type] = MethodOptions
+    # simulation: None runs on the trial's fake device; "cpu" pins the method to the CPU code
+    # path (a wrapped library that picks its device by asking torch.cuda.is_available(), which
+    # the simulated CUDA device leaves False, would mix devices); the reason goes in the row
+    simulated_cpu_path_reason: ClassVar[str | None] = None
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec)

@@ -25,9 +25,10 @@ class MethodInfo:
     requires: tuple[str, ...] = field(default=())
     install_hint: str = ""
 
-    def missing(self) -> list[str]:
-        """The optional modules this method needs that cannot be imported here."""
-        return [mod for mod in self.requires if not _importable(mod)]
+    def missing(self, provided: tuple[str, ...] = ()) -> list[str]:
+        """The optional modules this method needs that cannot be imported here; ``provided``:
+        modules the caller supplies itself (simulated mode's flash-attn) and are not missing."""
+        return [mod for mod in self.requires if mod not in provided and not _importable(mod)]
 
     @property
     def usable(self) -> bool:
