@@ -219,6 +219,11 @@ class Trial:
                 f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
                 f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
             )
+        if self.step.allocator_model != "none" and self.mode != Mode.SIMULATED:
+            raise ValueError(
+                f"allocator_model={self.step.allocator_model!r} models the CUDA caching allocator under "
+                f"simulation; in {self.mode} mode the real allocator reports its own reserved peak: drop it"
+            )
         if self.step.chunked_loss_impl == "deepspeed" and self.mode == Mode.SIMULATED:
             # its backward branches on `grads[0] != 1.0`, a value (.item()) fake tensors do not have
             raise ValueError(
