@@ -286,8 +286,9 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
             notes.append(f"the modelled allocator ran out of the device's memory (the reserved peak is up to "
                          f"that point; the status is decided by the allocated peak): {allocator['oom']}")
     if trial.mode == "simulated":
+        unmodelled = "workspaces" if allocator else "workspaces and allocator fragmentation"
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
-                     "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")
+                     f"NCCL buffers, {unmodelled} not modelled (see usable_bytes)")
     if trial.mode == "emulated":
         notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
                      "modelled communication (no overlap)")

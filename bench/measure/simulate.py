@@ -7,7 +7,8 @@ Together they give one rank's peak memory for, say, Llama3-8B at 5M tokens on 8 
 well under a second on a laptop CPU. What it measures is exactly what the code allocates:
 kernels are called through their fake implementations (the flash kernels' fakes allocate
 ``out`` and ``lse`` only), and the CUDA caching allocator (fragmentation, workspaces)
-is not modelled, so figures are lower bounds on ``torch.cuda.max_memory_reserved``.
+is not modelled, so figures are lower bounds on ``torch.cuda.max_memory_reserved``
+(``bench.measure.allocator`` replays a step's allocations through a model of that allocator).
 """
 from __future__ import annotations
 
