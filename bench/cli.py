@@ -109,6 +109,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-device", choices=["auto", "cpu"], default="auto",
                    help="simulated mode: auto = fake tensors of the preset's device (GPU code path for a GPU "
                    "preset, bench.measure.simcuda); cpu = the CPU code path")
+    p.add_argument("--allocator-model", choices=["none", "classic", "expandable"], default="none",
+                   help="simulated mode: replay the step's allocations through a model of the CUDA caching "
+                   "allocator (bench.measure.allocator) and record its reserved peak; expandable: as with "
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the paper's setting")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=2, help="timed steps (real/emulated)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -162,7 +166,8 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
         step = StepConfig(
             scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
             loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, sim_device=args.sim_device,
-            tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl, **levers,
+            tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
+            allocator_model=args.allocator_model, **levers,
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
                           device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,

@@ -29,7 +29,8 @@ class Figures:
 
     Bytes are per rank. ``peak_bytes`` is the allocated peak (MemTracker's live tensors in
     simulated and CPU runs, ``torch.cuda.max_memory_allocated`` on CUDA), the max over ranks
-    in real mode; ``peak_reserved_bytes`` is ``max_memory_reserved`` (CUDA only).
+    in real mode; ``peak_reserved_bytes`` is ``max_memory_reserved`` (CUDA only; in simulated
+    mode with ``allocator_model``, the reserved peak of ``bench.measure.allocator``'s model).
     ``step_time_s`` is seconds per step (mean of the timed steps; emulated: measured compute
     plus modelled communication). Tokens per device count every token once:
     ``batch * seq_len / world_size``.

@@ -21,6 +21,9 @@ Modes (recorded in every row):
   checkpoint offload here, and for the methods' own offloading through
   ``methods.core.hostmem``), so the two are still counted apart. Step time is not simulated;
   the communication bytes and their modelled time are recorded.
+  With ``allocator_model`` (classic or expandable) the step's allocations are also replayed
+  through a model of the CUDA caching allocator (``bench.measure.allocator``), which adds
+  ``peak_reserved_bytes``; the fit is still decided by the allocated peak.
 
 A trial "fits" in simulated mode (and on a CPU device in the other modes, which have no
 out-of-memory error to catch) when its peak is within the preset's usable bytes; otherwise
@@ -42,6 +45,7 @@ from records import Figures, GiB, Row, cpu_name, environment
 from ..model.config import flops_per_device
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import fake_flash_attn, launch, simcuda
+from .allocator import record_step, replay
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .trial import Trial
@@ -139,10 +143,25 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
             with counter, (workspace if modelled else contextlib.nullcontext()):
                 run()
 
-        peaks = track_peaks(tracked, *_externals(trial, built))
-    device_peak = peaks.get(str(device))
-    host_peak = peaks.get(host) if host != str(device) else None
+        allocator = trial.step.allocator_model
+        if allocator == "none":
+            peaks = track_peaks(tracked, *_externals(trial, built))
+        else:
+            peaks, trace = record_step(tracked, *_externals(trial, built))
+    device_key = str(device)  # the simulated accelerator's device
+    device_peak = peaks.get(device_key)
+    host_peak = peaks.get(host) if host != device_key else None
+    extra: dict[str, Any] = {}
+    if allocator != "none":
+        t0 = time.perf_counter()
+        replayed = replay(trace, device_key, expandable_segments=allocator == "expandable",
+                          capacity=trial.preset().capacity(1))
+        extra = {"peak_reserved_bytes": replayed.peak_reserved,
+                 "allocator": {"model": allocator, "peak_allocated_bytes": replayed.peak_allocated,
+                               "events": replayed.events, "replay_s": time.perf_counter() - t0,
+                               "cache_releases": replayed.cache_releases, "oom": replayed.oom}}
     return {
+        **extra,
         "peak_bytes": device_peak.total if device_peak else 0,
         "peak_by_category": dict(device_peak.by_category) if device_peak else {},
         "host_peak_bytes": host_peak.total if host_peak else 0,
@@ -291,9 +310,20 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if result.get("flash_attn_simulated"):
         notes.append("flash-attn (not installed) simulated by bench.measure.fake_flash_attn: its kernels' outputs "
                      "and backward scratch (mha_bwd) are allocated whatever kernel_workspace says")
+    allocator = result.get("allocator")
+    if trial.mode == "simulated" and allocator:
+        notes.append(
+            f"peak_reserved_bytes: the step's {allocator['events']} device allocations and frees replayed through "
+            f"a model of the CUDA caching allocator ({allocator['model']} segments, bench.measure.allocator; "
+            f"its allocated peak {allocator['peak_allocated_bytes'] / GiB:.2f} GiB, "
+            f"{allocator['cache_releases']} cache releases, replay {allocator['replay_s']:.2f} s)")
+        if allocator["oom"]:
+            notes.append(f"the modelled allocator ran out of the device's memory (the reserved peak is up to "
+                         f"that point; the status is decided by the allocated peak): {allocator['oom']}")
     if trial.mode == "simulated":
+        unmodelled = "workspaces" if allocator else "workspaces and allocator fragmentation"
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
-                     "NCCL buffers, workspaces and allocator fragmentation not modelled (see usable_bytes)")
+                     f"NCCL buffers, {unmodelled} not modelled (see usable_bytes)")
     if trial.mode == "emulated":
         notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
                      "modelled communication (no overlap)")

@@ -8,8 +8,9 @@ well under a second on a laptop CPU. What it measures is exactly what the code a
 kernels are called through their fake implementations (the flash kernels' fakes allocate
 ``out`` and ``lse`` only; on the GPU code path, fake CUDA tensors, ``bench.measure.simcuda``,
 the CUDA flash op's fake also allocates its two small philox tensors), and the CUDA caching
-allocator (fragmentation, workspaces) is not modelled,
-so figures are lower bounds on ``torch.cuda.max_memory_reserved``.
+allocator (fragmentation, workspaces) is not modelled, so figures are lower bounds on
+``torch.cuda.max_memory_reserved`` (``bench.measure.allocator`` replays a step's allocations
+through a model of that allocator).
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def no_param_init() -> Iterator[None]:
             setattr(init, n, fn)
 
 
-def _peak_tracker():
+class PeakTracker(MemTracker):
     """A ``MemTracker`` that keeps the per-device peak only.
 
     ``MemTracker`` also keeps every module's own peak, scanning all tracked modules after
@@ -123,15 +124,24 @@ def _peak_tracker():
     replaced by the global update (the same code as MemTracker's last loop).
     """
 
+    def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - same signature
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = deepcopy(dev_snap)
 
-    class PeakTracker(MemTracker):
-        def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - same signature
-            for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
 
+def _peak_tracker() -> PeakTracker:
     return PeakTracker()
+
+
+def peaks_by_device(tracker: MemTracker) -> dict[str, MemoryPeak]:
+    """A tracker's peak per device (``"cpu"``, ``"meta"``, ``"cuda:0"``) with its categories."""
+    out = {}
+    for device, stats in tracker.get_tracker_snapshot("peak").items():
+        categories = {str(k.value).lower(): int(v) for k, v in stats.items() if k != "Total"}
+        out[str(device)] = MemoryPeak(int(stats["Total"]), categories)
+    return out
 
 
 def track_peaks(step: Callable[[], None], *external) -> dict[str, MemoryPeak]:
@@ -145,8 +155,4 @@ def track_peaks(step: Callable[[], None], *external) -> dict[str, MemoryPeak]:
         tracker.track_external(*external)
     with tracker:
         step()
-    out = {}
-    for device, stats in tracker.get_tracker_snapshot("peak").items():
-        categories = {str(k.value).lower(): int(v) for k, v in stats.items() if k != "Total"}
-        out[str(device)] = MemoryPeak(int(stats["Total"]), categories)
-    return out
+    return peaks_by_device(tracker)

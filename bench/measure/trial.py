@@ -227,6 +227,11 @@ class Trial:
         if self.step.sim_device != "auto" and self.mode != Mode.SIMULATED:
             raise ValueError(f"sim_device={self.step.sim_device!r} picks the fake device of a simulation; "
                              f"in {self.mode} mode the trial runs on its real device: drop it")
+        if self.step.allocator_model != "none" and self.mode != Mode.SIMULATED:
+            raise ValueError(
+                f"allocator_model={self.step.allocator_model!r} models the CUDA caching allocator under "
+                f"simulation; in {self.mode} mode the real allocator reports its own reserved peak: drop it"
+            )
         if self.step.chunked_loss_impl == "deepspeed" and self.mode == Mode.SIMULATED:
             # its backward branches on `grads[0] != 1.0`, a value (.item()) fake tensors do not have
             raise ValueError(

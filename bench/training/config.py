@@ -26,6 +26,9 @@ from records import DType, Scope
 TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP32: torch.float32}
 # simulation only: how the attention backward's scratch buffers are modelled (bench.measure.workspace)
 KERNEL_WORKSPACES = ("none", "fa2", "fa3")
+# simulation only: replay the step's allocations through a model of the CUDA caching allocator
+# (bench.measure.allocator) to add its reserved peak; classic segments or expandable_segments:True
+ALLOCATOR_MODELS = ("none", "classic", "expandable")
 # whose implementation runs the tiled MLP / chunked loss (DeepSpeed's: runtime.sequence_parallel.ulysses_sp)
 IMPLS = ("ours", "deepspeed")
 # simulation only: which fake device runs the step (bench.measure.simcuda). "auto": the device
@@ -55,6 +58,7 @@ class StepConfig:
     tiled_mlp_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledMLP), when tiled_mlp
     chunked_loss_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledFusedLogitsLoss), when chunked_loss
     sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
+    allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -74,6 +78,9 @@ class StepConfig:
                              f"got {self.kernel_workspace!r}")
         if self.sim_device not in SIM_DEVICES:
             raise ValueError(f"sim_device must be one of {list(SIM_DEVICES)}, got {self.sim_device!r}")
+        if self.allocator_model not in ALLOCATOR_MODELS:
+            raise ValueError(f"allocator_model must be one of {list(ALLOCATOR_MODELS)}, "
+                             f"got {self.allocator_model!r}")
         for name, lever in (("tiled_mlp_impl", "tiled_mlp"), ("chunked_loss_impl", "chunked_loss")):
             value = getattr(self, name)
             if value not in IMPLS:
@@ -103,7 +110,8 @@ class StepConfig:
         # fields added after rows were committed are left out at their default, so that the
         # trial identity (and the key) of every earlier row stays what it was
         for name, default in (("kernel_workspace", "none"), ("tiled_mlp_impl", "ours"),
-                              ("chunked_loss_impl", "ours"), ("sim_device", "auto")):
+                              ("chunked_loss_impl", "ours"), ("sim_device", "auto"),
+                              ("allocator_model", "none")):
             if d[name] == default:
                 d.pop(name)
         return d
