@@ -106,6 +106,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="whose chunked loss: ours or DeepSpeed's TiledFusedLogitsLoss (needs deepspeed)")
     p.add_argument("--kernel-workspace", choices=["none", "fa2", "fa3"], default="none",
                    help="simulated mode: model the attention backward's scratch buffers (bench.measure.workspace)")
+    p.add_argument("--stack", choices=["paper", "lean"], default=None,
+                   help="simulated mode: the memory accounting (bench.measure.stack); paper (default in simulated "
+                   "mode) models what the paper's runs held, lean counts live tensors against 90%% of the device")
     p.add_argument("--sim-device", choices=["auto", "cpu"], default="auto",
                    help="simulated mode: auto = fake tensors of the preset's device (GPU code path for a GPU "
                    "preset, bench.measure.simcuda); cpu = the CPU code path")
@@ -166,6 +169,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
         step = StepConfig(
             scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
             loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, sim_device=args.sim_device,
+            stack=args.stack or ("paper" if args.mode == "simulated" else "lean"),
             tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
             allocator_model=args.allocator_model, **levers,
         )

@@ -33,6 +33,7 @@ Any other exception makes an ``error`` row: a trial never raises.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import traceback
 from typing import Any
@@ -44,7 +45,7 @@ from records import Figures, GiB, Row, cpu_name, environment
 
 from ..model.config import flops_per_device
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
-from . import fake_flash_attn, launch, simcuda
+from . import fake_flash_attn, launch, simcuda, stack
 from .allocator import record_step, replay
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
@@ -117,6 +118,8 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
     Where no flash-attn is installed, ``fake_flash_attn`` supplies one (installed before the
     method is built, so that the libraries it wraps import it) whose kernels allocate what
     flash-attn's do, scratch included."""
+    step, stack_notes = stack.apply(trial.step, trial.method)
+    trial = dataclasses.replace(trial, step=step)  # the step as the accounting stack runs it
     device = simulated_device(trial)
     on_gpu_path = device.type == "cuda"
     if on_gpu_path:
@@ -170,6 +173,7 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         "comm_time_s": counter.time(trial.link_model()),
         "sim_device": str(device),
         "flash_attn_simulated": needs and "flash_attn" in added,
+        "stack_notes": stack_notes,
     }
 
 
@@ -270,8 +274,9 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
                 "comm_bytes", "comm_bytes_by_op", "loss", "compute_time_s"):
         if result.get(key) is not None:
             setattr(f, key, result[key])
-    f.capacity_bytes = preset.capacity(trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1)
-    f.usable_bytes = int(f.capacity_bytes * preset.usable_fraction)
+    ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
+    f.capacity_bytes = preset.capacity(ranks_here)
+    f.usable_bytes = stack.usable_bytes(preset, trial.step.stack if trial.mode == "simulated" else "lean", ranks_here)
     f.tokens_per_device = trial.step.batch * trial.seq_len // trial.world_size
     f.flops_per_device = flops_per_device(cfg, trial.seq_len, trial.world_size, trial.step.batch,
                                           trial.step.scope)
@@ -289,11 +294,15 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.tokens_per_s_per_device = f.tokens_per_device / f.step_time_s
         f.tflops_per_device = f.flops_per_device / f.step_time_s / 1e12
     # memory budget: simulation has no OOM to catch, nor does a CPU
-    if status == "ok" and f.peak_bytes is not None and (trial.mode == "simulated" or preset.kind == "cpu"):
-        if f.peak_bytes > f.usable_bytes:
+    paper = trial.mode == "simulated" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
+    compared = f.peak_reserved_bytes if paper else f.peak_bytes
+    if status == "ok" and compared is not None and (trial.mode == "simulated" or preset.kind == "cpu"):
+        if compared > f.usable_bytes:
             status = "oom"
-            message = (f"peak {f.peak_bytes / GiB:.2f} GiB exceeds the usable {f.usable_bytes / GiB:.2f} GiB "
-                       f"({preset.usable_fraction:.0%} of {f.capacity_bytes / GiB:.2f} GiB, {preset.name})")
+            budget = (f"capacity less {stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context" if paper
+                      else f"{preset.usable_fraction:.0%} of {f.capacity_bytes / GiB:.2f} GiB")
+            message = (f"{'reserved peak' if paper else 'peak'} {compared / GiB:.2f} GiB exceeds the usable "
+                       f"{f.usable_bytes / GiB:.2f} GiB ({budget}, {preset.name})")
     if trial.mode == "simulated":
         f.host_usable_bytes = preset.host_usable()
         if status == "ok" and f.host_usable_bytes and (f.host_peak_bytes or 0) > f.host_usable_bytes:
@@ -320,7 +329,12 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         if allocator["oom"]:
             notes.append(f"the modelled allocator ran out of the device's memory (the reserved peak is up to "
                          f"that point; the status is decided by the allocated peak): {allocator['oom']}")
-    if trial.mode == "simulated":
+    notes.extend(result.get("stack_notes") or [])
+    if trial.mode == "simulated" and trial.step.stack == "paper":
+        notes.append("simulated, paper stack (bench.measure.stack): FakeTensorMode + fake process group + MemTracker "
+                     "on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
+                     "the CUDA context; NCCL's own buffers and Liger's loss not modelled")
+    elif trial.mode == "simulated":
         unmodelled = "workspaces" if allocator else "workspaces and allocator fragmentation"
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
                      f"NCCL buffers, {unmodelled} not modelled (see usable_bytes)")

@@ -224,6 +224,9 @@ class Trial:
                 f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
                 f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
             )
+        if self.step.stack != "lean" and self.mode != Mode.SIMULATED:
+            raise ValueError(f"stack={self.step.stack!r} is an accounting of simulated memory; in {self.mode} "
+                             "mode the run's own memory is measured: drop it (or use --stack lean)")
         if self.step.sim_device != "auto" and self.mode != Mode.SIMULATED:
             raise ValueError(f"sim_device={self.step.sim_device!r} picks the fake device of a simulation; "
                              f"in {self.mode} mode the trial runs on its real device: drop it")

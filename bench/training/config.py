@@ -35,6 +35,12 @@ IMPLS = ("ours", "deepspeed")
 # preset's own (fake CUDA tensors for a GPU preset, fake CPU tensors for the CPU preset); "cpu":
 # fake CPU tensors for a GPU preset too (the CPU code path, host memory modelled by `meta`)
 SIM_DEVICES = ("auto", "cpu")
+# simulation only: the accounting (bench.measure.stack): "lean" counts live tensors against 90% of
+# the device; "paper" models what the paper's runs held (allocator reserved memory, kernel scratch,
+# the authors' offload settings) against the device less what lives outside the allocator
+STACKS = ("lean", "paper")
+# which blocks keep their activation checkpoint on the device when ac_offload is on
+OFFLOAD_KEEPS = ("first_last", "first")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class StepConfig:
     kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.measure.workspace)
     tiled_mlp_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledMLP), when tiled_mlp
     chunked_loss_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledFusedLogitsLoss), when chunked_loss
+    offload_keep: str = "first_last"  # checkpoints kept on the device: first_last | first (the authors' scripts)
+    stack: str = "lean"  # simulation only: lean | paper (bench.measure.stack); the CLI and specs default to paper
     sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
     allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
 
@@ -76,6 +84,10 @@ class StepConfig:
         if self.kernel_workspace not in KERNEL_WORKSPACES:
             raise ValueError(f"kernel_workspace must be one of {list(KERNEL_WORKSPACES)}, "
                              f"got {self.kernel_workspace!r}")
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {list(STACKS)}, got {self.stack!r}")
+        if self.offload_keep not in OFFLOAD_KEEPS:
+            raise ValueError(f"offload_keep must be one of {list(OFFLOAD_KEEPS)}, got {self.offload_keep!r}")
         if self.sim_device not in SIM_DEVICES:
             raise ValueError(f"sim_device must be one of {list(SIM_DEVICES)}, got {self.sim_device!r}")
         if self.allocator_model not in ALLOCATOR_MODELS:
@@ -111,7 +123,7 @@ class StepConfig:
         # trial identity (and the key) of every earlier row stays what it was
         for name, default in (("kernel_workspace", "none"), ("tiled_mlp_impl", "ours"),
                               ("chunked_loss_impl", "ours"), ("sim_device", "auto"),
-                              ("allocator_model", "none")):
+                              ("allocator_model", "none"), ("stack", "lean"), ("offload_keep", "first_last")):
             if d[name] == default:
                 d.pop(name)
         return d

@@ -11,7 +11,8 @@
   only each block's input is saved, the block is recomputed in backward.
 * ``ac_offload``: those saved block inputs go to host memory through saved-tensor hooks
   (``torch.autograd.graph.save_on_cpu``'s mechanism; pinned on CUDA when
-  ``offload_pin``), for all blocks but the first and the last, as in the paper's code.
+  ``offload_pin``), for all blocks but the first and the last (``offload_keep="first_last"``,
+  the paper's checkpoint wrapper) or all but the first (``"first"``, what its scripts ran).
   A tensor already on the host stays where it is, so the lever does nothing on a CPU device.
 * ``tiled_mlp``: RMSNorm + SwiGLU run over sequence tiles, recomputed in backward
   (``mlp_tiles=0``: the paper's ``ceil(local tokens / dim)`` tiles). ``tiled_norm``: the
@@ -146,9 +147,12 @@ def build_model(
     if step.ac:
         offload = HostOffload(host, pin=step.offload_pin and device.type == "cuda") if step.ac_offload else None
         n = len(model.layers)
+        kept = {0} if step.offload_keep == "first" else {0, n - 1}
         for i in range(n):
-            # the paper's code offloads every block's checkpoint but the first and the last
-            use = offload if (offload is not None and (n <= 2 or 0 < i < n - 1)) else None
+            # the paper's checkpoint wrapper exempts the first and the last block; its scripts'
+            # full-checkpointing path passes no "last layer" flag, so only the first stays there
+            # (offload_keep="first"; docs/paper.md, "Training stack")
+            use = offload if (offload is not None and (n <= 2 or i not in kept)) else None
             model.layers[i] = CheckpointedBlock(model.layers[i], use)
     if step.fsdp:
         if group is None:
