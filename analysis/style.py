@@ -34,7 +34,7 @@ OOM = "OOM"
 
 # Display names of the paper's methods and their suite counterparts.
 DISPLAY = {
-    "torch-cp": "Native PyTorch", "ring": "Ring", "ulysses": "Ulysses", "fpdt": "FPDT", "upipe": "UPipe",
+    "torch-cp": "Native PyTorch CP (torch)", "ring": "Ring", "ulysses": "Ulysses", "fpdt": "FPDT", "upipe": "UPipe",
     "usp": "USP-Hybrid", "usp-upipe": "UPipe (USP mesh)", "offload": "Ulysses + offload",
     "ds-ulysses": "DeepSpeed Ulysses", "ds-fpdt": "DeepSpeed FPDT", "rfa-zigzag": "ring-flash-attn zigzag",
     "ds-ulysses-hf": "DeepSpeed Ulysses (HF/ALST)", "yc-ulysses": "yunchang Ulysses", "yc-ring": "yunchang Ring",

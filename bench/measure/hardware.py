@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from records import GiB, MiB
@@ -179,6 +181,17 @@ _C10D_OPS = {
     "barrier": ("barrier", None),
 }
 
+# functional collectives (``torch.distributed._functional_collectives``, what DTensor and torch's
+# context parallel issue: ``_c10d_functional::*`` ops, the group named by a string). Counted like
+# the c10d ops above: an all-gather by its gathered output (input bytes x group size), the others
+# by their input.
+_FUNCTIONAL_OPS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_to_all_single": "all_to_all",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
+
 
 def _nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
@@ -199,7 +212,9 @@ class CommCounter(TorchDispatchMode):
     """Records every c10d collective issued while active: ``(op, bytes per rank, group size)``.
 
     Works on real, fake-backend and fake-tensor runs alike (collectives pass through the
-    dispatcher as ``c10d::*`` ops). ``time(link)`` sums the link model over them.
+    dispatcher as ``c10d::*`` or functional ``_c10d_functional::*`` ops). Ops on DTensors are
+    handed back to DTensor (``NotImplemented``, as torch's ``MemTracker`` does), so the local ops
+    it runs, collectives included, come through here. ``time(link)`` sums the link model over them.
     Receives are not counted separately from sends (a ring step is one send + one recv).
     """
 
@@ -209,6 +224,14 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops (and their collectives) through this mode
+        if func.namespace == "_c10d_functional":
+            op = _FUNCTIONAL_OPS.get(func._schema.name.split("::", 1)[-1])
+            if op is not None:
+                size = _resolve_process_group(args[-1]).size()
+                nbytes = _nbytes(args[0]) * (size if op == "all_gather" else 1)
+                self.calls.append((op, nbytes, size))
         if func.namespace == "c10d":
             name = func._schema.name.split("::", 1)[-1]
             kind = _C10D_OPS.get(name)

@@ -3,14 +3,16 @@
 Driven by ``methods.available()``: a method joins the matrix by registering. Extra option
 variants per method live in ``variants``; a method not listed there runs with defaults.
 A case the method refuses (``refusal``) is skipped with the method's reason, and a method
-that refuses every case fails the matrix (``ran_none``): a run of skips proves nothing.
+that refuses every case fails the matrix (``ran_none``): a run of skips proves nothing. The one
+exemption is ``CUDA_ONLY``: methods with no CPU path at all, whose cases are skipped with that
+reason and which must prove they refuse CPU input (``cpu_refusal``).
 """
 from __future__ import annotations
 
 import torch
 
 import methods
-from methods.core.comm import all_reduce_sum_
+from methods.core.comm import all_reduce_sum_, world
 from methods.core.reference import AttentionBlock
 
 SEQ_LEN = 64  # divisible by 2*C*chunks for every layout at C <= 4
@@ -28,6 +30,18 @@ SPECS = {
 # Tolerances on max|a - b| / max|b| against the fp32 reference (TransformerEngine uses
 # about 2.5e-2 for bf16 and 3.5e-2 with GQA; fp32 paths differ only by summation order).
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3.5e-2}
+
+
+# Methods whose attention exists only as CUDA kernels, with no CPU path and no stand-in: the
+# matrix (CPU gloo ranks) cannot run them. name -> where their correctness is checked instead.
+# Their cases are skipped with this reason (``refusal``), ``test_every_method_ran_a_case`` says
+# so instead of failing them, and ``test_cuda_only_methods_refuse_cpu`` checks that each one
+# indeed refuses a CPU input with a one-line reason (an entry that ran on CPU would be an
+# exemption for nothing, and fails that test).
+CUDA_ONLY = {
+    "torch-cp": "tests/methods/test_torch_cp.py (torch's ring on the CPU flash op on gloo ranks, the whole "
+                "method on simulated CUDA, and against the reference on CUDA where a GPU is present)",
+}
 
 
 def variants(method: str, world_size: int, spec: dict) -> list[dict]:
@@ -97,6 +111,20 @@ def refusal(method: str, world_size: int, spec_kwargs: dict, options: dict) -> s
     the case runs. The one place the matrix decides whether a case runs or is skipped."""
     try:
         methods.validate(method, methods.AttnSpec(**spec_kwargs), world_size, **options)
+    except ValueError as err:
+        return str(err)
+    if method in CUDA_ONLY:
+        return f"{method} runs CUDA kernels only (no CPU path); its correctness is checked in {CUDA_ONLY[method]}"
+    return None
+
+
+def cpu_refusal(group, method: str, spec_kwargs: dict) -> str | None:
+    """What ``method`` says when run on a CPU input (forward and backward): its error message,
+    or None if it ran. For the ``CUDA_ONLY`` check; runs on the ranks like a matrix case."""
+    block = methods.build(method, methods.AttnSpec(**spec_kwargs), group=group).bfloat16()
+    x = torch.randn(BATCH, SEQ_LEN // world(group)[0], block.spec.dim, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        block(x).sum().backward()
     except ValueError as err:
         return str(err)
     return None

@@ -3,7 +3,9 @@
 Matrix: world sizes 1, 2, 4 (gloo) x MHA / GQA / GQA with fewer KV heads than ranks / QK-norm
 x causal and not x fp32 and bf16 x each method's option variants (UPipe at U = C, 2C, H).
 A case a method refuses is skipped with its reason; after the matrix, a method none of whose
-cases ran fails (``test_every_method_ran_a_case``).
+cases ran fails (``test_every_method_ran_a_case``), except the methods with CUDA kernels only
+(``cases.CUDA_ONLY``), which are checked elsewhere and must refuse a CPU input with a one-line
+reason (``test_cuda_only_methods_refuse_cpu``).
 """
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ import pytest
 
 import methods
 from methods.core.base import AttentionMethod
-from tests.methods.cases import TOLERANCE, cases, check_against_reference, ran_none, refusal
+from tests.methods.cases import (
+    CUDA_ONLY,
+    SPECS,
+    TOLERANCE,
+    cases,
+    check_against_reference,
+    cpu_refusal,
+    ran_none,
+    refusal,
+)
 
 METHODS = methods.available()
 CASES = list(cases(METHODS))
@@ -48,12 +59,27 @@ def test_every_method_ran_a_case(method):
     """Runs after the matrix (pytest keeps a module's order). Judged only when every case of the
     method went through the matrix in this session: with ``-k`` or a single test id selected,
     too few cases were seen to say that the method refuses them all."""
+    if method in CUDA_ONLY:
+        pytest.skip(f"{method} has CUDA kernels only and cannot run on the CPU ranks (tests.methods.cases.CUDA_ONLY); "
+                    f"test_cuda_only_methods_refuse_cpu checks it refuses CPU, and {CUDA_ONLY[method]} checks it")
     seen = len(REFUSALS[method])
     if seen < CASES_PER_METHOD[method]:
         pytest.skip(f"only {seen} of the {CASES_PER_METHOD[method]} correctness cases of {method} went "
                     "through the matrix in this session: too few for a verdict")
     failure = ran_none(method, REFUSALS[method])
     assert failure is None, failure
+
+
+@pytest.mark.parametrize("method", sorted(CUDA_ONLY))
+def test_cuda_only_methods_refuse_cpu(pool, method):
+    """The exemption above holds only while it is true: on a CPU input the method refuses, with one
+    line naming CUDA, on every rank (here at 2 ranks, GQA, causal)."""
+    if method not in METHODS:
+        pytest.skip(f"{method} is not usable here: {methods.get_info(method).status}")
+    for rank, message in enumerate(pool.run(cpu_refusal, method, dict(SPECS["gqa"], causal=True), world_size=2)):
+        assert message is not None, (f"{method} ran on CPU on rank {rank}: drop it from CUDA_ONLY and let the "
+                                     "matrix run it")
+        assert "\n" not in message and "CUDA" in message, message
 
 
 def test_ran_none_fails_a_method_that_refuses_every_case():
