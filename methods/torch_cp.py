@@ -233,6 +233,7 @@ def _sdpa_op(backend: str):
           requires=(CP_MODULE,), install_hint="a torch with torch.distributed (pip install 'torch>=2.9')")
 class TorchCP(ZigzagLayoutMethod):
     Options = TorchCPOptions
+    cuda_only_reason = "torch's context parallel dispatches only the CUDA SDPA kernels"
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: TorchCPOptions) -> None:

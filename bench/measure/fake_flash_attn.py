@@ -73,9 +73,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from methods.core.registry import SIMULATION_PROVIDES
+
 __version__ = "2.8.3"  # DeepSpeed FPDT picks its call signature by version (>= 2.7.0); yunchang by >= 2.6.3
 SM_COUNT = 132  # H100 SXM: only the deterministic FA2 backward's dq_accum depends on it
-PROVIDES = ("flash_attn", "flash_attn_interface")  # what simulated mode supplies when missing
+PROVIDES = SIMULATION_PROVIDES  # what simulated mode supplies (methods.core.registry)
 FA2_MODULES = ("flash_attn", "flash_attn.flash_attn_interface")
 FA3_MODULE = "flash_attn_interface"
 SIM_ONLY = "exists only for simulated mode (FakeTensorMode), it computes nothing"

@@ -157,6 +157,8 @@ class AttentionMethod(AttentionParams):
     # path (a wrapped library that picks its device by asking torch.cuda.is_available(), which
     # the simulated CUDA device leaves False, would mix devices); the reason goes in the row
     simulated_cpu_path_reason: ClassVar[str | None] = None
+    # a method whose kernels exist only on CUDA (no CPU path): why, for `python -m methods`
+    cuda_only_reason: ClassVar[str | None] = None
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec)

@@ -12,6 +12,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
+import torch
+
 T = TypeVar("T", bound=type)
 
 
@@ -36,11 +38,21 @@ class MethodInfo:
 
     @property
     def status(self) -> str:
+        """``ok``; ``simulated only`` (with why) when simulation can run it here but real runs
+        cannot; or ``needs ...`` with the modules to install."""
         missing = self.missing()
-        return "ok" if not missing else "needs " + ", ".join(missing)
+        if missing and not self.missing(SIMULATION_PROVIDES):
+            return "simulated only (real: needs " + ", ".join(missing) + ")"
+        if missing:
+            return "needs " + ", ".join(missing)
+        if getattr(self.cls, "cuda_only_reason", None) and not torch.cuda.is_available():
+            return "simulated only (real: CUDA)"
+        return "ok"
 
 
 _REGISTRY: dict[str, MethodInfo] = {}
+# modules bench's simulated mode supplies itself when they are missing (bench.measure.fake_flash_attn)
+SIMULATION_PROVIDES = ("flash_attn", "flash_attn_interface")
 
 
 def _importable(module: str) -> bool:
