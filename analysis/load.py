@@ -77,11 +77,12 @@ def method_label(method: str, options: str | dict | None) -> str:
     return f"{method}[{opts}]" if opts else method
 
 
-def mode_label(mode: str, device: str, device_name: str | None = None) -> str:
+def mode_label(mode: str, device: str, device_name: str | None = None, stack: str | None = None) -> str:
     """How a row was produced, for legends and table rows: ``real, NVIDIA H100 80GB HBM3``,
-    ``emulated, NVIDIA H100 (link nvlink-h100)``, ``simulated, h100-80g``."""
+    ``emulated, NVIDIA H100 (link nvlink-h100)``, ``simulated, h100-80g, paper stack``,
+    ``simulated, h100-80g, lean stack`` (``bench.measure.stack``; rows without a stack are lean)."""
     if mode == "simulated":
-        return f"simulated, {device}"
+        return f"simulated, {device}, {'paper' if stack == 'paper' else 'lean'} stack"
     name = (device_name or device or "").strip()
     if len(name) > 40:
         name = name[:38] + "…"
@@ -195,12 +196,15 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df["mem_basis"] = ["reserved" if pd.notna(r) else ("allocated" if pd.notna(a) else None)
                        for r, a in zip(df["peak_reserved_gib"], df["peak_gib"])]
     # a simulation with a kernel-scratch model (bench.measure.workspace) is another series than one without
+    # (under the paper stack the scratch model is one of its terms, so the stack names it instead)
     scratch = df["lever.kernel_workspace"] if "lever.kernel_workspace" in df else [None] * len(df)
-    df["label"] = [method_label(m, o) + (f" +{w} scratch" if isinstance(w, str) and w != "none" else "")
-                   for m, o, w in zip(df["method"], df["options"], scratch)]
+    stacks = df["lever.stack"] if "lever.stack" in df else [None] * len(df)
+    df["label"] = [method_label(m, o) + (f" +{w} scratch" if isinstance(w, str) and w != "none" and s != "paper"
+                                         else "")
+                   for m, o, w, s in zip(df["method"], df["options"], scratch, stacks)]
     origins = df["origin"] if "origin" in df else ["committed"] * len(df)
-    df["mode_label"] = [mode_label(m, d, n) + (", yours" if o == "yours" else "")
-                        for m, d, n, o in zip(df["mode"], df["device"], df["env.device_name"], origins)]
+    df["mode_label"] = [mode_label(m, d, n, s if isinstance(s, str) else None) + (", yours" if o == "yours" else "")
+                        for m, d, n, s, o in zip(df["mode"], df["device"], df["env.device_name"], stacks, origins)]
     df["seq"] = [human_size(s) if s else "" for s in df["seq_len"]]
     df["time"] = pd.to_datetime(df["env.time"], utc=True, errors="coerce")
     return df

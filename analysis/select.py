@@ -39,15 +39,19 @@ class Setup:
 TABLE3_SETUPS = (Setup("llama3-8b", 8), Setup("qwen3-32b", 16))
 
 
+# the paper column of each implementation: ours and the libraries' (the paper's Ulysses and Ring
+# were yunchang's, its FPDT DeepSpeed's; docs/paper.md, "Baselines and the implementations the
+# paper ran"); on 16 GPUs its Ulysses/UPipe are the Ulysses x Ring mesh (usp, usp-upipe)
+FAMILIES = {"usp": "ulysses", "usp-upipe": "upipe", "yc-usp": "ulysses", "yc-ulysses": "ulysses",
+            "ds-ulysses": "ulysses", "ds-ulysses-hf": "ulysses", "yc-ring": "ring", "rfa-zigzag": "ring",
+            "ds-fpdt": "fpdt"}
+
+
 def family(method: str, world_size: int | None = None) -> str:
     """The paper column a method belongs to. On more than one node (world size > 8) the
     paper's Ulysses/UPipe are the Ulysses x Ring mesh (``usp``/``usp-upipe``); Fig. 5 calls
     the former ``usp``."""
-    if method in ("usp",):
-        return "ulysses"
-    if method in ("usp-upipe",):
-        return "upipe"
-    return method
+    return FAMILIES.get(method, method)
 
 
 def family_order(name: str) -> tuple[int, str]:

@@ -161,7 +161,7 @@ class Encoding:
             if key == "paper":
                 marker, hollow = "o", True
             else:
-                mode = key.split(",", 1)[0].strip()
+                mode = key.split(",", 1)[0].split("(", 1)[0].strip()  # "simulated (paper stack), ..."
                 used = {m for m, *_ in self.sources.values()}
                 marker = MODE_MARKERS.get(mode, SPARE_MARKERS[0])
                 if marker in used:

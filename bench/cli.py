@@ -35,6 +35,7 @@ from .measure.launch import is_rank_zero
 from .measure.trial import Search, Trial
 from .model.config import CONFIGS
 from .search.autochunk import run
+from .search.extrapolate import layer_extrapolated_runner
 from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
 from .training.config import StepConfig
@@ -139,6 +140,9 @@ def build_parser() -> Parser:
     mc.add_argument("--start", type=parse_size, default=None, help="first length tried (default: granularity)")
     mc.add_argument("--in-process", action="store_true",
                     help="simulated trials in this process (faster; default: each in its own process)")
+    mc.add_argument("--extrapolate-layers", action="store_true",
+                    help="simulated mode: each probe from 3- and 4-layer simulations extrapolated over the "
+                    "model's layers (bench.search.extrapolate; several times faster on deep models; in process)")
     sub.add_parser("list", help="methods, models, device presets and link models")
     tr = sub.add_parser("trial", help="run a trial given as JSON (bench.measure.trial.Trial.to_json; what sweeps send)")
     tr.add_argument("trial", help="the trial as JSON")
@@ -248,13 +252,17 @@ def _list() -> int:
     return 0
 
 
-def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = False) -> int:
+def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = False,
+            extrapolate: bool = False) -> int:
     """Run a validated trial (one step, or a max-context search) and emit its rows."""
     what = "run" if trial.kind == Kind.TRIAL else "max-context"
     try:
         trial.validate()
     except ValueError as err:
         raise UsageError(f"python -m bench {what}: error: {err}") from None
+    if extrapolate and trial.mode != "simulated":
+        raise UsageError(f"python -m bench {what}: error: --extrapolate-layers extrapolates simulations; "
+                         f"it cannot stand in for a {trial.mode} run: drop it or use --mode simulated")
     if trial.kind == Kind.TRIAL:
         print(f"[{trial.mode} on {trial.world_size} x {trial.device}] {trial.method} {trial.model} "
               f"seq {trial.seq_len} ...", file=sys.stderr, flush=True)
@@ -274,7 +282,9 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
             print(json.dumps(row.to_dict(), sort_keys=True), flush=True)
 
     try:
-        final = search(trial, runner=default_runner if in_process else isolated_runner, on_row=on_row)
+        runner = (layer_extrapolated_runner() if extrapolate
+                  else default_runner if in_process else isolated_runner)
+        final = search(trial, runner=runner, on_row=on_row)
     except ValueError as err:
         raise UsageError(f"python -m bench max-context: error: {err}") from None
     if not zero:
@@ -321,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             search_params = Search(args.granularity, args.max_seq_len, args.start)
         except ValueError as err:
             raise UsageError(f"python -m bench max-context: error: {err}") from None
-        return execute(_trial(args, args.granularity, search_params), out, args.json, args.in_process)
+        return execute(_trial(args, args.granularity, search_params), out, args.json, args.in_process,
+                       args.extrapolate_layers)
     except UsageError as err:
         print(str(err).splitlines()[0] if str(err) else "error", file=sys.stderr)
         return 2

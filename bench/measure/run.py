@@ -157,8 +157,9 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if allocator != "none":
         t0 = time.perf_counter()
+        # the allocator may map what the device has less what lives outside it (the CUDA context)
         replayed = replay(trace, device_key, expandable_segments=allocator == "expandable",
-                          capacity=trial.preset().capacity(1))
+                          capacity=stack.usable_bytes(trial.preset(), "paper"))
         extra = {"peak_reserved_bytes": replayed.peak_reserved,
                  "allocator": {"model": allocator, "peak_allocated_bytes": replayed.peak_allocated,
                                "events": replayed.events, "replay_s": time.perf_counter() - t0,
@@ -295,7 +296,15 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.tflops_per_device = f.flops_per_device / f.step_time_s / 1e12
     # memory budget: simulation has no OOM to catch, nor does a CPU
     paper = trial.mode == "simulated" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
-    compared = f.peak_reserved_bytes if paper else f.peak_bytes
+    # paper stack: the reserved peak, which the allocator model caps at what it may map; a replay
+    # that ran out (even after releasing its cache) is an OOM whatever the peak it reached
+    compared = max(f.peak_reserved_bytes, f.peak_bytes) if paper else f.peak_bytes
+    allocator_oom = paper and (result.get("allocator") or {}).get("oom")
+    if status == "ok" and paper and allocator_oom:
+        status = "oom"
+        message = (f"the modelled caching allocator ran out of the {f.usable_bytes / GiB:.2f} GiB it may map "
+                   f"(capacity less {stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context, {preset.name}): "
+                   f"{allocator_oom}")
     if status == "ok" and compared is not None and (trial.mode == "simulated" or preset.kind == "cpu"):
         if compared > f.usable_bytes:
             status = "oom"
@@ -328,7 +337,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
             f"{allocator['cache_releases']} cache releases, replay {allocator['replay_s']:.2f} s)")
         if allocator["oom"]:
             notes.append(f"the modelled allocator ran out of the device's memory (the reserved peak is up to "
-                         f"that point; the status is decided by the allocated peak): {allocator['oom']}")
+                         f"that point; under the lean stack the allocated peak decides the status): {allocator['oom']}")
     notes.extend(result.get("stack_notes") or [])
     if trial.mode == "simulated" and trial.step.stack == "paper":
         notes.append("simulated, paper stack (bench.measure.stack): FakeTensorMode + fake process group + MemTracker "

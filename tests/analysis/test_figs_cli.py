@@ -41,7 +41,7 @@ def test_figs_writes_everything_and_the_index(tmp_path, results_dir, with_rows):
     table3 = (out / "table3_llama3-8b.md").read_text()
     assert "98.25" in table3
     if with_rows:
-        assert "simulated (h100-80g)" in index and "real (NVIDIA H100 80GB HBM3)" in index
+        assert "simulated (h100-80g, lean stack)" in index and "real (NVIDIA H100 80GB HBM3)" in index
         assert "1 corrupt lines skipped" in index
         assert "2100.00" in table3
     else:

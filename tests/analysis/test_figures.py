@@ -193,7 +193,8 @@ def test_memory_vs_seq_factors_its_series_into_three_small_legends(crowded):
         legends = {leg.get_title().get_text(): [t.get_text() for t in leg.get_texts()] for leg in plot.fig.legends}
         assert set(legends) == {"colour: method", "marker: source", "line: kernel-scratch model (simulation)"}
         assert len(legends["colour: method"]) == len(CROWDED_METHODS)
-        assert sorted(legends["marker: source"]) == ["ours: real, NVIDIA H100 80GB HBM3", "ours: simulated, h100-80g",
+        assert sorted(legends["marker: source"]) == ["ours: real, NVIDIA H100 80GB HBM3",
+                                                     "ours: simulated, h100-80g, lean stack",
                                                      "paper (128K anchors, unconfirmed)"]
         drawn = [line for line in plot.fig.axes[0].get_lines() if line.get_transform() == plot.fig.axes[0].transData]
         assert len(drawn) > sum(len(v) for v in legends.values())  # 18 series and an anchor, 11 entries
@@ -293,14 +294,15 @@ def test_max_context_gives_one_answer_per_method_and_series(tmp_path):
         ax, labels, texts = _panel(plot, "llama3-8b, 8 GPUs")
         assert len(labels) == len(set(labels))  # one bar per method and series
         ours = [t for t in labels if "— ours" in t]
-        assert sorted(ours) == ["ring — ours (real, NVIDIA H100 80GB HBM3)", "ulysses — ours (simulated, h100-80g)",
-                                "upipe — ours (simulated, h100-80g)"]
+        assert sorted(ours) == ["ring — ours (real, NVIDIA H100 80GB HBM3)",
+                                "ulysses — ours (simulated, h100-80g, lean stack)",
+                                "upipe — ours (simulated, h100-80g, lean stack)"]
         assert len([t for t in labels if t.endswith("— paper")]) == 5
         by_label = {label: texts[y] for label, y in zip(labels, ax.get_yticks())}
-        assert by_label["upipe — ours (simulated, h100-80g)"].startswith("5.25M")  # the finest search
-        assert "step 128K" in by_label["upipe — ours (simulated, h100-80g)"]
-        assert by_label["ulysses — ours (simulated, h100-80g)"].startswith("< 1M")
-        assert "step 1M" in by_label["ulysses — ours (simulated, h100-80g)"]
+        assert by_label["upipe — ours (simulated, h100-80g, lean stack)"].startswith("5.25M")  # the finest search
+        assert "step 128K" in by_label["upipe — ours (simulated, h100-80g, lean stack)"]
+        assert by_label["ulysses — ours (simulated, h100-80g, lean stack)"].startswith("< 1M")
+        assert "step 1M" in by_label["ulysses — ours (simulated, h100-80g, lean stack)"]
         assert not [t for t in texts.values() if "896K" in t]  # the search answers; no longest run beside it
         assert "longest run" in by_label["ring — ours (real, NVIDIA H100 80GB HBM3)"]
         bars = [p for p in ax.patches if p.get_width() > 0]
@@ -327,7 +329,8 @@ def test_encoding_tells_methods_of_one_family_apart_and_keeps_dashes_for_the_pap
     enc = Encoding()
     assert enc.color("ulysses") != enc.color("usp") != enc.color("usp[ulysses_degree=8]")
     assert enc.color("ulysses") == enc.color("ulysses")  # stable within a figure
-    styles = [enc.style("ring", "simulated, h100-80g", v)["linestyle"] for v in ("", "fa3 scratch", "x", "y", "z")]
+    styles = [enc.style("ring", "simulated, h100-80g, lean stack", v)["linestyle"]
+              for v in ("", "fa3 scratch", "x", "y", "z")]
     assert "--" not in styles and enc.style("ring", "paper")["linestyle"] == "--"
     assert enc.style("ring", "paper")["markerfacecolor"] == "white"
-    assert enc.source("simulated, h100-80g")[0] != enc.source("real, NVIDIA H100 80GB HBM3")[0]
+    assert enc.source("simulated, h100-80g, lean stack")[0] != enc.source("real, NVIDIA H100 80GB HBM3")[0]

@@ -24,7 +24,7 @@ def test_rows_are_flat_with_trial_keys_figures_and_env(results_dir):
     assert row["peak_gib"] == pytest.approx(31.0)
     assert row["env.device_name"].startswith("fake tensors")
     assert row["source_file"] == "table3-llama3-8b.jsonl"
-    assert row["mode_label"] == "simulated, h100-80g"
+    assert row["mode_label"] == "simulated, h100-80g, lean stack"
     assert set(df["source_file"]) >= {"sub/maxctx.jsonl", "table3-cpu.jsonl"}  # recursive
 
 

@@ -33,7 +33,7 @@ def test_table3_paper_values_are_exact_and_ours_sit_beside_them(results_dir):
     for col in ("256K", "512K", "1M", "2M", "3M", "5M"):
         assert _cell(t, col, **ours) == MISSING  # no row: never a number
     assert _cell(t, "256K", Method="ring", Source="ours") == "error"
-    sim = dict(Method="upipe", Source="ours", **{"Mode, device": "simulated, h100-80g"})
+    sim = dict(Method="upipe", Source="ours", **{"Mode, device": "simulated, h100-80g, lean stack"})
     assert _cell(t, "1M", **sim) == "fits"  # ran, but simulated rows have no throughput
     assert _cell(t, "128K", Method="mystery", Source="ours (not in paper)") == "999.00"
     # ours follow the paper row of their family
@@ -144,14 +144,14 @@ def test_compare_methods_marks_the_chosen_method(results_dir):
     assert first[""] == "◀" and first["Method"].startswith("upipe")
     real = t.df[(t.df["Method"] == "upipe") & (t.df["Mode, device"] == "real, NVIDIA H100 80GB HBM3")].iloc[0]
     assert real["128K"] == "2100.00" and real["4M"] == OOM and real["1M"] == MISSING
-    sim = t.df[(t.df["Method"] == "upipe") & (t.df["Mode, device"] == "simulated, h100-80g")].iloc[0]
+    sim = t.df[(t.df["Method"] == "upipe") & (t.df["Mode, device"] == "simulated, h100-80g, lean stack")].iloc[0]
     assert sim["Max context (search)"] == "5.25M"
     mem = tables.compare_methods(rows, metric="mem_gib", model="llama3-8b", world_size=8, scope="model")
     real_ulysses = (mem.df["Method"] == "ulysses") & (mem.df["Mode, device"].str.startswith("real"))
     assert mem.df[real_ulysses].iloc[0]["128K"] == "25.00"
     assert "5.25M" not in t.df.columns  # a max-context search's probe length gets no column by default
     every = tables.compare_methods(rows, model="llama3-8b", world_size=8, scope="model", lengths="all")
-    assert _cell(every, "5.25M", Method="upipe", **{"Mode, device": "simulated, h100-80g"}) == "fits"
+    assert _cell(every, "5.25M", Method="upipe", **{"Mode, device": "simulated, h100-80g, lean stack"}) == "fits"
     none = tables.compare_methods(rows, highlight="not-a-method")
     assert "No rows of 'not-a-method'" in none.to_markdown()
 
