@@ -71,10 +71,21 @@ def _scalar(v: Any) -> str:
     return str(v)
 
 
+# the wrapped libraries, by method-name prefix: a series of theirs is labelled as theirs
+LIBRARIES = (("torch-cp", "PyTorch"), ("yc-", "yunchang"), ("ds-", "DeepSpeed"), ("rfa-", "ring-flash-attn"))
+
+
+def library_of(method: str) -> str | None:
+    """The library a wrapper method runs (``yc-usp``: yunchang), or None for our own."""
+    return next((lib for prefix, lib in LIBRARIES if method.startswith(prefix)), None)
+
+
 def method_label(method: str, options: str | dict | None) -> str:
-    """``upipe`` or ``upipe[chunk_heads=16]``: a method with its non-default options."""
+    """``upipe``, ``upipe[chunk_heads=16]`` or ``yc-usp[ulysses_degree=8] (yunchang)``: a method
+    with its non-default options, and the library's name when it wraps one."""
     opts = options_string(options) if isinstance(options, dict) else (options or "")
-    return f"{method}[{opts}]" if opts else method
+    lib = library_of(method)
+    return (f"{method}[{opts}]" if opts else method) + (f" ({lib})" if lib else "")
 
 
 def mode_label(mode: str, device: str, device_name: str | None = None, stack: str | None = None) -> str:

@@ -131,6 +131,8 @@ class SweepSpec:
         per_trial = {k: levers.pop(k) for k in TRIAL_KEYS if k in levers}
         if levers.get("ac") is False:
             levers.setdefault("ac_offload", False)  # no checkpoints, nothing to offload (as --no-ac)
+        if self.mode == "simulated":
+            levers.setdefault("stack", "paper")  # as on the CLI: simulations default to the paper stack
         step = StepConfig(scope=self.scope, dtype=self.dtype, **levers)
         search = Search(**self.max_context) if self.kind == Kind.MAX_CONTEXT else None
         return Trial.make(entry.name, model, search.granularity if search else seq_len, world_size,

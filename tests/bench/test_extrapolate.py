@@ -1,0 +1,72 @@
+"""Layer extrapolation of simulated trials (``bench.search.extrapolate``) against full simulations.
+
+A 7-layer variant of ``tiny-llama`` is simulated whole and through 3- and 4-layer simulations;
+the live-bytes peak, its categories and the host peak must agree exactly (identical layers), and
+the reserved peak of the paper stack within the allocator's slack. Also: the rule itself on
+hand-made results, and the CLI refusing it outside simulated mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from bench.cli import main
+from bench.measure.run import run_trial
+from bench.measure.trial import Trial
+from bench.model.config import get_config
+from bench.search.extrapolate import extrapolate, layer_extrapolated_runner
+from bench.training.config import StepConfig
+
+
+@pytest.fixture(scope="module")
+def seven_layers(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "tiny7.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 7}))
+    return str(path)
+
+
+@pytest.mark.parametrize("stack", ["lean", "paper"])
+def test_extrapolated_equals_full_simulation(seven_layers, stack):
+    trial = Trial.make("upipe", seven_layers, 32 << 10, 4, mode="simulated", device="h100-80g",
+                       step=StepConfig(stack=stack))
+    full = run_trial(trial)
+    extra = layer_extrapolated_runner()(trial)
+    assert full.status == extra.status == "ok", (full.message, extra.message)
+    assert extra.figures.peak_bytes == full.figures.peak_bytes
+    assert extra.figures.host_peak_bytes == full.figures.host_peak_bytes
+    assert extra.figures.peak_by_category == full.figures.peak_by_category
+    assert any("extrapolated over layers" in n for n in extra.notes)
+    if stack == "paper":  # the slack is the 4-layer one: equal to within the allocator's pages
+        # (20 MiB in the large pool, which dominate a model this small; at GiB scale they are noise)
+        page = 20 << 20
+        assert extra.figures.peak_reserved_bytes >= full.figures.peak_bytes
+        assert abs(extra.figures.peak_reserved_bytes - full.figures.peak_reserved_bytes) <= 2 * page
+
+
+def test_the_rule_on_hand_made_results():
+    r3 = {"status": "ok", "peak_bytes": 100, "peak_reserved_bytes": 110, "host_peak_bytes": 10,
+          "comm_bytes": 5, "comm_time_s": 1.0, "peak_by_category": {"parameter": 30, "activation": 70}}
+    r4 = {**r3, "peak_bytes": 120, "peak_reserved_bytes": 125, "host_peak_bytes": 14, "comm_bytes": 5,
+          "comm_time_s": 1.5, "peak_by_category": {"parameter": 40, "activation": 80}}
+    out = extrapolate(r3, r4, layers=10)
+    assert out["peak_bytes"] == 100 + 20 * 7 and out["host_peak_bytes"] == 10 + 4 * 7
+    assert out["peak_reserved_bytes"] == out["peak_bytes"] + 5  # the 4-layer slack, not extrapolated
+    assert out["comm_time_s"] == pytest.approx(1.0 + 0.5 * 7)
+    assert out["peak_by_category"] == {"parameter": 100, "activation": 140}
+
+
+def test_extrapolation_is_refused_outside_simulation(capsys):
+    code = main(["max-context", "--method", "ulysses", "--model", "tiny-llama", "--world-size", "2",
+                 "--mode", "real", "--device", "cpu", "--extrapolate-layers", "--no-save"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--extrapolate-layers extrapolates simulations" in err and "\n" not in err
+
+
+def test_shallow_models_are_simulated_whole():
+    trial = Trial.make("ulysses", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g")
+    row = layer_extrapolated_runner()(trial)
+    assert row.status == "ok" and not any("extrapolated" in n for n in row.notes)
+    assert dataclasses.asdict(row.figures)["peak_bytes"] == run_trial(trial).figures.peak_bytes
