@@ -115,7 +115,7 @@ def test_sweep_rows_reach_the_comparison_table_and_notebook(plugin, tmp_path):
     df = table.df
     mine = df[df["Method"] == NAME]
     assert len(mine) == 1 and mine.iloc[0][""] == "◀" and df.iloc[0]["Method"] == NAME
-    assert mine.iloc[0]["Mode, device"] == "simulated, h100-80g, lean stack"
+    assert mine.iloc[0]["Mode, device"] == "simulated, h100-80g, paper stack"  # simulated specs default to it
     assert float(mine.iloc[0]["1M"]) > 0  # a measured peak, GiB per rank
     assert NAME in table.to_markdown()
 
