@@ -175,7 +175,7 @@ def build_parser() -> Parser:
     fi.add_argument("--list-anchors", action="store_true", help="print the anchors and exit")
     fi.add_argument("--jobs", type=positive_int, default=1, help="trials in parallel (a process pool; default 1)")
     fi.add_argument("--out", default=None, help="directory for fidelity.jsonl (default runs/fidelity)")
-    fi.add_argument("--figs-dir", default=None, help="directory for fidelity.md/.png (default: --out)")
+    fi.add_argument("--figs-dir", default=None, help="directory for fidelity.{md,png} (default: --out)")
     return parser
 
 

@@ -278,7 +278,8 @@ def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None]
         with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             pending = {pool.submit(runner, todo[key][0]): key for key in keys}
             for i, fut in enumerate(futures.as_completed(pending), 1):
-                done(i, pending[fut], fut.result(), time.perf_counter() - t0)
+                row = fut.result()
+                done(i, pending[fut], row, row.figures.wall_s or time.perf_counter() - t0)
     return [Result(a, {stack: rows[a.trial(stack).key()] for stack in STACKS}) for a in anchors]
 
 
@@ -352,12 +353,13 @@ def figure(results: list[Result], path: Path) -> None:
         ax.bar(list(xs), ours, width, label="ours, paper stack (reserved)", color="tab:blue")
         ax.bar([x + width for x in xs], lean, width, label="ours, lean (allocated)", color="tab:orange", alpha=0.7)
         ax.errorbar(list(xs), paper, yerr=[r.anchor.tolerance_gib() for r in mem], fmt="none", ecolor="k",
-                    capsize=3, label="paper ± tolerance", alpha=0.6, elinewidth=0)
+                    capsize=4, label="pass band (paper ± tolerance)", alpha=0.7, elinewidth=0)
         for x, r, y in zip(xs, mem, ours):
             res = r.residual
             ax.annotate("-" if res is None else f"{res:+.0f}%", (x, y), ha="center", va="bottom", fontsize=8,
                         color="tab:green" if r.passes() else "tab:red")
         ax.set_xticks(list(xs), [r.anchor.name for r in mem], rotation=35, ha="right", fontsize=8)
+        ax.set_xlim(-0.7, len(mem) - 0.3)
         ax.set_ylabel("peak memory per GPU (GiB)")
         ax.set_title("Memory anchors: paper vs simulation (residual of the paper stack marked)")
         ax.legend(fontsize=8)
@@ -380,7 +382,7 @@ def figure(results: list[Result], path: Path) -> None:
 
 
 def write_outputs(results: list[Result], out_dir: Path, figs_dir: Path) -> list[Path]:
-    """Rows appended to ``<out_dir>/fidelity.jsonl``; ``fidelity.md`` and ``fidelity.png`` in ``figs_dir``."""
+    """Rows appended to ``<out_dir>/fidelity.jsonl``; ``fidelity.{md,png}`` in ``figs_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     figs_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "fidelity.jsonl"
