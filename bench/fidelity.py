@@ -339,8 +339,9 @@ def figure(results: list[Result], path: Path) -> None:
     mem = [r for r in results if r.anchor.kind == "memory"]
     bnd = [r for r in results if r.anchor.kind == "boundary"]
     panels = [p for p in (mem, bnd) if p]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.7 * max(len(mem), len(bnd), 1) + 3),
-                                                     4.5 * len(panels)), squeeze=False)
+    heights = [4.5 if p is mem else 1.5 + 0.4 * len(p) for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.7 * len(mem) + 3), sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     ax_iter = iter(axes[:, 0])
     if mem:
         ax = next(ax_iter)
@@ -369,7 +370,9 @@ def figure(results: list[Result], path: Path) -> None:
             for x, stack in enumerate(STACKS):
                 ok = r.passes(stack)
                 ax.add_patch(plt.Rectangle((x, y), 1, 1, color="tab:green" if ok else "tab:red", alpha=0.6))
-                ax.text(x + 0.5, y + 0.5, f"{outcome(r.rows[stack])}", ha="center", va="center", fontsize=8)
+                gib = r.gib(stack)
+                mem_text = "" if gib is None else f" ({gib:.1f} GiB)"
+                ax.text(x + 0.5, y + 0.5, outcome(r.rows[stack]) + mem_text, ha="center", va="center", fontsize=8)
             ax.text(2.1, y + 0.5, f"paper: {r.anchor.expect}", va="center", fontsize=8)
         ax.set_xlim(0, 3)
         ax.set_ylim(len(bnd), 0)
