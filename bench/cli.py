@@ -7,6 +7,8 @@
     python -m bench list            # methods, models, devices, links
     python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
     python -m bench trial '<Trial JSON>' --out FILE   # what a sweep's job runs
+    python -m bench fidelity [--only memory|boundaries|all] [--anchors NAME...] [--quick] [--jobs N] \\
+        [--out DIR] [--figs-dir DIR]   # the simulation against the paper's numbers (bench.fidelity)
 
 Sizes accept ``K``/``M``/``G`` suffixes with K = 1024 (``128K``, ``1M``, ``1.5M``).
 Every run appends its validated rows (JSON Lines, ``records``) to ``--out``, by default
@@ -30,6 +32,7 @@ from records import parse_size as parse_tokens
 from records.outputs import OutputError, check_dir, check_file, runs_dir
 from records.sizes import positive_int
 
+from . import fidelity
 from .measure.hardware import DEVICES, LINKS
 from .measure.launch import is_rank_zero
 from .measure.trial import Search, Trial
@@ -40,6 +43,8 @@ from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
 from .training.config import StepConfig
 from .training.presets import expand
+
+QUICK_ANCHOR = "128k-llama3-8b-upipe-x8"
 
 
 class UsageError(Exception):
@@ -161,6 +166,16 @@ def build_parser() -> Parser:
     pl.add_argument("--out-dir", default=None,
                     help="where plan_<model>_<gpus>x<device>.md/.png go (default runs/plans)")
     pl.add_argument("--no-figs", action="store_true", help="print only")
+    fi = sub.add_parser("fidelity", help="the paper's memory anchors and fits/OOM boundaries, simulated under the "
+                        "paper and lean stacks (bench.fidelity)")
+    fi.add_argument("--only", choices=["memory", "boundaries", "all"], default="all")
+    fi.add_argument("--anchors", nargs="+", default=None, metavar="NAME",
+                    help="only these anchors (names or name prefixes; --list-anchors shows them)")
+    fi.add_argument("--quick", action="store_true", help=f"only the {QUICK_ANCHOR} anchor (a wiring check)")
+    fi.add_argument("--list-anchors", action="store_true", help="print the anchors and exit")
+    fi.add_argument("--jobs", type=positive_int, default=1, help="trials in parallel (a process pool; default 1)")
+    fi.add_argument("--out", default=None, help="directory for fidelity.jsonl (default runs/fidelity)")
+    fi.add_argument("--figs-dir", default=None, help="directory for fidelity.{md,png} (default: --out)")
     return parser
 
 
@@ -300,11 +315,39 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
     return 0
 
 
+def _fidelity(args) -> int:
+    try:
+        anchors = fidelity.load_anchors()
+        chosen = fidelity.select(anchors, args.only, [QUICK_ANCHOR] if args.quick else args.anchors)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"python -m bench fidelity: error: {err}") from None
+    if args.list_anchors:
+        for a in chosen:
+            print(f"{a.name:44} {a.kind:8} {a.paper_value():>10}  {a.impl.describe()}")
+        return 0
+    if not chosen:
+        raise UsageError("python -m bench fidelity: error: no anchor selected")
+    out = Path(args.out) if args.out else runs_dir() / "fidelity"
+    figs = Path(args.figs_dir) if args.figs_dir else out
+    try:
+        check_dir(out, "--out")
+        check_dir(figs, "--figs-dir")
+    except OutputError as err:
+        raise UsageError(f"python -m bench fidelity: error: {err}") from None
+    results = fidelity.run_anchors(chosen, jobs=args.jobs)
+    print(fidelity.text_table(results))
+    for path in fidelity.write_outputs(results, out, figs):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "list":
             return _list()
+        if args.command == "fidelity":
+            return _fidelity(args)
         if args.command == "plan":
             out_dir = None if args.no_figs else Path(args.out_dir) if args.out_dir else runs_dir() / "plans"
             try:

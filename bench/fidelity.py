@@ -1,0 +1,409 @@
+"""``python -m bench fidelity``: the simulation against the paper's own numbers.
+
+The anchors are read from the transcribed tables in ``results/paper/`` (never typed in here):
+
+* ``memory_anchors.csv``: the two 128K peaks (Llama3-8B on 8 GPUs, Qwen3-32B on 16);
+* ``fig1_memory_breakdown.csv``: Fig. 1's ALST and UPipe totals at 3M (rows ``alst``/``upipe``);
+* ``fig5_multinode.csv``: Fig. 5's memory points (kind ``point``), USP and UPipe on 16 GPUs; a
+  point marked ``oom`` (USP at 8M) is a boundary that must not fit;
+* ``table3_throughput.csv``: for each method and model, the longest length the paper ran must
+  fit and the first OOM length must not.
+
+Each anchor runs the paper's implementation of its method (docs/paper.md, "Baselines and the
+implementations the paper ran"; :func:`implementation`) in simulated mode on the ``h100-80g``
+preset, once under the paper stack and once under the lean one (``bench.measure.stack``),
+through ``bench.search.extrapolate`` (3- and 4-layer simulations extrapolated over the layers).
+Memory compared: the reserved peak under the paper stack, the allocated peak under lean.
+An anchor passes on the paper stack: a memory anchor when the run fits and its residual is
+within the anchor's tolerance (10%; Fig. 5's values, read by eye: 1 GiB + 10%), a boundary
+when the run fits or runs out of memory as the paper's did.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import csv
+import dataclasses
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from records import GiB, Row, append_rows, human
+
+from .measure import stack as paper_stack
+from .measure.trial import Trial
+from .search.extrapolate import layer_extrapolated_runner
+from .training.config import StepConfig
+
+PAPER_DIR = Path(__file__).resolve().parents[1] / "results" / "paper"
+DEVICE = "h100-80g"
+STACKS = ("paper", "lean")
+KINDS = ("memory", "boundary")
+REL_TOL = 0.10  # the issue's target for memory anchors
+EYE_TOL_GIB = 1.0  # Fig. 5 was read by eye, +-1 GiB
+TABLE3_METHODS = ("torch-cp", "ring", "ulysses", "fpdt", "upipe")
+
+
+@dataclass(frozen=True)
+class Impl:
+    """The suite method that stands for one of the paper's, with its options and levers."""
+
+    method: str
+    options: dict = field(default_factory=dict)
+    levers: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in sorted({**self.options, **self.levers}.items()))
+        return f"{self.method}[{opts}]" if opts else self.method
+
+
+def implementation(method: str, gpus: int) -> Impl:
+    """The implementation the paper ran for ``method`` (its name in the paper's tables) on ``gpus``."""
+    fa3 = {"attn_type": "fa3"}
+    if method == "torch-cp":  # Native PyTorch: no tiled MLP or norms
+        return Impl("torch-cp", {}, {"tiled_mlp": False, "tiled_norm": False})
+    if method == "ring":  # yunchang's USP at Ulysses degree 1
+        return Impl("yc-usp", {"ulysses_degree": 1, **fa3})
+    if method in ("ulysses", "usp", "alst"):  # yunchang's USP, Ulysses 8 (x2 ring on 16 GPUs)
+        return Impl("yc-usp", {"ulysses_degree": 8, **fa3})
+    if method == "fpdt":  # ours: DeepSpeed's offload path cannot be simulated (as the Table 3 specs)
+        return Impl("fpdt", {"num_chunks": 16})
+    if method == "upipe":
+        return Impl("upipe") if gpus <= 8 else Impl("usp-upipe", {"ulysses_degree": 8})
+    raise ValueError(f"no implementation known for the paper's method {method!r}")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """One number (or one fits/OOM outcome) of the paper the simulation must reproduce."""
+
+    name: str
+    kind: str  # memory | boundary
+    source: str  # the results/paper table it comes from
+    paper_method: str
+    model: str
+    gpus: int
+    seq_len: int
+    impl: Impl
+    expect: str = "fits"  # fits | oom
+    paper_gib: float | None = None  # memory anchors
+    rel_tol: float = REL_TOL
+    abs_tol_gib: float = 0.0
+
+    def tolerance_gib(self) -> float:
+        return self.abs_tol_gib + self.rel_tol * (self.paper_gib or 0.0)
+
+    def paper_value(self) -> str:
+        if self.kind == "memory":
+            return f"{self.paper_gib:.2f} GiB"
+        return self.expect
+
+    def trial(self, stack: str) -> Trial:
+        return Trial.make(self.impl.method, self.model, self.seq_len, self.gpus, dict(self.impl.options),
+                          mode="simulated", device=DEVICE, step=StepConfig(stack=stack, **self.impl.levers))
+
+
+def _read(name: str, paper_dir: Path) -> list[dict[str, str]]:
+    with open(Path(paper_dir) / f"{name}.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _memory(name: str, source: str, method: str, model: str, gpus: int, seq_len: int, gib: float,
+            abs_tol: float = 0.0) -> Anchor:
+    return Anchor(name, "memory", source, method, model, gpus, seq_len, implementation(method, gpus),
+                  paper_gib=gib, abs_tol_gib=abs_tol)
+
+
+def _boundary(name: str, source: str, method: str, model: str, gpus: int, seq_len: int, expect: str) -> Anchor:
+    return Anchor(name, "boundary", source, method, model, gpus, seq_len, implementation(method, gpus),
+                  expect=expect)
+
+
+def load_anchors(paper_dir: str | Path = PAPER_DIR) -> list[Anchor]:
+    """Every anchor, from the paper's tables (memory anchors first, then boundaries)."""
+    memory: list[Anchor] = []
+    bounds: list[Anchor] = []
+    for r in _read("memory_anchors", paper_dir):
+        seq, gpus = int(r["seq_len"]), int(r["gpus"])
+        memory.append(_memory(f"128k-{r['model']}-{r['method']}-x{gpus}" if seq == 131072
+                              else f"anchor-{r['model']}-{r['method']}-{human(seq)}-x{gpus}",
+                              "memory_anchors", r["method"], r["model"], gpus, seq, float(r["peak_mem_gib"])))
+    for r in _read("fig1_memory_breakdown", paper_dir):
+        if r["config"] in ("alst", "upipe") and r["status"] == "ok" and r["total_gib"]:
+            seq, gpus = int(r["seq_len"]), int(r["gpus"])
+            memory.append(_memory(f"fig1-{r['config']}-{r['model']}-{human(seq)}", "fig1_memory_breakdown",
+                                  r["config"], r["model"], gpus, seq, float(r["total_gib"])))
+    for r in _read("fig5_multinode", paper_dir):
+        if r["kind"] != "point" or r["method"] not in ("usp", "upipe"):
+            continue
+        seq, gpus = int(r["seq_len"]), int(r["gpus"])
+        name = f"fig5-{r['method']}-{human(seq)}"
+        if r["status"] == "oom":
+            bounds.append(_boundary(name + "-oom", "fig5_multinode", r["method"], r["model"], gpus, seq, "oom"))
+        elif r["peak_mem_gib"]:
+            memory.append(_memory(name, "fig5_multinode", r["method"], r["model"], gpus, seq,
+                                  float(r["peak_mem_gib"]), EYE_TOL_GIB))
+    cells: dict[tuple[str, str, int], list[tuple[int, str]]] = {}
+    for r in _read("table3_throughput", paper_dir):
+        if r["method"] in TABLE3_METHODS and r["status"] in ("ok", "oom"):
+            cells.setdefault((r["model"], r["method"], int(r["gpus"])), []).append((int(r["seq_len"]), r["status"]))
+    for (model, method, gpus), runs in cells.items():
+        runs.sort()
+        oom = next((s for s, st in runs if st == "oom"), None)
+        ok = [s for s, st in runs if st == "ok" and (oom is None or s < oom)]
+        if ok:
+            bounds.append(_boundary(f"table3-{model}-{method}-fits-{human(ok[-1])}", "table3_throughput",
+                                    method, model, gpus, ok[-1], "fits"))
+        if oom is not None:
+            bounds.append(_boundary(f"table3-{model}-{method}-oom-{human(oom)}", "table3_throughput",
+                                    method, model, gpus, oom, "oom"))
+    return memory + bounds
+
+
+def select(anchors: list[Anchor], only: str = "all", names: Iterable[str] | None = None) -> list[Anchor]:
+    """Anchors of one kind (``memory``/``boundaries``/``all``) and, if given, of those names or name prefixes."""
+    if only not in ("memory", "boundaries", "all"):
+        raise ValueError(f"--only must be memory, boundaries or all, got {only!r}")
+    out = [a for a in anchors if only == "all" or a.kind == ("memory" if only == "memory" else "boundary")]
+    if names:
+        names = list(names)
+        unknown = [n for n in names if not any(a.name == n or a.name.startswith(n) for a in anchors)]
+        if unknown:
+            raise ValueError(f"unknown anchor(s) {unknown}; known: {[a.name for a in anchors]}")
+        out = [a for a in out if any(a.name == n or a.name.startswith(n) for n in names)]
+    return out
+
+
+# ----------------------------------------------------------------------------- judging
+
+def residual_pct(ours_gib: float | None, paper_gib: float | None) -> float | None:
+    """(ours - paper) / paper, in percent."""
+    if ours_gib is None or not paper_gib:
+        return None
+    return (ours_gib - paper_gib) / paper_gib * 100.0
+
+
+def memory_passes(anchor: Anchor, status: str, ours_gib: float | None) -> bool:
+    """The run fits (the paper's did) and its memory is within the anchor's tolerance."""
+    return (status == "ok" and ours_gib is not None and anchor.paper_gib is not None
+            and abs(ours_gib - anchor.paper_gib) <= anchor.tolerance_gib() + 1e-9)
+
+
+def boundary_passes(expect: str, status: str) -> bool:
+    """Fits where the paper's run fitted, runs out of memory where the paper's did."""
+    return status == ("ok" if expect == "fits" else "oom")
+
+
+def memory_gib(row: Row, stack: str) -> float | None:
+    """Reserved peak under the paper stack, allocated peak under lean, in GiB."""
+    value = row.figures.peak_reserved_bytes if stack == "paper" else row.figures.peak_bytes
+    return None if value is None else value / GiB
+
+
+def outcome(row: Row) -> str:
+    return {"ok": "fits", "oom": "oom"}.get(row.status, row.status)
+
+
+@dataclass
+class Result:
+    anchor: Anchor
+    rows: dict[str, Row]  # by stack
+
+    def gib(self, stack: str) -> float | None:
+        return memory_gib(self.rows[stack], stack)
+
+    @property
+    def residual(self) -> float | None:
+        return residual_pct(self.gib("paper"), self.anchor.paper_gib) if self.anchor.kind == "memory" else None
+
+    def passes(self, stack: str = "paper") -> bool:
+        row = self.rows[stack]
+        if self.anchor.kind == "memory":
+            return memory_passes(self.anchor, row.status, self.gib(stack))
+        return boundary_passes(self.anchor.expect, row.status)
+
+    def ours(self, stack: str) -> str:
+        row = self.rows[stack]
+        gib = self.gib(stack)
+        mem = "-" if gib is None else f"{gib:.2f} GiB"
+        if self.anchor.kind == "memory":
+            return mem if row.status == "ok" else f"{mem} ({outcome(row)})"
+        return f"{outcome(row)} ({mem})"
+
+
+# ----------------------------------------------------------------------------- running
+
+_RUNNER: Callable[[Trial], Row] | None = None
+
+
+def run_one(trial: Trial) -> Row:
+    """One trial through the layer-extrapolating runner (one per process)."""
+    global _RUNNER
+    if _RUNNER is None:
+        _RUNNER = layer_extrapolated_runner()
+    return _RUNNER(trial)
+
+
+def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None] | None = None,
+                runner: Callable[[Trial], Row] | None = None) -> list[Result]:
+    """Run every anchor under both stacks (a trial shared by anchors runs once); ``jobs`` > 1:
+    a process pool. ``log`` gets one progress line per trial."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    runner = runner or run_one
+    todo: dict[tuple, tuple[Trial, list[str]]] = {}
+    for a in anchors:
+        for stack in STACKS:
+            trial = a.trial(stack)
+            trial.validate(here=False)
+            todo.setdefault(trial.key(), (trial, []))[1].append(a.name)
+    keys = list(todo)
+    rows: dict[tuple, Row] = {}
+    t0 = time.perf_counter()
+
+    def done(i: int, key: tuple, row: Row, seconds: float) -> None:
+        trial, names = todo[key]
+        rows[key] = dataclasses.replace(row, notes=list(row.notes) + [f"fidelity anchor(s): {', '.join(names)}"])
+        gib = memory_gib(row, trial.step.stack)
+        mem = "-" if gib is None else f"{gib:.2f} GiB"
+        log(f"[{i}/{len(keys)}] {', '.join(names)} {trial.step.stack}: {row.status} {mem} [{seconds:.1f}s]")
+
+    if jobs <= 1 or len(keys) <= 1:
+        for i, key in enumerate(keys, 1):
+            start = time.perf_counter()
+            row = runner(todo[key][0])
+            done(i, key, row, time.perf_counter() - start)
+    else:
+        with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = {pool.submit(runner, todo[key][0]): key for key in keys}
+            for i, fut in enumerate(futures.as_completed(pending), 1):
+                row = fut.result()
+                done(i, pending[fut], row, row.figures.wall_s or time.perf_counter() - t0)
+    return [Result(a, {stack: rows[a.trial(stack).key()] for stack in STACKS}) for a in anchors]
+
+
+# ----------------------------------------------------------------------------- reporting
+
+HEADER = ("anchor", "source", "implementation", "paper", "ours (paper stack)", "ours (lean)", "residual", "pass")
+
+
+def table_rows(results: list[Result]) -> list[tuple[str, ...]]:
+    out = []
+    for r in results:
+        res = r.residual
+        out.append((r.anchor.name, r.anchor.source, r.anchor.impl.describe(), r.anchor.paper_value(),
+                    r.ours("paper"), r.ours("lean"), "-" if res is None else f"{res:+.1f}%",
+                    "pass" if r.passes() else "FAIL"))
+    return out
+
+
+def text_table(results: list[Result]) -> str:
+    body = [HEADER] + table_rows(results)
+    widths = [max(len(row[i]) for row in body) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in body]
+    passed = sum(r.passes() for r in results)
+    return "\n".join(lines + [f"{passed}/{len(results)} anchors pass (paper stack); "
+                              f"stack.FITTED = {paper_stack.FITTED} bytes"])
+
+
+def markdown(results: list[Result]) -> str:
+    passed = sum(r.passes() for r in results)
+    lines = [
+        "# Fidelity: the simulation against the paper's numbers", "",
+        "Generated by `python -m bench fidelity`. Every cell was **simulated** (no GPU) on the device "
+        f"preset `{DEVICE}`, once under the paper stack and once under the lean stack "
+        "(`bench.measure.stack`), each model's step extrapolated over its layers from 3- and 4-layer "
+        "simulations (`bench.search.extrapolate`). Memory compared: the modelled allocator's reserved "
+        "peak under the paper stack, the allocated peak under lean; GiB = 2^30 bytes.", "",
+        f"Fitted constant of the paper stack: `bench.measure.stack.FITTED` = {paper_stack.FITTED} bytes "
+        f"({paper_stack.FITTED / GiB:.2f} GiB).", "",
+        f"Targets: memory anchors within {REL_TOL:.0%} of the paper (Fig. 5's, read by eye: within "
+        f"{EYE_TOL_GIB:g} GiB + {REL_TOL:.0%}) and fitting; boundaries fit or run out of memory as the "
+        "paper's runs did. Residual: paper stack against the paper. Pass/fail is judged on the paper stack.", "",
+        f"**{passed}/{len(results)} anchors pass.**", "",
+        "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    lines += ["", "Implementations: the paper's methods as it ran them (docs/paper.md, \"Baselines and the "
+              "implementations the paper ran\"); levers not listed are the defaults (FSDP, checkpointing "
+              "with offload, tiled MLP, chunked loss)."]
+    return "\n".join(lines) + "\n"
+
+
+def figure(results: list[Result], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mem = [r for r in results if r.anchor.kind == "memory"]
+    bnd = [r for r in results if r.anchor.kind == "boundary"]
+    panels = [p for p in (mem, bnd) if p]
+    heights = [4.5 if p is mem else 1.5 + 0.4 * len(p) for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.7 * len(mem) + 3), sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    ax_iter = iter(axes[:, 0])
+    if mem:
+        ax = next(ax_iter)
+        xs = range(len(mem))
+        width = 0.27
+        paper = [r.anchor.paper_gib for r in mem]
+        ours = [r.gib("paper") or 0.0 for r in mem]
+        lean = [r.gib("lean") or 0.0 for r in mem]
+        ax.bar([x - width for x in xs], paper, width, label="paper", color="0.55")
+        ax.bar(list(xs), ours, width, label="ours, paper stack (reserved)", color="tab:blue")
+        ax.bar([x + width for x in xs], lean, width, label="ours, lean (allocated)", color="tab:orange", alpha=0.7)
+        ax.errorbar(list(xs), paper, yerr=[r.anchor.tolerance_gib() for r in mem], fmt="none", ecolor="k",
+                    capsize=4, label="pass band (paper ± tolerance)", alpha=0.7, elinewidth=0)
+        for x, r, y in zip(xs, mem, ours):
+            res = r.residual
+            ax.annotate("-" if res is None else f"{res:+.0f}%", (x, y), ha="center", va="bottom", fontsize=8,
+                        color="tab:green" if r.passes() else "tab:red")
+        ax.set_xticks(list(xs), [r.anchor.name for r in mem], rotation=35, ha="right", fontsize=8)
+        ax.set_xlim(-0.7, len(mem) - 0.3)
+        ax.set_ylabel("peak memory per GPU (GiB)")
+        ax.set_title("Memory anchors: paper vs simulation (residual of the paper stack marked)")
+        ax.legend(fontsize=8)
+    if bnd:
+        ax = next(ax_iter)
+        for y, r in enumerate(bnd):
+            for x, stack in enumerate(STACKS):
+                ok = r.passes(stack)
+                ax.add_patch(plt.Rectangle((x, y), 1, 1, color="tab:green" if ok else "tab:red", alpha=0.6))
+                gib = r.gib(stack)
+                mem_text = "" if gib is None else f" ({gib:.1f} GiB)"
+                ax.text(x + 0.5, y + 0.5, outcome(r.rows[stack]) + mem_text, ha="center", va="center", fontsize=8)
+            ax.text(2.1, y + 0.5, f"paper: {r.anchor.expect}", va="center", fontsize=8)
+        ax.set_xlim(0, 3)
+        ax.set_ylim(len(bnd), 0)
+        ax.set_xticks([0.5, 1.5], [f"{s} stack" for s in STACKS])
+        ax.set_yticks([y + 0.5 for y in range(len(bnd))], [r.anchor.name for r in bnd], fontsize=8)
+        ax.set_title("Boundaries: fits / OOM as the paper (green: as the paper)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(results: list[Result], out_dir: Path, figs_dir: Path) -> list[Path]:
+    """Rows appended to ``<out_dir>/fidelity.jsonl``; ``fidelity.{md,png}`` in ``figs_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figs_dir.mkdir(parents=True, exist_ok=True)
+    rows_path = out_dir / "fidelity.jsonl"
+    seen: set[int] = set()
+    rows: list[Row] = []
+    for r in results:
+        for row in r.rows.values():
+            if id(row) not in seen:
+                seen.add(id(row))
+                rows.append(row)
+    append_rows(rows_path, rows)
+    md = figs_dir / "fidelity.md"
+    md.write_text(markdown(results))
+    png = figs_dir / "fidelity.png"
+    figure(results, png)
+    return [rows_path, md, png]
+
+
+def summary(results: list[Result]) -> dict[str, Any]:
+    return {"anchors": len(results), "passed": sum(r.passes() for r in results),
+            "fitted_bytes": paper_stack.FITTED}

@@ -1,0 +1,171 @@
+"""``bench.fidelity`` and ``python -m bench fidelity``: the machinery, on tiny models.
+
+The anchors are checked against the paper's tables they are read from (counts per kind); the
+runs use hand-made anchors on ``tiny-llama`` so the file stays fast. No paper number is tested.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+
+import pytest
+
+from bench import fidelity
+from bench.cli import main
+from bench.fidelity import PAPER_DIR, Anchor, Impl
+
+TINY = "tiny-llama"
+
+
+def _rows(name):
+    with open(PAPER_DIR / f"{name}.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_anchors_read_from_the_paper_tables():
+    anchors = fidelity.load_anchors()
+    by_source = {}
+    for a in anchors:
+        by_source.setdefault((a.source, a.kind), []).append(a)
+    assert len(by_source[("memory_anchors", "memory")]) == len(_rows("memory_anchors"))
+    fig1 = [r for r in _rows("fig1_memory_breakdown") if r["config"] in ("alst", "upipe")]
+    assert len(by_source[("fig1_memory_breakdown", "memory")]) == len(fig1)
+    points = [r for r in _rows("fig5_multinode") if r["kind"] == "point"]
+    assert len(by_source[("fig5_multinode", "memory")]) == sum(r["status"] == "ok" for r in points)
+    assert len(by_source[("fig5_multinode", "boundary")]) == sum(r["status"] == "oom" for r in points)
+    table3 = _rows("table3_throughput")
+    cells = {(r["model"], r["method"]) for r in table3}
+    with_oom = {(r["model"], r["method"]) for r in table3 if r["status"] == "oom"}
+    t3 = by_source[("table3_throughput", "boundary")]
+    assert sum(a.expect == "fits" for a in t3) == len(cells)
+    assert sum(a.expect == "oom" for a in t3) == len(with_oom)
+    # the values come from the files: the 128K anchors carry the file's numbers
+    assert sorted(a.paper_gib for a in by_source[("memory_anchors", "memory")]) == sorted(
+        float(r["peak_mem_gib"]) for r in _rows("memory_anchors"))
+    # each boundary pair: the fitting length is below the OOM one
+    for a in t3:
+        if a.expect == "oom":
+            fit = next(b for b in t3 if b.model == a.model and b.paper_method == a.paper_method and b.expect == "fits")
+            assert fit.seq_len < a.seq_len
+    assert len({a.name for a in anchors}) == len(anchors)
+
+
+def test_anchors_follow_a_changed_table(tmp_path):
+    for path in PAPER_DIR.glob("*.csv"):
+        (tmp_path / path.name).write_text(path.read_text())
+    rows = _rows("memory_anchors")
+    with open(tmp_path / "memory_anchors.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerow({**rows[0], "peak_mem_gib": "12.5"})
+    mem = [a for a in fidelity.load_anchors(tmp_path) if a.source == "memory_anchors"]
+    assert [a.paper_gib for a in mem] == [12.5]
+
+
+def test_implementations_and_selection():
+    assert fidelity.implementation("ring", 8) == Impl("yc-usp", {"ulysses_degree": 1, "attn_type": "fa3"})
+    assert fidelity.implementation("upipe", 8).method == "upipe"
+    assert fidelity.implementation("upipe", 16).method == "usp-upipe"
+    assert fidelity.implementation("torch-cp", 8).levers == {"tiled_mlp": False, "tiled_norm": False}
+    with pytest.raises(ValueError):
+        fidelity.implementation("nope", 8)
+    anchors = fidelity.load_anchors()
+    assert all(a.kind == "memory" for a in fidelity.select(anchors, "memory"))
+    assert all(a.kind == "boundary" for a in fidelity.select(anchors, "boundaries"))
+    assert [a.name for a in fidelity.select(anchors, "all", ["fig5-usp-8M"])] == ["fig5-usp-8M-oom"]
+    with pytest.raises(ValueError, match="unknown anchor"):
+        fidelity.select(anchors, "all", ["no-such-anchor"])
+
+
+def test_residual_and_pass():
+    assert fidelity.residual_pct(22.0, 20.0) == pytest.approx(10.0)
+    assert fidelity.residual_pct(18.0, 20.0) == pytest.approx(-10.0)
+    assert fidelity.residual_pct(None, 20.0) is None
+    a = Anchor("a", "memory", "x", "upipe", TINY, 4, 8192, Impl("upipe"), paper_gib=20.0)
+    assert fidelity.memory_passes(a, "ok", 21.9)
+    assert not fidelity.memory_passes(a, "ok", 22.1)
+    assert not fidelity.memory_passes(a, "ok", 17.9)
+    assert not fidelity.memory_passes(a, "oom", 20.0)  # the paper's run fitted
+    eye = dataclasses.replace(a, abs_tol_gib=1.0)
+    assert fidelity.memory_passes(eye, "ok", 22.9) and not fidelity.memory_passes(eye, "ok", 23.1)
+
+
+@pytest.mark.parametrize("expect,status,ok", [("fits", "ok", True), ("fits", "oom", False),
+                                              ("oom", "oom", True), ("oom", "ok", False),
+                                              ("fits", "error", False), ("oom", "error", False)])
+def test_boundary_logic(expect, status, ok):
+    assert fidelity.boundary_passes(expect, status) is ok
+
+
+def _tiny_anchors():
+    impl = Impl("upipe")
+    return [
+        Anchor("tiny-mem", "memory", "hand-made", "upipe", TINY, 4, 8 << 10, impl, paper_gib=0.02),
+        Anchor("tiny-fits", "boundary", "hand-made", "upipe", TINY, 4, 8 << 10, impl, expect="fits"),
+        Anchor("tiny-oom", "boundary", "hand-made", "upipe", TINY, 4, 8 << 10, impl, expect="oom"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny_results():
+    lines = []
+    results = fidelity.run_anchors(_tiny_anchors(), log=lines.append)
+    return results, lines
+
+
+def test_run_judges_and_shares_trials(tiny_results):
+    results, lines = tiny_results
+    assert len(lines) == 2  # three anchors share one trial per stack
+    assert lines[0].startswith("[1/2] tiny-mem, tiny-fits, tiny-oom") and lines[0].endswith("s]")
+    mem, fits, oom = results
+    assert all(r.rows["paper"].status == r.rows["lean"].status == "ok" for r in results)
+    assert mem.rows["paper"].levers["stack"] == "paper" and mem.rows["lean"].levers.get("stack", "lean") == "lean"
+    assert mem.gib("paper") == mem.rows["paper"].figures.peak_reserved_bytes / 2**30
+    assert mem.gib("lean") == mem.rows["lean"].figures.peak_bytes / 2**30
+    assert mem.residual == pytest.approx((mem.gib("paper") - 0.02) / 0.02 * 100)
+    assert mem.passes() is (abs(mem.gib("paper") - 0.02) <= 0.002)
+    assert fits.passes() and not oom.passes() and fits.residual is None
+    text = fidelity.text_table(results)
+    assert "tiny-oom" in text and "FAIL" in text and f"FITTED = {fidelity.paper_stack.FITTED}" in text
+
+
+def test_outputs_written(tiny_results, tmp_path):
+    results, _ = tiny_results
+    out, figs = tmp_path / "out", tmp_path / "figs"
+    paths = fidelity.write_outputs(results, out, figs)
+    assert paths == [out / "fidelity.jsonl", figs / "fidelity.md", figs / "fidelity.png"]
+    rows = [json.loads(line) for line in (out / "fidelity.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and {r["levers"].get("stack", "lean") for r in rows} == {"paper", "lean"}
+    assert all(any("fidelity anchor" in n for n in r["notes"]) for r in rows)
+    md = (figs / "fidelity.md").read_text()
+    assert "| tiny-mem |" in md and "simulated" in md and "FITTED" in md and "h100-80g" in md
+    assert (figs / "fidelity.png").stat().st_size > 1000
+    fidelity.write_outputs(results, out, figs)  # appended, not replaced
+    assert len((out / "fidelity.jsonl").read_text().splitlines()) == 4
+
+
+def test_cli_runs_selected_anchors(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(fidelity, "load_anchors", lambda paper_dir=PAPER_DIR: _tiny_anchors())
+    assert main(["fidelity", "--anchors", "tiny-mem", "--out", str(tmp_path / "o")]) == 0
+    captured = capsys.readouterr()
+    assert "tiny-mem" in captured.out and "tiny-oom" not in captured.out
+    assert "[1/2]" in captured.err and "[2/2]" in captured.err
+    assert (tmp_path / "o" / "fidelity.md").exists() and (tmp_path / "o" / "fidelity.png").exists()
+    assert main(["fidelity", "--only", "memory", "--list-anchors"]) == 0
+    assert capsys.readouterr().out.split()[0] == "tiny-mem"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--out", "{file}"], "--out"),
+    (["--figs-dir", "{file}"], "--figs-dir"),
+    (["--anchors", "no-such"], "unknown anchor"),
+    (["--jobs", "0"], "--jobs"),
+])
+def test_cli_bad_arguments_one_line(tmp_path, capsys, argv, needle):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    argv = [a.replace("{file}", str(file)) for a in argv]
+    assert main(["fidelity", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
