@@ -13,7 +13,9 @@ implementations can be checked against, and measured beside, the ones the paper'
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from functools import partial
 
 import torch
@@ -116,9 +118,11 @@ def deepspeed_tiled():
     Lazily, because DeepSpeed is optional and slow to import; outside any FakeTensorMode,
     because simulation builds and runs the model under one and an import must not create its
     module-level tensors as fake ones. Neither function communicates, so ``deepspeed.comm``
-    need not be initialised (and its CPU shared-memory op is never built).
+    need not be initialised (and its CPU shared-memory op is never built). Its import-time log
+    lines ("Setting accelerator to CPU") go to stderr: DeepSpeed's logger writes to the stdout
+    of its import, and stdout is where ``python -m bench`` prints its table and JSON rows.
     """
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), contextlib.redirect_stdout(sys.stderr):
         from deepspeed.runtime.sequence_parallel import ulysses_sp
     return ulysses_sp
 

@@ -136,7 +136,8 @@ def test_bad_arguments_in_process(capsys, override, needle):
 
 def test_missing_library_is_a_usage_error():
     """A registered wrapper whose library is absent (flash_attn on CPU machines); checked in a
-    fresh interpreter, since the test session installs a flash-attn stand-in."""
+    fresh interpreter, since the test session installs a flash-attn stand-in. In real mode:
+    simulated mode supplies flash-attn itself (bench.measure.fake_flash_attn)."""
 
     wrapper = next((m for m in ("rfa-zigzag", "ds-fpdt") if m in [i.name for i in methods.available(detail=True)]),
                    None)
@@ -144,8 +145,9 @@ def test_missing_library_is_a_usage_error():
                             "sys.exit(importlib.util.find_spec('flash_attn') is not None)"], capture_output=True)
     if wrapper is None or probe.returncode != 0:
         pytest.skip("no wrapper needing flash_attn, or flash_attn is installed here")
-    p = bench(*_argv(["--method", wrapper]))
-    assert p.returncode == 2 and "which is not importable here" in p.stderr and "flash_attn" in p.stderr
+    p = bench(*_argv(["--method", wrapper, "--mode", "real", "--device", "cpu", "--model", "tiny-llama",
+                      "--seq-len", "1K", "--world-size", "2"]))
+    assert p.returncode == 2 and "which is not importable here" in p.stderr and "flash_attn" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
