@@ -51,11 +51,14 @@ def test_checkpointing_lowers_activation_memory(cfg_file):
 def test_offload_moves_checkpoints_to_the_host(cfg_file):
     kept = sim(cfg_file, ac=True, ac_offload=False)
     moved = sim(cfg_file, ac=True, ac_offload=True)
-    assert kept["host_peak_bytes"] == 0
+    # on the GPU code path (fake CUDA, bench.measure.simcuda) the host also holds a few bytes of
+    # index tensors made there before their copy to the device, as a GPU run does
+    small = 4096
+    assert kept["host_peak_bytes"] < small
     # every block but the first and last offloads its inputs: 2 of 4 here, each the hidden
     # states [1, S/C, dim] bf16 and the positions [S/C] int64
     hidden, positions = 32768 // 4 * 512 * 2, 32768 // 4 * 8
-    assert moved["host_peak_bytes"] == 2 * (hidden + positions)
+    assert 0 <= moved["host_peak_bytes"] - 2 * (hidden + positions) < small
     # the device keeps the positions (one tensor shared by all blocks) but not the hidden states
     assert moved["peak_bytes"] <= kept["peak_bytes"] - 2 * hidden
 
