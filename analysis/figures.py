@@ -776,6 +776,12 @@ def u_ablation_plot(rows=None) -> Plot:
 
 # ----------------------------------------------------------------------------- memory vs length
 
+# the series of memory_vs_seq: the suite's implementations of the paper's methods and the paper's
+# own Ulysses and Native PyTorch (yunchang's USP at Ulysses degree 8, PyTorch's CP), so that one
+# legend stays short; the other library wrappers (and yunchang's Ring) are in max_context and compare_*
+MEMORY_VS_SEQ_METHODS = ("torch-cp", "ring", "ulysses", "usp", "yc-usp", "fpdt", "upipe", "usp-upipe")
+
+
 def memory_vs_seq_plot(rows=None) -> Plot:
     """Peak memory per GPU vs sequence length per series (Table 3 setups), with the paper's
     two 128K anchors (open markers) and the H100's capacity.
@@ -796,6 +802,10 @@ def memory_vs_seq_plot(rows=None) -> Plot:
             ax.plot([a.seq_len], [a.peak_mem_gib], **dict(enc.style(a.method, "paper"), linestyle=""))
             xs_drawn.append(a.seq_len)
         ours = table3_rows(rows, setup)
+        if len(ours):  # the paper's methods as ours, and its Ulysses as it ran it; the rest: max_context
+            ours = ours[ours["method"].isin(MEMORY_VS_SEQ_METHODS)
+                        & ~((ours["method"] == "yc-usp") & (ours["opt.ulysses_degree"] == 1)
+                            if "opt.ulysses_degree" in ours else False)]
         used.append(ours)
         for _, sub in groups(ours):
             lengths = sorted(sub["seq_len"].unique())

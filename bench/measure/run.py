@@ -23,7 +23,9 @@ Modes (recorded in every row):
   the communication bytes and their modelled time are recorded.
   With ``allocator_model`` (classic or expandable) the step's allocations are also replayed
   through a model of the CUDA caching allocator (``bench.measure.allocator``), which adds
-  ``peak_reserved_bytes``; the fit is still decided by the allocated peak.
+  ``peak_reserved_bytes``. Under the ``lean`` stack the fit is decided by the allocated peak,
+  under the ``paper`` stack (``bench.measure.stack``, which turns the allocator model on) by
+  the reserved peak against the device less the CUDA context.
 
 A trial "fits" in simulated mode (and on a CPU device in the other modes, which have no
 out-of-memory error to catch) when its peak is within the preset's usable bytes; otherwise
