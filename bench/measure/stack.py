@@ -56,7 +56,6 @@ from records import GiB
 from ..training.config import StepConfig
 from .hardware import DevicePreset
 
-STACKS = ("lean", "paper")
 CUDA_CONTEXT_BYTES = GiB // 2  # ~400 MB measured by PyTorch's maintainers; rounded up (see the docstring)
 FITTED = 0  # the one fitted constant the paper stack allows (bytes of reserved memory); unused
 

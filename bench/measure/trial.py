@@ -29,7 +29,7 @@ from records import Kind, Mode, human, trial_key
 from records.sizes import parse_size
 
 from ..model.config import ModelConfig, get_config
-from ..training.config import StepConfig
+from ..training.config import SIMULATION_ONLY, StepConfig
 from . import fake_flash_attn, launch
 from .hardware import DevicePreset, LinkModel, get_device, get_link
 
@@ -219,22 +219,12 @@ class Trial:
                 f"({torch.cuda.device_count()} found); launch with torchrun/submitit across nodes, "
                 f"or use --mode emulated/simulated"
             )
-        if self.step.kernel_workspace != "none" and self.mode != Mode.SIMULATED:
-            raise ValueError(
-                f"kernel_workspace={self.step.kernel_workspace!r} models the attention kernel's scratch "
-                f"memory under simulation; in {self.mode} mode the real kernel allocates its own: drop it"
-            )
-        if self.step.stack != "lean" and self.mode != Mode.SIMULATED:
-            raise ValueError(f"stack={self.step.stack!r} is an accounting of simulated memory; in {self.mode} "
-                             "mode the run's own memory is measured: drop it (or use --stack lean)")
-        if self.step.sim_device != "auto" and self.mode != Mode.SIMULATED:
-            raise ValueError(f"sim_device={self.step.sim_device!r} picks the fake device of a simulation; "
-                             f"in {self.mode} mode the trial runs on its real device: drop it")
-        if self.step.allocator_model != "none" and self.mode != Mode.SIMULATED:
-            raise ValueError(
-                f"allocator_model={self.step.allocator_model!r} models the CUDA caching allocator under "
-                f"simulation; in {self.mode} mode the real allocator reports its own reserved peak: drop it"
-            )
+        if self.mode != Mode.SIMULATED:
+            defaults = {f.name: f.default for f in dataclasses.fields(StepConfig)}
+            for name, what, instead, fix in SIMULATION_ONLY:
+                value = getattr(self.step, name)
+                if value != defaults[name]:
+                    raise ValueError(f"{name}={value!r} {what}; in {self.mode} mode {instead}: {fix}")
         if self.step.chunked_loss_impl == "deepspeed" and self.mode == Mode.SIMULATED:
             # its backward branches on `grads[0] != 1.0`, a value (.item()) fake tensors do not have
             raise ValueError(

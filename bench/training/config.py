@@ -43,6 +43,22 @@ STACKS = ("lean", "paper")
 OFFLOAD_KEEPS = ("first_last", "first")
 
 
+# fields added after rows were committed: a row records them only away from their default
+LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
+               "stack", "offload_keep")
+# simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
+# away from its default such a setting is refused outside simulated mode (Trial.validate)
+SIMULATION_ONLY = (
+    ("kernel_workspace", "models the attention kernel's scratch memory under simulation",
+     "the real kernel allocates its own", "drop it"),
+    ("stack", "is an accounting of simulated memory", "the run's own memory is measured",
+     "drop it (or use --stack lean)"),
+    ("sim_device", "picks the fake device of a simulation", "the trial runs on its real device", "drop it"),
+    ("allocator_model", "models the CUDA caching allocator under simulation",
+     "the real allocator reports its own reserved peak", "drop it"),
+)
+
+
 @dataclass(frozen=True)
 class StepConfig:
     """What one step does. Defaults are the paper's settings (batch 1, every lever on)."""
@@ -121,10 +137,9 @@ class StepConfig:
             d.pop(k)
         # fields added after rows were committed are left out at their default, so that the
         # trial identity (and the key) of every earlier row stays what it was
-        for name, default in (("kernel_workspace", "none"), ("tiled_mlp_impl", "ours"),
-                              ("chunked_loss_impl", "ours"), ("sim_device", "auto"),
-                              ("allocator_model", "none"), ("stack", "lean"), ("offload_keep", "first_last")):
-            if d[name] == default:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in LATE_FIELDS:
+            if d[name] == defaults[name]:
                 d.pop(name)
         return d
 
