@@ -89,7 +89,7 @@ def _build(trial: Trial, group, device: torch.device, host: str, fake: bool):
                                fake=fake, seed=trial.seed)
         return case, None
     model, opt = build_model(cfg, trial.method, trial.opts, group, step, device, host=host,
-                             seed=None if fake else trial.seed)
+                             seed=None if fake else trial.seed, seq_len=trial.seq_len)
     batch = make_batch(model, trial.seq_len, step.batch, device, seed=trial.seed + 1, fake=fake)
     return (model, opt), batch
 

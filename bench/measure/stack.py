@@ -33,7 +33,17 @@ step before it runs, or in the budget by :func:`usable_bytes`:
 4. ``tiled_mlp_deepspeed``: the tiled MLP runs through DeepSpeed's ALST ``TiledMLP``, which
    the authors vendored (``torchtitan/patch_torch_files/ulysses_sp.py``), when DeepSpeed is
    installed (otherwise ours, and the row says so).
-5. ``cuda_context``: device memory outside the caching allocator, taken off the capacity:
+5. ``rope_table``: TorchTitan's precomputed RoPE table, ``freqs_cis``, ``complex64
+   [training.seq_len, head_dim / 2]`` (8 bytes x head_dim / 2 per token of the *global*
+   sequence: 1.5 GiB at 3M tokens, 4 GiB at 8M for head_dim 128), a buffer every rank
+   holds whole for the entire step (FSDP2 shards parameters, not buffers). Source: the
+   authors' ``torchtitan/torchtitan/models/llama3/model.py`` (``_precompute_freqs_cis``
+   over ``model_args.max_seq_len``, which ``update_from_config`` sets to
+   ``training.seq_len``; the buffer is registered with ``persistent=False`` and built on
+   the device); UPipe's ``fully_fused_attn.py`` and the USP path read it from there. Applies
+   to the methods the paper ran in its TorchTitan fork (every method but FPDT, which ran in
+   Megatron-DeepSpeed, and the Hugging Face stack's Ulysses).
+6. ``cuda_context``: device memory outside the caching allocator, taken off the capacity:
    the CUDA context with lazy module loading, about 400 MB per process on CUDA >= 11.7
    (PyTorch maintainers in pytorch/pytorch#109888 and #107667); counted as 0.5 GiB.
 
@@ -78,6 +88,9 @@ PAPER_TERMS: tuple[Term, ...] = (
          "authors' parallelize_llama.py full-checkpointing path (no last-layer flag)"),
     Term("tiled_mlp_deepspeed", "the MLP tiles through DeepSpeed's TiledMLP",
          "authors' torchtitan/patch_torch_files/ulysses_sp.py (vendored ALST)"),
+    Term("rope_table", "TorchTitan's freqs_cis: complex64 [global seq_len, head_dim/2] on every rank",
+         "authors' torchtitan/torchtitan/models/llama3/model.py "
+         "(_precompute_freqs_cis, max_seq_len = training.seq_len)"),
     Term("cuda_context", f"{CUDA_CONTEXT_BYTES / GiB:.1f} GiB outside the allocator taken off the capacity",
          "pytorch/pytorch#109888, #107667 (about 400 MB with lazy module loading)"),
 )
@@ -85,6 +98,8 @@ PAPER_TERMS: tuple[Term, ...] = (
 # methods whose library calls flash-attn itself: the fake flash-attn allocates its scratch
 LIBRARY_KERNELS = ("yc-ulysses", "yc-ring", "yc-usp", "rfa-zigzag", "ds-fpdt")
 SDPA_METHODS = ("torch-cp",)
+# methods whose paper runs did not use TorchTitan's model code (term 5 does not apply)
+OUTSIDE_TORCHTITAN = ("fpdt", "ds-fpdt", "ds-ulysses-hf")
 
 
 def scratch_model(method: str) -> str:
@@ -118,6 +133,9 @@ def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
             notes.append("paper stack: tiled_mlp_deepspeed (DeepSpeed's TiledMLP)")
         else:
             notes.append("paper stack: DeepSpeed not installed, so the tiled MLP is ours, not its TiledMLP")
+    if not step.rope_table and method not in OUTSIDE_TORCHTITAN and step.scope == "model":
+        changes["rope_table"] = True
+        notes.append("paper stack: rope_table (TorchTitan's freqs_cis over the whole sequence on every rank)")
     return dataclasses.replace(step, **changes), notes
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import methods
+from methods.core.rope import rope_table
 
 from .config import ModelConfig
 
@@ -198,8 +199,33 @@ class FeedForward(nn.Module):
         return _Tiled.apply(partial(norm_mlp_fn, eps=self.eps), tiles, x, *self.weights())
 
 
+class _HoldForBackward(torch.autograd.Function):
+    """Identity on ``x`` that keeps ``held`` alive until the block's backward reaches it.
+
+    With a RoPE table (``Decoder.set_rope_table``) TorchTitan's attention keeps the table it
+    was given for its own backward: the Llama attention's ``xq_ * freqs_cis`` saves a view of
+    it, UPipe's custom op ``ctx.save_for_backward(..., freqs_cis, ...)`` the whole tensor. The
+    table is an argument of the checkpointed block, so under checkpoint offload
+    (``save_on_cpu``) the recomputation gets a *fresh device copy* of it, which those saves
+    keep until the attention's backward is done. Saving it here, on the block's first op,
+    keeps the same copy for the block's backward (a little longer: through the attention
+    norm's backward too, after the attention's peak)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(held)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class Block(nn.Module):
-    """One pre-norm decoder block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+    """One pre-norm decoder block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+
+    ``rope_table``: the model's RoPE table (``Decoder.set_rope_table``), an argument as in
+    TorchTitan, so that activation checkpointing saves (and offloads) it with the input."""
 
     def __init__(self, cfg: ModelConfig, attention: nn.Module) -> None:
         super().__init__()
@@ -207,8 +233,16 @@ class Block(nn.Module):
         self.attention = attention
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions=positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor | None = None) -> torch.Tensor:
+        if rope_table is None:
+            h = x + self.attention(self.attention_norm(x), positions=positions)
+            return h + self.feed_forward(h)
+        x = _HoldForBackward.apply(x, rope_table)
+        self.attention.rope_table = rope_table  # the angles are looked up in this (possibly unpacked) copy
+        try:
+            h = x + self.attention(self.attention_norm(x), positions=positions)
+        finally:
+            self.attention.rope_table = None
         return h + self.feed_forward(h)
 
 
@@ -388,8 +422,21 @@ class Decoder(nn.Module):
         self.head.loss_chunk = chunk
         self.head.loss_impl = impl
 
+    def set_rope_table(self, seq_len: int | None) -> None:
+        """Keep a precomputed RoPE table of ``seq_len`` positions (TorchTitan's ``freqs_cis``
+        buffer: ``complex64 [seq_len, head_dim / 2]``, the whole training sequence on every
+        rank, never sharded) and make every block's attention look its angles up there;
+        None: angles computed for the local positions only (no table). Each block receives
+        the table as an argument (``Block``)."""
+        table = None
+        if seq_len is not None:
+            device = self.tok_embeddings.weight.device
+            table = rope_table(seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=device)
+        self.register_buffer("rope_table", table, persistent=False)
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
+        table = getattr(self, "rope_table", None)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, positions) if table is None else layer(x, positions, table)
         return self.head(x, labels)

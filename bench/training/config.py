@@ -45,7 +45,7 @@ OFFLOAD_KEEPS = ("first_last", "first")
 
 # fields added after rows were committed: a row records them only away from their default
 LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
-               "stack", "offload_keep")
+               "stack", "offload_keep", "rope_table")
 # simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
 # away from its default such a setting is refused outside simulated mode (Trial.validate)
 SIMULATION_ONLY = (
@@ -83,6 +83,7 @@ class StepConfig:
     stack: str = "lean"  # simulation only: lean | paper (bench.measure.stack); the CLI and specs default to paper
     sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
     allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
+    rope_table: bool = False  # keep TorchTitan's precomputed RoPE table of the whole sequence on every rank
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():

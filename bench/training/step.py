@@ -98,12 +98,13 @@ class CheckpointedBlock(nn.Module):
         self.block = block
         self.offload = offload
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, *rope_table: torch.Tensor) -> torch.Tensor:
+        # rope_table (when the model keeps one) is a checkpoint input like x: offloaded with it
         if not torch.is_grad_enabled():
-            return self.block(x, positions)
+            return self.block(x, positions, *rope_table)
         ctx = self.offload() if self.offload is not None else contextlib.nullcontext()
         with ctx:
-            return checkpoint(self.block, x, positions, use_reentrant=False)
+            return checkpoint(self.block, x, positions, *rope_table, use_reentrant=False)
 
 
 # --------------------------------------------------------------------------- building
@@ -122,6 +123,7 @@ def build_model(
     device: torch.device | str,
     host: str = "cpu",
     seed: int | None = 0,
+    seq_len: int | None = None,
 ) -> tuple[Decoder, torch.optim.Optimizer]:
     """The decoder with every lever of ``step`` applied, and its AdamW.
 
@@ -129,7 +131,10 @@ def build_model(
     and in the compute dtype otherwise, then initialised from ``seed`` (identical on every
     rank). Under FakeTensorMode pass ``seed=None`` and call inside
     ``bench.measure.simulate.no_param_init()`` (random init is not possible on fake tensors).
+    ``seq_len`` (global tokens) sizes the RoPE table of ``step.rope_table``.
     """
+    if step.rope_table and seq_len is None:
+        raise ValueError("rope_table=True keeps a RoPE table of the whole sequence: pass build_model(seq_len=...)")
     device = torch.device(device)
     master = torch.float32 if step.fsdp else step.torch_dtype
     previous = torch.get_default_dtype()
@@ -141,6 +146,9 @@ def build_model(
         torch.set_default_dtype(previous)
     if seed is not None:
         init_weights(model, seed)
+    if step.rope_table:
+        with torch.device(device):
+            model.set_rope_table(seq_len)
     model.set_mlp_tiles(step.mlp_tiles if step.tiled_mlp else None, step.tiled_mlp_impl)
     model.set_norm_tiles(step.mlp_tiles if step.tiled_norm else None)
     model.set_loss_chunk(step.loss_chunk if step.chunked_loss else None, step.chunked_loss_impl)

@@ -23,7 +23,7 @@ from torch import nn
 
 from . import comm, layouts
 from .kernels import get_kernel, softmax_scale
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope, rope_cos_sin, rope_cos_sin_from_table
 from .spec import AttnSpec
 
 NORM_EPS = 1e-6
@@ -104,6 +104,11 @@ class AttentionParams(nn.Module):
         return q, project(x, wk, d, self.k_norm_weight, cos, sin), project(x, wv, d)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """RoPE angles of ``positions``: looked up in ``rope_table`` when the model keeps one
+        (``Decoder.set_rope_table``, TorchTitan's precomputed ``freqs_cis``), else computed."""
+        table = getattr(self, "rope_table", None)
+        if table is not None:
+            return rope_cos_sin_from_table(table, positions, dtype)
         return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
 
 

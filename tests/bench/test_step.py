@@ -63,6 +63,29 @@ def test_offload_moves_checkpoints_to_the_host(cfg_file):
     assert moved["peak_bytes"] <= kept["peak_bytes"] - 2 * hidden
 
 
+def test_rope_table_is_held_whole_and_travels_with_the_checkpoints(cfg_file):
+    """TorchTitan's RoPE table (complex64 [S, head_dim/2]) is a buffer on every rank; as a block
+    argument it is offloaded with each offloaded block's input and comes back as a device copy
+    that the block's backward keeps (bench.model.decoder._HoldForBackward)."""
+    seq = 32768
+    table = seq * (CFG["head_dim"] // 2) * 8
+    base = sim(cfg_file, seq, ac=True, ac_offload=True)
+    held = sim(cfg_file, seq, ac=True, ac_offload=True, rope_table=True)
+    assert held["peak_by_category"]["buffer"] - base["peak_by_category"]["buffer"] == table
+    # two of the four blocks are offloaded (first and last kept): one host copy each
+    assert held["host_peak_bytes"] - base["host_peak_bytes"] == 2 * table
+    # with the last block offloaded too, the peak (its attention backward) holds the buffer and
+    # the block's unpacked copy
+    base_first = sim(cfg_file, seq, ac=True, ac_offload=True, offload_keep="first")
+    held_first = sim(cfg_file, seq, ac=True, ac_offload=True, offload_keep="first", rope_table=True)
+    assert held_first["peak_bytes"] - base_first["peak_bytes"] == 2 * table
+    kept = sim(cfg_file, seq, ac=True, ac_offload=False, rope_table=True)
+    assert kept["host_peak_bytes"] < 4096  # nothing offloaded: no copies anywhere
+    with pytest.raises(ValueError, match="pass build_model"):
+        from bench.model.config import get_config
+        build_model(get_config("tiny-llama"), "ulysses", {}, None, StepConfig.plain(rope_table=True), "cpu")
+
+
 def test_tiled_mlp_and_norm_lower_memory(cfg_file):
     tiled = sim(cfg_file)
     plain_mlp = sim(cfg_file, tiled_mlp=False)
@@ -125,7 +148,7 @@ def cp_step(group, method: str, levers: dict, dtype: str = "fp32") -> dict:
 
     torch.manual_seed(0)
     step = StepConfig(dtype=dtype, **levers)
-    model, _ = build_model(get_config(TINY), method, {}, group, step, "cpu", seed=0)
+    model, _ = build_model(get_config(TINY), method, {}, group, step, "cpu", seed=0, seq_len=SEQ)
     batch = make_batch(model, SEQ, 2, "cpu", seed=1)
     loss = model(batch.tokens, batch.positions, batch.labels)
     loss.backward()
@@ -156,10 +179,12 @@ ALL_ON = dict(fsdp=True, ac=True, ac_offload=True, tiled_mlp=True, tiled_norm=Tr
               chunked_loss=True, loss_chunk=40)
 
 
+NO_LEVERS = dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False, chunked_loss=False)
+
+
 @pytest.mark.parametrize("method", sorted(set(methods.available()) & {"ulysses", "upipe", "ring"}))
-@pytest.mark.parametrize("levers", [ALL_ON, dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False,
-                                                  tiled_norm=False, chunked_loss=False)],
-                         ids=["all-levers", "no-levers"])
+@pytest.mark.parametrize("levers", [ALL_ON, {**ALL_ON, "rope_table": True}, NO_LEVERS],
+                         ids=["all-levers", "all-levers+rope-table", "no-levers"])
 def test_step_with_levers_equals_plain_single_device_step(pool, method, levers):
     ref = reference_step(method)
     got = pool.run(cp_step, method, levers, world_size=2)[0]
