@@ -17,7 +17,17 @@ from matplotlib.ticker import FuncFormatter
 from matplotlib.transforms import Bbox
 
 from .load import human_size, load_paper, method_label
-from .select import PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, family, family_order, groups, lookup, number
+from .select import (
+    PAPER_LENGTHS,
+    PAPER_METHODS,
+    TABLE3_SETUPS,
+    family,
+    family_order,
+    groups,
+    lookup,
+    number,
+    preferred,
+)
 from .style import (
     CAPACITY_COLOR,
     Encoding,
@@ -443,7 +453,7 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
             sub = ours[(ours["config"] == cfg) & (ours["mode_label"] == ml)]
             if not len(sub):
                 continue
-            r = sub.sort_values("time").iloc[-1]
+            r = preferred(sub)  # several implementations of one bar: the paper's (the table lists all)
             if r["status"] == "error" or pd.isna(r["mem_gib"]):
                 ax.text(xo, ymax * 0.01, "error" if r["status"] == "error" else "OOM, no peak", ha="center",
                         va="bottom", fontsize=7, rotation=90, color="#b00000")
@@ -499,7 +509,7 @@ def fig1_plot(rows=None) -> Plot:
         if setup == PAPER_FIG1:
             _fig1_panel(ax, mine, paper, "Fig. 1: peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs", True)
             if not len(mine):
-                note_box(ax, "no rows of ours yet\npython -m sweeps run sweeps/configs/fig1-memory-breakdown.yaml",
+                note_box(ax, "no rows of ours yet\npython -m bench fidelity --anchors fig1-",
                          loc="top right")
         else:
             _fig1_panel(ax, mine, None, f"ours only, smaller scale: {setup_name(*setup)} (no paper values)", False)
@@ -531,7 +541,7 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
                 v = hit["peak_mem_gib"].iloc[0] if len(hit) else None
                 style = paper_bar_style(colors[m])
             else:
-                r = lookup(ours[(ours["method"] == m) & (ours["mode_label"] == src)], s)
+                r = lookup(ours[(ours["fig5_method"] == m) & (ours["mode_label"] == src)], s)
                 status = r["status"] if r is not None else None
                 v = r["mem_gib"] if r is not None else None
                 style = ours_bar_style(colors[m])
@@ -558,8 +568,8 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
                  label="UPipe / USP throughput — paper")
     ratio_lines = 0
     for j, ml in enumerate(modes):
-        u = ours[(ours["method"] == "usp-upipe") & (ours["mode_label"] == ml)]
-        b = ours[(ours["method"] == "usp") & (ours["mode_label"] == ml)]
+        u = ours[(ours["fig5_method"] == "usp-upipe") & (ours["mode_label"] == ml)]
+        b = ours[(ours["fig5_method"] == "usp") & (ours["mode_label"] == ml)]
         pts = []
         for s in lengths:
             a, c = number(lookup(u, s), "tokens_per_s_per_device"), number(lookup(b, s), "tokens_per_s_per_device")
@@ -577,7 +587,7 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
         handles += [Patch(**paper_bar_style(colors["usp"]), label="USP-Hybrid 8×2 — paper (by eye)"),
                     Patch(**paper_bar_style(colors["upipe"]), label="UPipe 8×2 — paper (by eye)")]
     for ml in modes:
-        labels = {m: sorted(ours[(ours["method"] == m) & (ours["mode_label"] == ml)]["label"].unique())
+        labels = {m: sorted(ours[(ours["fig5_method"] == m) & (ours["mode_label"] == ml)]["label"].unique())
                   for m in ("usp", "usp-upipe")}
         handles += [Patch(**ours_bar_style(colors["usp"]), label=f"{', '.join(labels['usp']) or 'usp'} — ours ({ml})"),
                     Patch(**ours_bar_style(colors["upipe"]),

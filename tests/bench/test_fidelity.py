@@ -169,3 +169,21 @@ def test_cli_bad_arguments_one_line(tmp_path, capsys, argv, needle):
     assert main(["fidelity", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_fig1_ladder_is_one_anchor_per_bar():
+    """Every bar of Fig. 1 with a rung of ours is an anchor with that rung's levers: the fitting
+    bars memory anchors, the OOM bars boundaries labelled with the paper's needed GiB."""
+    ladder = {a.paper_method: a for a in fidelity.load_anchors() if a.source == "fig1_memory_breakdown"}
+    paper = {r["config"]: r for r in _rows("fig1_memory_breakdown")}
+    assert set(ladder) == set(fidelity.FIG1_RUNGS) == set(paper) - {"default"}
+    for config, a in ladder.items():
+        assert (a.kind, a.expect) == (("memory", "fits") if paper[config]["status"] == "ok" else ("boundary", "oom"))
+        for lever, value in fidelity.FIG1_RUNGS[config][1].items():
+            assert getattr(a.trial("paper").step, lever) == value
+    assert ladder["fsdp"].impl.method == "no-cp" and ladder["fsdp"].paper_value() == "oom (7680 GiB)"
+    assert ladder["alst"].impl == fidelity.implementation("ulysses", 8)  # the Table 3 Ulysses configuration
+    ao = ladder["+ao"].trial("lean").step
+    assert ao.ac and ao.ac_offload and not ao.tiled_mlp and not ao.chunked_loss
+    with pytest.raises(ValueError, match="no rung of ours for 'default'"):
+        fidelity.fig1_rung("default", 8)
