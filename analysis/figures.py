@@ -470,10 +470,14 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
                     bottom += scale * v
             cut = total > ymax * 0.86
             digits = 1 if total >= 1 else 3
-            text = (f"↑ {total:.0f}" if cut else f"{total:.{digits}f}") + ("\nOOM" if r["status"] == "oom" else "")
-            ax.text(xo, min(total, ymax * 0.86) + ymax * 0.01, text, ha="center", va="bottom", fontsize=7.5,
-                    color="#b00000" if r["status"] == "oom" else "black",
-                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8) if cut else None)
+            color = "#b00000" if r["status"] == "oom" else "black"
+            if cut:  # written up the bar, which is too narrow for a label across it
+                text = ("OOM " if r["status"] == "oom" else "") + f"↑ {total:.0f} {unit}"
+                ax.text(xo, ymax * 0.5, text, ha="center", va="center", fontsize=7.5, rotation=90, color=color,
+                        bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
+            else:
+                text = f"{total:.{digits}f}" + ("\nOOM" if r["status"] == "oom" else "")
+                ax.text(xo, total + ymax * 0.01, text, ha="center", va="bottom", fontsize=7.5, color=color)
     if capacity:
         ax.axhline(H100_GIB, color=CAPACITY_COLOR, linestyle=":", linewidth=1.2)
         ax.text(len(FIG1_CONFIGS) - 0.45, H100_GIB + 0.8, "H100 capacity (79.6 GiB)", ha="right", va="bottom",
@@ -787,9 +791,10 @@ def u_ablation_plot(rows=None) -> Plot:
 # ----------------------------------------------------------------------------- memory vs length
 
 # the series of memory_vs_seq: the suite's implementations of the paper's methods and the paper's
-# own Ulysses and Native PyTorch (yunchang's USP at Ulysses degree 8, PyTorch's CP), so that one
-# legend stays short; the other library wrappers (and yunchang's Ring) are in max_context and compare_*
-MEMORY_VS_SEQ_METHODS = ("torch-cp", "ring", "ulysses", "usp", "yc-usp", "fpdt", "upipe", "usp-upipe")
+# own Ulysses (yunchang's USP at Ulysses degree 8), so that one legend stays short (at most 10
+# colours); the other library wrappers, yunchang's Ring and PyTorch's CP (the paper's Native
+# PyTorch) are in max_context, memory_vs_seq's table and compare_*
+MEMORY_VS_SEQ_METHODS = ("ring", "ulysses", "usp", "yc-usp", "fpdt", "upipe", "usp-upipe")
 
 
 def memory_vs_seq_plot(rows=None) -> Plot:

@@ -51,7 +51,7 @@ def test_every_rung_of_the_ladder_lands_in_its_bar(ladder_rows):
     plot = figures.fig1_plot(ladder_rows)
     assert len(plot.rows_used[plot.rows_used["config"].notna()]) == 6  # the Ring row is no bar
     texts = [t.get_text() for t in plot.fig.axes[0].texts]
-    assert "↑ 25000\nOOM" in texts  # an OOM bar of ours is drawn, labelled with the memory it needed
+    assert "OOM ↑ 25000 GiB" in texts  # an OOM bar of ours is drawn, labelled with the memory it needed
 
 
 def test_ring_and_partial_levers_are_no_bar():
