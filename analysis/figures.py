@@ -17,7 +17,17 @@ from matplotlib.ticker import FuncFormatter
 from matplotlib.transforms import Bbox
 
 from .load import human_size, load_paper, method_label
-from .select import PAPER_LENGTHS, PAPER_METHODS, TABLE3_SETUPS, family, family_order, groups, lookup, number
+from .select import (
+    PAPER_LENGTHS,
+    PAPER_METHODS,
+    TABLE3_SETUPS,
+    family,
+    family_order,
+    groups,
+    lookup,
+    number,
+    preferred,
+)
 from .style import (
     CAPACITY_COLOR,
     Encoding,
@@ -443,7 +453,7 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
             sub = ours[(ours["config"] == cfg) & (ours["mode_label"] == ml)]
             if not len(sub):
                 continue
-            r = sub.sort_values("time").iloc[-1]
+            r = preferred(sub)  # several implementations of one bar: the paper's (the table lists all)
             if r["status"] == "error" or pd.isna(r["mem_gib"]):
                 ax.text(xo, ymax * 0.01, "error" if r["status"] == "error" else "OOM, no peak", ha="center",
                         va="bottom", fontsize=7, rotation=90, color="#b00000")
@@ -460,10 +470,14 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
                     bottom += scale * v
             cut = total > ymax * 0.86
             digits = 1 if total >= 1 else 3
-            text = (f"↑ {total:.0f}" if cut else f"{total:.{digits}f}") + ("\nOOM" if r["status"] == "oom" else "")
-            ax.text(xo, min(total, ymax * 0.86) + ymax * 0.01, text, ha="center", va="bottom", fontsize=7.5,
-                    color="#b00000" if r["status"] == "oom" else "black",
-                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8) if cut else None)
+            color = "#b00000" if r["status"] == "oom" else "black"
+            if cut:  # written up the bar, which is too narrow for a label across it
+                text = ("OOM " if r["status"] == "oom" else "") + f"↑ {total:.0f} {unit}"
+                ax.text(xo, ymax * 0.5, text, ha="center", va="center", fontsize=7.5, rotation=90, color=color,
+                        bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.85))
+            else:
+                text = f"{total:.{digits}f}" + ("\nOOM" if r["status"] == "oom" else "")
+                ax.text(xo, total + ymax * 0.01, text, ha="center", va="bottom", fontsize=7.5, color=color)
     if capacity:
         ax.axhline(H100_GIB, color=CAPACITY_COLOR, linestyle=":", linewidth=1.2)
         ax.text(len(FIG1_CONFIGS) - 0.45, H100_GIB + 0.8, "H100 capacity (79.6 GiB)", ha="right", va="bottom",
@@ -499,7 +513,7 @@ def fig1_plot(rows=None) -> Plot:
         if setup == PAPER_FIG1:
             _fig1_panel(ax, mine, paper, "Fig. 1: peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs", True)
             if not len(mine):
-                note_box(ax, "no rows of ours yet\npython -m sweeps run sweeps/configs/fig1-memory-breakdown.yaml",
+                note_box(ax, "no rows of ours yet\npython -m bench fidelity --anchors fig1-",
                          loc="top right")
         else:
             _fig1_panel(ax, mine, None, f"ours only, smaller scale: {setup_name(*setup)} (no paper values)", False)
@@ -531,7 +545,7 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
                 v = hit["peak_mem_gib"].iloc[0] if len(hit) else None
                 style = paper_bar_style(colors[m])
             else:
-                r = lookup(ours[(ours["method"] == m) & (ours["mode_label"] == src)], s)
+                r = lookup(ours[(ours["fig5_method"] == m) & (ours["mode_label"] == src)], s)
                 status = r["status"] if r is not None else None
                 v = r["mem_gib"] if r is not None else None
                 style = ours_bar_style(colors[m])
@@ -558,8 +572,8 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
                  label="UPipe / USP throughput — paper")
     ratio_lines = 0
     for j, ml in enumerate(modes):
-        u = ours[(ours["method"] == "usp-upipe") & (ours["mode_label"] == ml)]
-        b = ours[(ours["method"] == "usp") & (ours["mode_label"] == ml)]
+        u = ours[(ours["fig5_method"] == "usp-upipe") & (ours["mode_label"] == ml)]
+        b = ours[(ours["fig5_method"] == "usp") & (ours["mode_label"] == ml)]
         pts = []
         for s in lengths:
             a, c = number(lookup(u, s), "tokens_per_s_per_device"), number(lookup(b, s), "tokens_per_s_per_device")
@@ -577,7 +591,7 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
         handles += [Patch(**paper_bar_style(colors["usp"]), label="USP-Hybrid 8×2 — paper (by eye)"),
                     Patch(**paper_bar_style(colors["upipe"]), label="UPipe 8×2 — paper (by eye)")]
     for ml in modes:
-        labels = {m: sorted(ours[(ours["method"] == m) & (ours["mode_label"] == ml)]["label"].unique())
+        labels = {m: sorted(ours[(ours["fig5_method"] == m) & (ours["mode_label"] == ml)]["label"].unique())
                   for m in ("usp", "usp-upipe")}
         handles += [Patch(**ours_bar_style(colors["usp"]), label=f"{', '.join(labels['usp']) or 'usp'} — ours ({ml})"),
                     Patch(**ours_bar_style(colors["upipe"]),
@@ -777,9 +791,10 @@ def u_ablation_plot(rows=None) -> Plot:
 # ----------------------------------------------------------------------------- memory vs length
 
 # the series of memory_vs_seq: the suite's implementations of the paper's methods and the paper's
-# own Ulysses and Native PyTorch (yunchang's USP at Ulysses degree 8, PyTorch's CP), so that one
-# legend stays short; the other library wrappers (and yunchang's Ring) are in max_context and compare_*
-MEMORY_VS_SEQ_METHODS = ("torch-cp", "ring", "ulysses", "usp", "yc-usp", "fpdt", "upipe", "usp-upipe")
+# own Ulysses (yunchang's USP at Ulysses degree 8), so that one legend stays short (at most 10
+# colours); the other library wrappers, yunchang's Ring and PyTorch's CP (the paper's Native
+# PyTorch) are in max_context, memory_vs_seq's table and compare_*
+MEMORY_VS_SEQ_METHODS = ("ring", "ulysses", "usp", "yc-usp", "fpdt", "upipe", "usp-upipe")
 
 
 def memory_vs_seq_plot(rows=None) -> Plot:

@@ -31,7 +31,19 @@ class Artefact:
     sweeps: tuple[str, ...]  # sweep-name prefixes whose rows it draws
     kind: str  # "table" | "figure"
     cpu: str = "also"  # the sweeps' CPU-scale variants (``*-cpu``): "also" drawn, "no" not, "only"
+    commands: tuple[tuple[str, str], ...] = ()  # (command, note): non-sweep commands writing rows it draws
 
+
+# the paper-scale simulated rows of Fig. 1 (its ladder) and Fig. 5 are fidelity anchors (bench.fidelity)
+FIDELITY_COMMAND = "python -m bench fidelity --out results/fidelity --figs-dir paper_figs"
+FIG1_COMMAND = ("python -m bench fidelity --anchors fig1- --out results/fidelity", "paper-scale ladder, simulated")
+FIG5_COMMAND = ("python -m bench fidelity --anchors fig5- --out results/fidelity", "paper scale, simulated")
+# outputs written by other commands than `python -m analysis figs`, listed in the index all the same
+OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
+    ("[fidelity.md](fidelity.md), [fidelity.png](fidelity.png)",
+     "the paper's memory anchors (128K, Fig. 1's ladder, Fig. 5) and Table 3's fits/OOM boundaries against "
+     "the simulation, paper and lean stacks", f"`{FIDELITY_COMMAND}` (writes these two and its rows)"),
+)
 
 ARTEFACTS: tuple[Artefact, ...] = (
     Artefact("table3_llama3-8b", "Table 3, top half: tokens/s per GPU, Llama3-8B, 8×H100",
@@ -54,13 +66,13 @@ ARTEFACTS: tuple[Artefact, ...] = (
     Artefact("memory_vs_seq", "Peak memory vs length per method, as curves",
              figures.memory_vs_seq_plot, ("table3-llama3-8b", "table3-qwen3-32b"), "figure", "no"),
     Artefact("fig1_memory_breakdown", "Fig. 1 (number probable): memory breakdown, Llama3-8B, 3M, 8 GPUs",
-             tables.fig1_table, ("fig1-memory-breakdown",), "table"),
+             tables.fig1_table, ("fig1-memory-breakdown",), "table", commands=(FIG1_COMMAND,)),
     Artefact("fig1_memory_breakdown", "Fig. 1 (number probable), stacked bars",
-             figures.fig1_plot, ("fig1-memory-breakdown",), "figure"),
+             figures.fig1_plot, ("fig1-memory-breakdown",), "figure", commands=(FIG1_COMMAND,)),
     Artefact("fig5_multinode", "Figure 5: UPipe vs USP-Hybrid, Llama3-8B, 16 GPUs (8×2)",
-             tables.fig5_table, ("fig5-multinode",), "table"),
+             tables.fig5_table, ("fig5-multinode",), "table", commands=(FIG5_COMMAND,)),
     Artefact("fig5_multinode", "Figure 5, memory bars + normalised throughput",
-             figures.fig5_plot, ("fig5-multinode",), "figure"),
+             figures.fig5_plot, ("fig5-multinode",), "figure", commands=(FIG5_COMMAND,)),
     Artefact("attn_memory", "Attention-memory micro-benchmark (the 75% / 87.5% claims)",
              tables.attn_memory_table, ("attn-memory",), "table"),
     Artefact("attn_memory", "Attention-memory micro-benchmark, over length and U",
@@ -122,8 +134,9 @@ def _commands(art: Artefact, configs: list[dict]) -> list[str]:
         picked = [c for c in picked if not is_cpu_variant(c)]
     elif art.cpu == "only":
         picked = [c for c in picked if is_cpu_variant(c)]
-    out = [f"`{sweep_command(c)}`" + (" (CPU variant)" if is_cpu_variant(c) and art.cpu != "only" else "")
-           for c in picked]
+    out = [f"`{cmd}` ({note})" for cmd, note in art.commands]
+    out += [f"`{sweep_command(c)}`" + (" (CPU variant)" if is_cpu_variant(c) and art.cpu != "only" else "")
+            for c in picked]
     if out:
         return out
     if art.cpu == "only":
@@ -166,6 +179,8 @@ def write_index(out_dir: Path, done: list[tuple[Artefact, object, list[Path]]], 
         files = ", ".join(f"[{p.name}]({p.name})" for p in paths)
         cmds = "<br>".join(_commands(art, configs))
         lines.append(f"| {files} | {art.paper} | {cmds} | {obj.modes} |")
+    for files, paper, cmd in OTHER_OUTPUTS:
+        lines.append(f"| {files} | {paper} | {cmd} | simulated (h100-80g, paper and lean stacks) |")
     bad = describe_bad_lines(rows)
     if bad:
         lines += ["", "Corrupt lines skipped (not fatal):", ""] + [f"- `{b}`" for b in bad]

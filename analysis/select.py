@@ -47,6 +47,18 @@ FAMILIES = {"usp": "ulysses", "usp-upipe": "upipe", "yc-usp": "ulysses", "yc-uly
             "ds-fpdt": "fpdt"}
 
 
+# the suite methods that are the paper's own implementations (docs/paper.md, "Baselines and the
+# implementations the paper ran": yunchang's USP for its Ulysses and Ring, torch's CP, ours for UPipe)
+# plus no-cp (Fig. 1's FSDP bar): where a figure has room for one bar per series, these win
+PAPER_IMPLEMENTATIONS = ("yc-usp", "torch-cp", "upipe", "usp-upipe", "no-cp")
+
+
+def preferred(sub: pd.DataFrame) -> pd.Series:
+    """The row a one-bar figure draws of several: the paper's implementation if present, then the newest."""
+    key = sub["method"].isin(PAPER_IMPLEMENTATIONS).astype(int)
+    return sub.assign(_paper=key).sort_values(["_paper", "time"], kind="stable").iloc[-1].drop("_paper")
+
+
 def family(method: str, world_size: int | None = None) -> str:
     """The paper column a method belongs to. On more than one node (world size > 8) the
     paper's Ulysses/UPipe are the Ulysses x Ring mesh (``usp``/``usp-upipe``); Fig. 5 calls
@@ -73,32 +85,68 @@ def levers_of(row: pd.Series) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
+# where the paper ran a method with other levers than PAPER_LEVERS: Native PyTorch (torch-cp) had
+# no tiled MLP or norms (docs/paper.md, "Baselines and the implementations the paper ran"; the
+# same levers as bench.fidelity.implementation("torch-cp"), which tests/analysis check)
+PAPER_LEVERS_BY_METHOD: dict[str, dict[str, bool]] = {
+    "torch-cp": {**PAPER_LEVERS, "tiled_mlp": False, "tiled_norm": False},
+}
+
+
+def paper_levers(method: str) -> dict[str, bool]:
+    """The levers the paper ran ``method`` with (PAPER_LEVERS unless PAPER_LEVERS_BY_METHOD says)."""
+    return PAPER_LEVERS_BY_METHOD.get(method, PAPER_LEVERS)
+
+
 def has_paper_levers(df: pd.DataFrame) -> pd.Series:
-    """Rows trained with every lever of the paper's setup."""
+    """Rows trained with every lever the paper ran their method with (``paper_levers``)."""
     if not len(df):
         return pd.Series([], dtype=bool, index=df.index)
-    return df.apply(lambda r: all(bool(levers_of(r).get(k)) == v for k, v in PAPER_LEVERS.items()), axis=1)
+    return df.apply(lambda r: all(bool(levers_of(r).get(k)) == v for k, v in paper_levers(r["method"]).items()),
+                    axis=1).astype(bool)
+
+
+def option(row: pd.Series, name: str) -> Any:
+    """One method option of a row (None when the row does not set it)."""
+    opts = row.get("options_dict")
+    value = opts.get(name) if isinstance(opts, dict) else row.get(f"opt.{name}")
+    return None if is_missing(value) else value
+
+
+def pure_ulysses(row: pd.Series) -> bool:
+    """A row of the paper's Ulysses column run as Ulysses over all its ranks (no ring: a USP-style
+    method at ``ulysses_degree`` = world size; yunchang's USP at degree 1 is the paper's Ring)."""
+    if family(row["method"]) != "ulysses":
+        return False
+    degree = option(row, "ulysses_degree")
+    return row["method"] not in ("usp", "yc-usp") or (degree is not None and int(degree) == int(row["world_size"]))
 
 
 def fig1_config(row: pd.Series) -> str | None:
-    """Which bar of Fig. 1 a row is: fsdp+ulysses, +ac, +ao, alst, upipe (or None)."""
+    """Which bar of Fig. 1 a row is: fsdp, fsdp+ulysses, +ac, +ao, alst, upipe (or None).
+
+    The ladder's levers (bench.fidelity.FIG1_RUNGS): every bar has FSDP; ``fsdp`` splits no
+    sequence (``no-cp``) and has no other lever; the Ulysses bars (any implementation of the
+    paper's Ulysses column over all ranks, ``pure_ulysses``) add AC, then its offload, then
+    tiled MLP and chunked loss (ALST); UPipe has every lever."""
     lv = levers_of(row)
     if not lv.get("fsdp"):
         return None
     full = lv.get("ac") and lv.get("ac_offload") and lv.get("tiled_mlp") and lv.get("chunked_loss")
+    bare = not lv.get("tiled_mlp") and not lv.get("chunked_loss")
     if row["method"] == "upipe":
         return "upipe" if full else None
-    if row["method"] != "ulysses":
+    if row["method"] == "no-cp":
+        return "fsdp" if bare and not lv.get("ac") else None
+    if not pure_ulysses(row):
+        return None
+    if full:
+        return "alst"
+    if not bare:
         return None
     if not lv.get("ac"):
         return "fsdp+ulysses"
-    if not lv.get("ac_offload"):
-        return "+ac"
-    if full:
-        return "alst"
-    if not lv.get("tiled_mlp") and not lv.get("chunked_loss"):
-        return "+ao"
-    return None
+    return "+ao" if lv.get("ac_offload") else "+ac"
 
 
 # ----------------------------------------------------------------------------- selection

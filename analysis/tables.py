@@ -28,10 +28,11 @@ from .select import (
     is_missing,
     lookup,
     number,
+    option,
     paper_cell,
     trials,
 )
-from .style import MISSING, OOM, Table, display_name
+from .style import MISSING, Table, display_name
 
 PAPER_MODE = "real, {gpus}×H100-80GB (paper)"
 
@@ -415,8 +416,8 @@ def fig1_table(rows=None) -> Table:
     rows = _rows(rows)
     paper = load_paper("fig1_memory_breakdown").set_index("config")
     ours = fig1_rows(rows)
-    cols = ["Setup", "Config", "Source", "Mode, device", "Model GiB", "Activations GiB", "Other GiB", "Total GiB",
-            "Result"]
+    cols = ["Setup", "Config", "Implementation", "Source", "Mode, device", "Model GiB", "Activations GiB",
+            "Other GiB", "Total GiB", "Result"]
     out = []
     for setup in fig1_setups(ours):
         name = setup_name(*setup)
@@ -425,24 +426,34 @@ def fig1_table(rows=None) -> Table:
             if setup == PAPER_FIG1 and cfg in paper.index:
                 p = paper.loc[cfg]
                 result = f"OOM ({p['oom_required_gib']:g})" if p["status"] == "oom" else "fits"
-                out.append([name, FIG1_NAMES[cfg], "paper", "real, 8×H100-80GB (paper)", fmt(p["model_gib"], 1),
-                            fmt(p["attn_act_gib"], 1), fmt(p["other_gib"], 1), fmt(p["total_gib"], 1), result])
-            for ml, sub in (mine[mine["config"] == cfg].groupby("mode_label") if len(mine) else []):
+                out.append([name, FIG1_NAMES[cfg], MISSING, "paper", "real, 8×H100-80GB (paper)",
+                            fmt(p["model_gib"], 1), fmt(p["attn_act_gib"], 1), fmt(p["other_gib"], 1),
+                            fmt(p["total_gib"], 1), result])
+            for (label, ml), sub in (mine[mine["config"] == cfg].groupby(["label", "mode_label"])
+                                     if len(mine) else []):
                 r = sub.sort_values("time").iloc[-1]
                 split = split_categories(r["peak_by_category"]) if r["status"] != "error" else None
                 m, a, o = split if split else (None, None, None)
                 digits = 1 if setup == PAPER_FIG1 else 3
-                result = {"ok": "fits", "oom": OOM, "error": "error"}[r["status"]]
-                out.append([name, FIG1_NAMES[cfg], "ours", ml, fmt(m, digits), fmt(a, digits), fmt(o, digits),
-                            fmt(r["mem_gib"], digits) if r["status"] != "error" else MISSING, result])
+                total = fmt(r["mem_gib"], digits) if r["status"] != "error" else MISSING
+                # an OOM bar keeps the memory the run would have needed, as the paper labels its own
+                result = {"ok": "fits", "oom": f"OOM ({total})", "error": "error"}[r["status"]]
+                out.append([name, FIG1_NAMES[cfg], label, "ours", ml, fmt(m, digits), fmt(a, digits),
+                            fmt(o, digits), total, result])
     notes = ["Per-GPU peak memory, Llama3-8B at 3M tokens on 8 GPUs. Paper: segments read off the figure; "
              "OOM (n): the number printed on the bar (probably GiB required).",
              "Ours: MemTracker categories at the peak — model = parameters + gradients + optimizer state; "
              "activations = tensors saved in forward (the paper's segment is attention activations only); "
              "other = backward temporaries and the rest. Real CUDA rows have a total only. Simulated rows count "
              "live tensors only (no CUDA context, NCCL buffers or fragmentation).",
-             "Default and FSDP (no context parallelism) have no trial of ours. Other setups (the CPU-scale "
-             "variant of the sweep) have no paper values: compare the bars' order and ratios, not GiB."]
+             "OOM (n) of ours: the run did not fit the budget; n is the peak GiB it would have needed "
+             "(the simulation keeps the peak past the budget). Implementation: the method that ran, with its "
+             "non-default options; the rows at 3M are `python -m bench fidelity --anchors fig1-` (the ladder's "
+             "levers: bench.fidelity.FIG1_RUNGS; FSDP = `no-cp`, FSDP over the 8 ranks with the whole "
+             "sequence on each).",
+             "Default (no FSDP) has no trial of ours: our step without FSDP keeps no fp32 master weights, "
+             "unlike the paper's (119 GiB = 16 bytes per parameter). Other setups (the CPU-scale variant "
+             "of the sweep) have no paper values: compare the bars' order and ratios, not GiB."]
     return Table("fig1_memory_breakdown", "Fig. 1 — peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs",
                  pd.DataFrame(out, columns=cols), notes, ours)
 
@@ -457,13 +468,25 @@ def fig5_rows(rows: pd.DataFrame) -> pd.DataFrame:
     levers, and any ``fig5-multinode*`` sweep at another scale. Adds ``setup`` (model, ranks)."""
     t = trials(rows, scope="model")
     if not len(t):
-        return t.assign(setup=pd.Series(dtype=object))
-    t = t[t["method"].isin(["usp", "usp-upipe"])]
+        return t.assign(setup=pd.Series(dtype=object), fig5_method=pd.Series(dtype=object))
+    t = t.assign(fig5_method=t.apply(fig5_method, axis=1))
+    t = t[t["fig5_method"].notna()]
     if not len(t):
         return t.assign(setup=pd.Series(dtype=object))
     paper_setup = (t["model"] == PAPER_FIG5[0]) & (t["world_size"] == PAPER_FIG5[1]) & has_paper_levers(t)
     t = t[_from_sweep(t, "fig5-multinode") | paper_setup]
     return t.assign(setup=pd.Series(list(zip(t["model"], t["world_size"])), index=t.index, dtype=object))
+
+
+def fig5_method(row: pd.Series) -> str | None:
+    """Which of Fig. 5's two series a row is: ``usp`` (USP-Hybrid: ours, or yunchang's USP as the
+    paper ran it, at a Ulysses degree below the world size) or ``usp-upipe``; None otherwise."""
+    if row["method"] == "usp-upipe":
+        return "usp-upipe"
+    degree = option(row, "ulysses_degree")
+    if row["method"] in ("usp", "yc-usp") and degree is not None and 1 < int(degree) < int(row["world_size"]):
+        return "usp"
+    return None
 
 
 def fig5_setups(ours: pd.DataFrame) -> list[tuple]:
@@ -491,7 +514,7 @@ def fig5_table(rows=None) -> Table:
                 out.append([name, f"{pname} peak GiB", "paper (by eye ±1 GiB)", PAPER_MODE.format(gpus=16)]
                            + [paper_cell(p.loc[s, "status"], p.loc[s, "peak_mem_gib"], 1) if s in p.index else MISSING
                               for s in lengths])
-            m = mine[mine["method"] == method] if len(mine) else mine
+            m = mine[mine["fig5_method"] == method] if len(mine) else mine
             for (label, ml), sub in (m.groupby(["label", "mode_label"]) if len(m) else []):
                 out.append([name, f"{label} peak GiB", "ours", ml]
                            + [cell(lookup(sub, s), "mem_gib", digits) for s in lengths])
@@ -501,7 +524,7 @@ def fig5_table(rows=None) -> Table:
                        + [paper_cell(p.loc[s, "status"], p.loc[s, "norm_throughput"], 3) if s in p.index else MISSING
                           for s in lengths])
         for ml, sub in (mine.groupby("mode_label") if len(mine) else []):
-            u, b = sub[sub["method"] == "usp-upipe"], sub[sub["method"] == "usp"]
+            u, b = sub[sub["fig5_method"] == "usp-upipe"], sub[sub["fig5_method"] == "usp"]
             if len(u) and len(b):
                 out.append([name, "UPipe / USP throughput", "ours", ml]
                            + [_ratio(number(lookup(u, s), "tokens_per_s_per_device"),

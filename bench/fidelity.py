@@ -3,7 +3,11 @@
 The anchors are read from the transcribed tables in ``results/paper/`` (never typed in here):
 
 * ``memory_anchors.csv``: the two 128K peaks (Llama3-8B on 8 GPUs, Qwen3-32B on 16);
-* ``fig1_memory_breakdown.csv``: Fig. 1's ALST and UPipe totals at 3M (rows ``alst``/``upipe``);
+* ``fig1_memory_breakdown.csv``: Fig. 1's ladder at 3M, one anchor per bar that has a rung of
+  ours (``FIG1_RUNGS``: the levers each bar adds): ALST's and UPipe's totals are memory anchors,
+  the bars the paper shows out of memory (FSDP, +Ulysses, +AC, +AO) boundaries that must not fit
+  (their paper value is the GiB printed on the bar). These rows are what ``paper_figs``' Fig. 1
+  draws beside the paper's bars (``python -m bench fidelity --anchors fig1-``);
 * ``fig5_multinode.csv``: Fig. 5's memory points (kind ``point``), USP and UPipe on 16 GPUs; a
   point marked ``oom`` (USP at 8M) is a boundary that must not fit;
 * ``table3_throughput.csv``: for each method and model, the longest length the paper ran must
@@ -24,6 +28,7 @@ import concurrent.futures as futures
 import csv
 import dataclasses
 import multiprocessing
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,9 +64,39 @@ class Impl:
         return f"{self.method}[{opts}]" if opts else self.method
 
 
+# Fig. 1's ladder (docs/paper.md, "Fig. 1: memory breakdown"; the paper's Fig. 1 description,
+# ../shared/paper/PAPER.md: Default -> FSDP -> +Ulysses -> +AC -> +AO -> ALST (+tiled MLP/loss) ->
+# UPipe): the levers each bar of results/paper/fig1_memory_breakdown.csv has, by its ``config``.
+# Every bar shards the model with FSDP; "fsdp" splits no sequence (``no-cp``: all 3M tokens on
+# each GPU); the Ulysses bars run the paper's Ulysses (yunchang's USP at Ulysses degree 8, as
+# Table 3's). "default" (no FSDP) has no rung: the paper's 119 GiB is bf16 weights and gradients
+# plus fp32 Adam state and master weights (docs/paper.md), while our step without FSDP keeps no
+# fp32 master copy, so it would not be the same configuration.
+NO_LEVERS = {"ac": False, "ac_offload": False, "tiled_mlp": False, "tiled_norm": False, "chunked_loss": False}
+FIG1_RUNGS: dict[str, tuple[str, dict]] = {
+    "fsdp": ("fsdp", NO_LEVERS),
+    "fsdp+ulysses": ("ulysses", NO_LEVERS),
+    "+ac": ("ulysses", {**NO_LEVERS, "ac": True}),
+    "+ao": ("ulysses", {**NO_LEVERS, "ac": True, "ac_offload": True}),
+    "alst": ("alst", {}),  # every lever: the Table 3 Ulysses configuration (docs/paper.md, ALST)
+    "upipe": ("upipe", {}),
+}
+
+
+def fig1_rung(config: str, gpus: int) -> Impl:
+    """The implementation and levers of one bar of Fig. 1's ladder (``FIG1_RUNGS``)."""
+    if config not in FIG1_RUNGS:
+        raise ValueError(f"Fig. 1 has no rung of ours for {config!r}; rungs: {sorted(FIG1_RUNGS)}")
+    method, levers = FIG1_RUNGS[config]
+    impl = implementation(method, gpus)
+    return dataclasses.replace(impl, levers={**impl.levers, **levers})
+
+
 def implementation(method: str, gpus: int) -> Impl:
     """The implementation the paper ran for ``method`` (its name in the paper's tables) on ``gpus``."""
     fa3 = {"attn_type": "fa3"}
+    if method == "fsdp":  # Fig. 1's FSDP bar: no context parallelism, every GPU holds the whole sequence
+        return Impl("no-cp")
     if method == "torch-cp":  # Native PyTorch: no tiled MLP or norms
         return Impl("torch-cp", {}, {"tiled_mlp": False, "tiled_norm": False})
     if method == "ring":  # yunchang's USP at Ulysses degree 1
@@ -89,6 +124,7 @@ class Anchor:
     impl: Impl
     expect: str = "fits"  # fits | oom
     paper_gib: float | None = None  # memory anchors
+    paper_need_gib: float | None = None  # an OOM boundary whose paper bar is labelled with the GiB it needed
     rel_tol: float = REL_TOL
     abs_tol_gib: float = 0.0
 
@@ -98,11 +134,16 @@ class Anchor:
     def paper_value(self) -> str:
         if self.kind == "memory":
             return f"{self.paper_gib:.2f} GiB"
-        return self.expect
+        return self.expect if self.paper_need_gib is None else f"{self.expect} ({self.paper_need_gib:g} GiB)"
 
     def trial(self, stack: str) -> Trial:
         return Trial.make(self.impl.method, self.model, self.seq_len, self.gpus, dict(self.impl.options),
                           mode="simulated", device=DEVICE, step=StepConfig(stack=stack, **self.impl.levers))
+
+
+def fig1_slug(config: str) -> str:
+    """A Fig. 1 config as an anchor-name part: ``+ac`` -> ``ac``, ``fsdp+ulysses`` -> ``fsdp-ulysses``."""
+    return config.strip("+").replace("+", "-")
 
 
 def _read(name: str, paper_dir: Path) -> list[dict[str, str]]:
@@ -131,10 +172,18 @@ def load_anchors(paper_dir: str | Path = PAPER_DIR) -> list[Anchor]:
                               else f"anchor-{r['model']}-{r['method']}-{human(seq)}-x{gpus}",
                               "memory_anchors", r["method"], r["model"], gpus, seq, float(r["peak_mem_gib"])))
     for r in _read("fig1_memory_breakdown", paper_dir):
-        if r["config"] in ("alst", "upipe") and r["status"] == "ok" and r["total_gib"]:
-            seq, gpus = int(r["seq_len"]), int(r["gpus"])
-            memory.append(_memory(f"fig1-{r['config']}-{r['model']}-{human(seq)}", "fig1_memory_breakdown",
-                                  r["config"], r["model"], gpus, seq, float(r["total_gib"])))
+        if r["config"] not in FIG1_RUNGS:
+            continue
+        seq, gpus = int(r["seq_len"]), int(r["gpus"])
+        name = f"fig1-{fig1_slug(r['config'])}-{r['model']}-{human(seq)}"
+        impl = fig1_rung(r["config"], gpus)
+        if r["status"] == "ok" and r["total_gib"]:
+            memory.append(Anchor(name, "memory", "fig1_memory_breakdown", r["config"], r["model"], gpus, seq, impl,
+                                 paper_gib=float(r["total_gib"])))
+        elif r["status"] == "oom":
+            need = float(r["oom_required_gib"]) if r["oom_required_gib"] else None
+            bounds.append(Anchor(name + "-oom", "boundary", "fig1_memory_breakdown", r["config"], r["model"], gpus,
+                                 seq, impl, expect="oom", paper_need_gib=need))
     for r in _read("fig5_multinode", paper_dir):
         if r["kind"] != "point" or r["method"] not in ("usp", "upipe"):
             continue
@@ -238,6 +287,20 @@ class Result:
 _RUNNER: Callable[[Trial], Row] | None = None
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its waited-for children (the pool's workers), user + system:
+    on a shared host the figure that says what a run cost, where wall time says how busy it was."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def cost(trial: Trial) -> tuple[bool, int]:
+    """A trial's relative cost, for ordering a pool: the paper stack is about 3x slower (DeepSpeed's
+    TiledMLP and the allocator trace), then the tokens per rank times the layers simulated (the
+    operations the fake-tensor dispatch goes through, which dominate a simulation's time)."""
+    return trial.step.stack == "paper", trial.seq_len // trial.world_size * min(trial.config().n_layers, 4)
+
+
 def run_one(trial: Trial) -> Row:
     """One trial through the layer-extrapolating runner (one per process)."""
     global _RUNNER
@@ -258,9 +321,10 @@ def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None]
             trial = a.trial(stack)
             trial.validate(here=False)
             todo.setdefault(trial.key(), (trial, []))[1].append(a.name)
-    keys = list(todo)
+    # a pool gets the costliest trials first so that none starts last and runs alone (serial: as listed)
+    keys = list(todo) if jobs <= 1 else sorted(todo, key=lambda k: cost(todo[k][0]), reverse=True)
     rows: dict[tuple, Row] = {}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
 
     def done(i: int, key: tuple, row: Row, seconds: float) -> None:
         trial, names = todo[key]
@@ -280,6 +344,8 @@ def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None]
             for i, fut in enumerate(futures.as_completed(pending), 1):
                 row = fut.result()
                 done(i, pending[fut], row, row.figures.wall_s or time.perf_counter() - t0)
+    log(f"{len(keys)} trials in {time.perf_counter() - t0:.0f} s wall, {cpu_seconds() - cpu0:.0f} s CPU "
+        f"(this process and its finished workers; jobs={jobs})")
     return [Result(a, {stack: rows[a.trial(stack).key()] for stack in STACKS}) for a in anchors]
 
 

@@ -12,7 +12,9 @@
 # Memory bars (left axis) and UPipe's throughput normalised to USP's (right axis). The paper's
 # values were read off its figure by eye (±1 GiB).
 #
-# Rows: `python -m sweeps run sweeps/configs/fig5-multinode.yaml --executor slurm`.
+# Rows: `python -m sweeps run sweeps/configs/fig5-multinode.yaml --executor slurm` (real);
+# `python -m bench fidelity --anchors fig5- --out results/fidelity` (simulated at paper scale:
+# yunchang's USP as the paper ran it, and ours for UPipe).
 
 # %% tags=["parameters"]
 RESULTS = None  # folder of result rows; None: the repository's results/

@@ -280,9 +280,11 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
     f.capacity_bytes = preset.capacity(ranks_here)
     f.usable_bytes = stack.usable_bytes(preset, trial.step.stack if trial.mode == "simulated" else "lean", ranks_here)
-    f.tokens_per_device = trial.step.batch * trial.seq_len // trial.world_size
-    f.flops_per_device = flops_per_device(cfg, trial.seq_len, trial.world_size, trial.step.batch,
-                                          trial.step.scope)
+    # ranks the sequence is split over: all of them, or one for a method that splits none (no-cp:
+    # every rank processes every token)
+    seq_ranks = trial.world_size if methods.get_info(trial.method).cls.splits_sequence else 1
+    f.tokens_per_device = trial.step.batch * trial.seq_len // seq_ranks
+    f.flops_per_device = flops_per_device(cfg, trial.seq_len, seq_ranks, trial.step.batch, trial.step.scope)
     f.wall_s = round(wall_s, 3)
     link = trial.link_model()
     if trial.mode == "emulated" and f.compute_time_s is not None:

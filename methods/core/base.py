@@ -164,6 +164,9 @@ class AttentionMethod(AttentionParams):
     simulated_cpu_path_reason: ClassVar[str | None] = None
     # a method whose kernels exist only on CUDA (no CPU path): why, for `python -m methods`
     cuda_only_reason: ClassVar[str | None] = None
+    # False for a method that splits no sequence (``no-cp``): every rank holds all tokens and the
+    # full weight gradient, so a per-rank figure is the whole sequence's, not a 1/C share of it
+    splits_sequence: ClassVar[bool] = True
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec)

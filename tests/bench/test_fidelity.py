@@ -116,7 +116,7 @@ def tiny_results():
 
 def test_run_judges_and_shares_trials(tiny_results):
     results, lines = tiny_results
-    assert len(lines) == 2  # three anchors share one trial per stack
+    assert len(lines) == 3 and "2 trials in" in lines[2] and "s CPU" in lines[2]  # 3 anchors share a trial per stack
     assert lines[0].startswith("[1/2] tiny-mem, tiny-fits, tiny-oom") and lines[0].endswith("s]")
     mem, fits, oom = results
     assert all(r.rows["paper"].status == r.rows["lean"].status == "ok" for r in results)
@@ -169,3 +169,30 @@ def test_cli_bad_arguments_one_line(tmp_path, capsys, argv, needle):
     assert main(["fidelity", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_fig1_ladder_is_one_anchor_per_bar():
+    """Every bar of Fig. 1 with a rung of ours is an anchor with that rung's levers: the fitting
+    bars memory anchors, the OOM bars boundaries labelled with the paper's needed GiB."""
+    ladder = {a.paper_method: a for a in fidelity.load_anchors() if a.source == "fig1_memory_breakdown"}
+    paper = {r["config"]: r for r in _rows("fig1_memory_breakdown")}
+    assert set(ladder) == set(fidelity.FIG1_RUNGS) == set(paper) - {"default"}
+    for config, a in ladder.items():
+        assert (a.kind, a.expect) == (("memory", "fits") if paper[config]["status"] == "ok" else ("boundary", "oom"))
+        for lever, value in fidelity.FIG1_RUNGS[config][1].items():
+            assert getattr(a.trial("paper").step, lever) == value
+    assert ladder["fsdp"].impl.method == "no-cp" and ladder["fsdp"].paper_value() == "oom (7680 GiB)"
+    assert ladder["alst"].impl == fidelity.implementation("ulysses", 8)  # the Table 3 Ulysses configuration
+    ao = ladder["+ao"].trial("lean").step
+    assert ao.ac and ao.ac_offload and not ao.tiled_mlp and not ao.chunked_loss
+    with pytest.raises(ValueError, match="no rung of ours for 'default'"):
+        fidelity.fig1_rung("default", 8)
+
+
+def test_pool_order_puts_costly_trials_first():
+    """Ordering changes when a trial starts, never what it computes: the paper stack and the longer
+    sequence (per rank) come first."""
+    short, long = _tiny_anchors()[0], dataclasses.replace(_tiny_anchors()[0], seq_len=16 << 10)
+    trials = [short.trial("lean"), long.trial("lean"), short.trial("paper")]
+    assert sorted(trials, key=fidelity.cost, reverse=True) == [trials[2], trials[1], trials[0]]
+    assert fidelity.cpu_seconds() > 0
