@@ -20,7 +20,9 @@ through ``bench.search.extrapolate`` (3- and 4-layer simulations extrapolated ov
 Memory compared: the reserved peak under the paper stack, the allocated peak under lean.
 An anchor passes on the paper stack: a memory anchor when the run fits and its residual is
 within the anchor's tolerance (10%; Fig. 5's values, read by eye: 1 GiB + 10%), a boundary
-when the run fits or runs out of memory as the paper's did.
+when the run fits or runs out of memory as the paper's did. Fit is judged on the device, as
+the paper measured it: offloads beyond the preset's assumed host memory (the paper does not
+state its hosts') are reported in the cell, not counted as out of memory (:func:`device_status`).
 """
 from __future__ import annotations
 
@@ -251,8 +253,27 @@ def memory_gib(row: Row, stack: str) -> float | None:
     return None if value is None else value / GiB
 
 
+HOST_OOM = "host memory:"  # the start of bench.measure.run's message for offloads over the host budget
+
+
+def host_only_oom(row: Row) -> bool:
+    """Out of memory on the host only: the device fitted, the offloads exceeded the preset's
+    *assumed* host memory per GPU (the paper does not state its hosts')."""
+    return row.status == "oom" and row.message.startswith(HOST_OOM)
+
+
+def device_status(row: Row) -> str:
+    """The row's status on the device alone: what the paper measured (``max_reserved``)."""
+    return "ok" if host_only_oom(row) else row.status
+
+
 def outcome(row: Row) -> str:
-    return {"ok": "fits", "oom": "oom"}.get(row.status, row.status)
+    status = device_status(row)
+    word = {"ok": "fits", "oom": "oom"}.get(status, status)
+    if host_only_oom(row):
+        f = row.figures
+        word += f"; host {f.host_peak_bytes / GiB:.0f} > {f.host_usable_bytes / GiB:.0f} GiB assumed"
+    return word
 
 
 @dataclass
@@ -270,15 +291,15 @@ class Result:
     def passes(self, stack: str = "paper") -> bool:
         row = self.rows[stack]
         if self.anchor.kind == "memory":
-            return memory_passes(self.anchor, row.status, self.gib(stack))
-        return boundary_passes(self.anchor.expect, row.status)
+            return memory_passes(self.anchor, device_status(row), self.gib(stack))
+        return boundary_passes(self.anchor.expect, device_status(row))
 
     def ours(self, stack: str) -> str:
         row = self.rows[stack]
         gib = self.gib(stack)
         mem = "-" if gib is None else f"{gib:.2f} GiB"
         if self.anchor.kind == "memory":
-            return mem if row.status == "ok" else f"{mem} ({outcome(row)})"
+            return mem if row.status == "ok" else f"{mem} ({outcome(row)})"  # host-only OOM shown, not failed
         return f"{outcome(row)} ({mem})"
 
 
@@ -386,7 +407,10 @@ def markdown(results: list[Result]) -> str:
         f"({paper_stack.FITTED / GiB:.2f} GiB).", "",
         f"Targets: memory anchors within {REL_TOL:.0%} of the paper (Fig. 5's, read by eye: within "
         f"{EYE_TOL_GIB:g} GiB + {REL_TOL:.0%}) and fitting; boundaries fit or run out of memory as the "
-        "paper's runs did. Residual: paper stack against the paper. Pass/fail is judged on the paper stack.", "",
+        "paper's runs did. Residual: paper stack against the paper. Pass/fail is judged on the paper stack, "
+        "on device memory (what the paper measured): a run whose offloads exceed the preset's *assumed* "
+        "host memory per GPU (a DGX H100's 2 TiB over 8 GPUs, 90% usable; the paper does not state its "
+        "hosts') says so in its cell but is judged on the device.", "",
         f"**{passed}/{len(results)} anchors pass.**", "",
         "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),
     ]

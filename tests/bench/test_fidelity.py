@@ -98,6 +98,23 @@ def test_boundary_logic(expect, status, ok):
     assert fidelity.boundary_passes(expect, status) is ok
 
 
+def test_host_only_oom_is_judged_on_the_device(tiny_results):
+    """The paper measured device memory: offloads over the preset's assumed host memory are shown
+    in the cell but do not make a fitting run fail (nor an OOM boundary pass)."""
+    results, _ = tiny_results
+    _, fits, oom = results
+    row = fits.rows["paper"]
+    figures = dataclasses.replace(row.figures, host_peak_bytes=300 * 2**30, host_usable_bytes=230 * 2**30)
+    host = dataclasses.replace(row, status="oom", message="host memory: offloads of 300 GiB ...", figures=figures)
+    assert fidelity.host_only_oom(host) and fidelity.device_status(host) == "ok"
+    for anchor, expected in ((fits.anchor, True), (oom.anchor, False)):
+        judged = fidelity.Result(anchor, {"paper": host, "lean": host})
+        assert judged.passes() is expected
+        assert "host 300 > 230 GiB assumed" in judged.ours("paper")
+    device = dataclasses.replace(row, status="oom", message="reserved peak 90 GiB exceeds the usable ...")
+    assert not fidelity.host_only_oom(device) and fidelity.device_status(device) == "oom"
+
+
 def _tiny_anchors():
     impl = Impl("upipe")
     return [
