@@ -39,13 +39,14 @@ SIM_DEVICES = ("auto", "cpu")
 # the device; "paper" models what the paper's runs held (allocator reserved memory, kernel scratch,
 # the authors' offload settings) against the device less what lives outside the allocator
 STACKS = ("lean", "paper")
-# which blocks keep their activation checkpoint on the device when ac_offload is on
-OFFLOAD_KEEPS = ("first_last", "first")
+# which blocks keep their activation checkpoint on the device when ac_offload is on ("none": every
+# block's checkpoint goes to the host, the first and the last included)
+OFFLOAD_KEEPS = ("first_last", "first", "none")
 
 
 # fields added after rows were committed: a row records them only away from their default
 LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
-               "stack", "offload_keep")
+               "stack", "offload_keep", "fsdp_offload", "fused_attn_norm")
 # simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
 # away from its default such a setting is refused outside simulated mode (Trial.validate)
 SIMULATION_ONLY = (
@@ -79,7 +80,9 @@ class StepConfig:
     kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.measure.workspace)
     tiled_mlp_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledMLP), when tiled_mlp
     chunked_loss_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledFusedLogitsLoss), when chunked_loss
-    offload_keep: str = "first_last"  # checkpoints kept on the device: first_last | first (the authors' scripts)
+    fsdp_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients, AdamW state on host
+    fused_attn_norm: bool = False  # the attention's RMSNorm inside the method, tiled: its output never exists
+    offload_keep: str = "first_last"  # checkpoints kept on the device: first_last | first (the authors' scripts) | none
     stack: str = "lean"  # simulation only: lean | paper (bench.measure.stack); the CLI and specs default to paper
     sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
     allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
@@ -95,6 +98,11 @@ class StepConfig:
             raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1 token, got {self.loss_chunk}")
+        if self.fsdp_offload and not self.fsdp:
+            raise ValueError("fsdp_offload offloads FSDP2's sharded state to the host: it needs fsdp=True")
+        if self.fsdp_offload and self.sim_device == "cpu":
+            raise ValueError("fsdp_offload with sim_device='cpu': on the CPU code path the accelerator is the CPU, "
+                             "so FSDP2's CPU offload would not leave it; drop sim_device='cpu'")
         if self.ac_offload and not self.ac:
             raise ValueError("ac_offload offloads activation checkpoints: it needs ac=True")
         if self.kernel_workspace not in KERNEL_WORKSPACES:
