@@ -26,6 +26,10 @@
   (``mlp_tiles=0``: the paper's ``ceil(local tokens / dim)`` tiles). ``tiled_norm``: the
   attention's RMSNorm and the final one tiled the same way (the paper's tiled RMSNorm).
   ``tiled_mlp_impl="deepspeed"``: the MLP tiles run through DeepSpeed's ``TiledMLP`` instead.
+* ``fused_attn_norm``: the attention's RMSNorm runs inside the attention method (``upipe``),
+  tile by tile wherever the method reads the normed input (``methods.core.normtile``): the
+  method saves the block input instead of a full-length normed copy of it. Recomputes the
+  norm once per projection (forward, and backward's recompute).
 * ``chunked_loss``: cross-entropy over chunks of ``loss_chunk`` tokens; the
   ``[tokens, vocab]`` logits never exist. ``chunked_loss_impl="deepspeed"``: through
   DeepSpeed's ``TiledFusedLogitsLoss`` instead (LM-head gradients computed in forward).
@@ -153,6 +157,7 @@ def build_model(
     model.set_mlp_tiles(step.mlp_tiles if step.tiled_mlp else None, step.tiled_mlp_impl)
     model.set_norm_tiles(step.mlp_tiles if step.tiled_norm else None)
     model.set_loss_chunk(step.loss_chunk if step.chunked_loss else None, step.chunked_loss_impl)
+    model.set_fused_attn_norm(step.fused_attn_norm)
     if step.ac:
         offload = HostOffload(host, pin=step.offload_pin and device.type == "cuda") if step.ac_offload else None
         n = len(model.layers)

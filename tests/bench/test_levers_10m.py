@@ -44,8 +44,8 @@ def test_lever_step_equals_plain_single_device_step(pool, lever):
     _close(got, _ref("upipe"))
 
 
-def sim(**levers) -> dict:
-    trial = Trial.make("upipe", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g",
+def sim(seq_len: int = 8192, **levers) -> dict:
+    trial = Trial.make("upipe", "tiny-llama", seq_len, 2, mode="simulated", device="h100-80g",
                        step=StepConfig(**levers))
     return measure_simulated(trial)
 
@@ -85,3 +85,50 @@ def test_fsdp_offload_needs_fsdp_and_the_gpu_code_path():
 def test_new_levers_at_their_defaults_keep_old_rows_identity():
     assert not {"fsdp_offload", "fused_attn_norm"} & set(StepConfig().levers())
     assert StepConfig(fsdp_offload=True).levers()["fsdp_offload"] is True
+
+
+def test_fused_attn_norm_step_equals_plain_single_device_step(pool):
+    got = pool.run(cp_step, "upipe", {**ALL_ON, "fused_attn_norm": True}, world_size=2)[0]
+    _close(got, _ref("upipe"))
+
+
+def test_norm_tiles_equal_autograd_through_the_plain_norm():
+    """methods.core.normtile over 3 uneven tiles (300 tokens, dim 128: the step above has one)."""
+    import torch
+    import torch.nn.functional as F
+
+    from methods.core.normtile import norm_backward_, norm_linear, norm_weight_grad
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 300, 128, generator=gen, dtype=torch.float64)
+    nw = 1 + 0.1 * torch.randn(128, generator=gen, dtype=torch.float64)
+    w = torch.randn(48, 128, generator=gen, dtype=torch.float64)
+    dy = torch.randn(2, 300, 48, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (x, nw, w)]
+    ref = F.linear(F.rms_norm(leaves[0], (128,), leaves[1], 1e-5), leaves[2])
+    ref.backward(dy)
+    torch.testing.assert_close(norm_linear(x, nw, 1e-5, w), ref.detach())
+    dt = dy.reshape(-1, 48)
+    torch.testing.assert_close(norm_weight_grad(x, nw, 1e-5, dt), leaves[2].grad)
+    da = (dy @ w).clone()
+    dnw = norm_backward_(x, nw, 1e-5, da)
+    torch.testing.assert_close(da, leaves[0].grad)
+    torch.testing.assert_close(dnw, leaves[1].grad)
+
+
+def test_fused_attn_norm_removes_the_saved_normed_input():
+    from bench.model.config import get_config
+
+    # long enough that the peak is in a block's attention backward (at 8K the loss decides it)
+    seq = 262144
+    hidden = seq // 2 * get_config("tiny-llama").dim * 2
+    plain, fused = sim(seq), sim(seq, fused_attn_norm=True)
+    # the normed input [1, S/C, dim] bf16 the attention saved is gone from the peak
+    assert plain["peak_bytes"] - fused["peak_bytes"] == pytest.approx(hidden, rel=0.01)
+
+
+def test_fused_attn_norm_is_refused_for_methods_that_cannot_run_it():
+    trial = Trial.make("ulysses", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g",
+                       step=StepConfig(fused_attn_norm=True))
+    with pytest.raises(ValueError, match="only upipe"):
+        measure_simulated(trial)
