@@ -131,4 +131,16 @@ def test_fused_attn_norm_is_refused_for_methods_that_cannot_run_it():
     trial = Trial.make("ulysses", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g",
                        step=StepConfig(fused_attn_norm=True))
     with pytest.raises(ValueError, match="only upipe"):
-        measure_simulated(trial)
+        trial.validate()
+
+
+def test_cli_and_sweep_specs_set_the_levers():
+    from bench.cli import _trial, build_parser
+    from sweeps.spec import STEP_KEYS
+
+    args = build_parser().parse_args(["run", "--method", "upipe", "--model", "tiny-llama", "--world-size", "2",
+                                      "--seq-len", "8K", "--offload-keep", "none", "--fsdp-offload",
+                                      "--fused-attn-norm"])
+    step = _trial(args, args.seq_len).step
+    assert (step.offload_keep, step.fsdp_offload, step.fused_attn_norm) == ("none", True, True)
+    assert {"offload_keep", "fsdp_offload", "fused_attn_norm"} <= STEP_KEYS
