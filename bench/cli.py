@@ -41,7 +41,7 @@ from .search.autochunk import run
 from .search.extrapolate import layer_extrapolated_runner
 from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
-from .training.config import StepConfig
+from .training.config import OFFLOAD_KEEPS, ROPE_TABLES, StepConfig
 from .training.presets import expand
 
 QUICK_ANCHOR = "128k-llama3-8b-upipe-x8"
@@ -101,6 +101,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fsdp", action="store_true", help="replicate the model instead of FSDP2")
     p.add_argument("--no-ac", action="store_true", help="no activation checkpointing (implies --no-offload)")
     p.add_argument("--no-offload", action="store_true", help="keep activation checkpoints on the device")
+    p.add_argument("--offload-keep", choices=list(OFFLOAD_KEEPS), default="first_last",
+                   help="with checkpoint offload, the blocks whose checkpoint stays on the device: first_last, "
+                   "first, or none (every block's on the host); the paper stack turns first_last into first")
+    p.add_argument("--fsdp-offload", action="store_true",
+                   help="FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients and AdamW state on the host, "
+                   "optimizer step on the host")
+    p.add_argument("--fused-attn-norm", action="store_true",
+                   help="the attention's RMSNorm inside the method's projections, tiled (upipe only): the normed "
+                   "input is never stored")
+    p.add_argument("--rope-table", choices=list(ROPE_TABLES), default="auto",
+                   help="RoPE angles: none (computed for the local positions), checkpointed (TorchTitan's table of "
+                   "the whole sequence on every rank, a checkpoint input), auto (checkpointed under the paper stack "
+                   "for the methods the paper ran in TorchTitan, else none)")
     p.add_argument("--no-tiled-mlp", action="store_true")
     p.add_argument("--no-tiled-norm", action="store_true")
     p.add_argument("--no-chunked-loss", action="store_true")
@@ -190,7 +203,9 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
             loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, sim_device=args.sim_device,
             stack=args.stack or ("paper" if args.mode == "simulated" else "lean"),
             tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
-            allocator_model=args.allocator_model, **levers,
+            allocator_model=args.allocator_model, offload_keep=args.offload_keep,
+            fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
+            **levers,
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
                           device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,

@@ -61,7 +61,8 @@ import torch
 import torch.nn.functional as F
 
 from .core import comm
-from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, index_tensor, project
+from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, index_tensor
+from .core.normtile import norm_backward_, norm_linear, norm_weight_grad
 from .core.registry import register
 from .core.rope import apply_rope
 from .core.spec import AttnSpec
@@ -104,6 +105,14 @@ def _rows(heads: list[int], head_dim: int, device) -> torch.Tensor:
     return idx.reshape(-1)
 
 
+def _linear(norm_weight: torch.Tensor | None, eps: float):
+    """``x @ w.T``, or with the block's input norm folded in (``fused_attn_norm``),
+    ``rms_norm(x) @ w.T`` tile by tile (``methods.core.normtile``)."""
+    if norm_weight is None:
+        return F.linear
+    return lambda x, w: norm_linear(x, norm_weight, eps, w)
+
+
 def _post(t: torch.Tensor, head_dim: int, norm_weight, cos, sin) -> torch.Tensor:
     """Everything ``project`` does after the GEMM (head split, QK-norm, RoPE)."""
     t = t.unflatten(-1, (-1, head_dim))
@@ -120,10 +129,15 @@ class _UPipeFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, qn, kn, cos, sin, block):
+    def forward(ctx, x, wq, wk, wv, wo, qn, kn, cos, sin, block, xn=None, eps=0.0):
         spec, group, kernel = block.spec, block.group, block.kernel
         b, n, _ = x.shape
         d, h = spec.head_dim, spec.n_heads
+        lin = _linear(xn, eps)
+
+        def project(x, w, head_dim, norm=None, c=None, s=None):
+            return _post(lin(x, w), head_dim, norm, c, s)
+
         out = x.new_empty(b, n, h * d)
         out_heads = out.view(b, n, h, d)
         lses = []
@@ -141,15 +155,21 @@ class _UPipeFunction(torch.autograd.Function):
             del o
             lses.append(lse)
         del k, v
-        ctx.block = block
-        ctx.save_for_backward(x, out, wq, wk, wv, wo, qn, kn, cos, sin, *lses)
+        ctx.block, ctx.eps, ctx.fused = block, eps, xn is not None
+        ctx.save_for_backward(x, out, wq, wk, wv, wo, qn, kn, cos, sin, xn, *lses)
         return F.linear(out, wo)
 
     @staticmethod
     def backward(ctx, dy):
         block = ctx.block
         spec, group, kernel = block.spec, block.group, block.kernel
-        x, out, wq, wk, wv, wo, qn, kn, cos, sin, *lses = ctx.saved_tensors
+        x, out, wq, wk, wv, wo, qn, kn, cos, sin, xn, *lses = ctx.saved_tensors
+        xn = xn if ctx.fused else None
+        lin = _linear(xn, ctx.eps)
+
+        def project(x, w, head_dim, norm=None, c=None, s=None):
+            return _post(lin(x, w), head_dim, norm, c, s)
+
         d = spec.head_dim
         b, n, dim = x.shape
         x2, dy2 = x.reshape(-1, dim), dy.reshape(-1, dim)
@@ -164,14 +184,15 @@ class _UPipeFunction(torch.autograd.Function):
         def backprop(weight_rows, heads, dweight, norm, dnorm, rope, grad_pre):
             """Recompute ``post(x @ w.T)`` under autograd, push ``grad_pre`` through it, and
             accumulate the GEMM's gradients by hand (``addmm_`` into dx: no dx-sized temporary)."""
-            t = F.linear(x, weight_rows).requires_grad_()
+            t = lin(x, weight_rows).requires_grad_()
             norm_leaf = None if norm is None else norm.detach().requires_grad_()
             with torch.enable_grad():
                 pre = _post(t, d, norm_leaf, *(rope if rope else (None, None)))
             grads = torch.autograd.grad(pre, [t] + ([norm_leaf] if norm_leaf is not None else []), grad_pre)
             dt = grads[0].reshape(-1, weight_rows.shape[0])
             dx2.addmm_(dt, weight_rows)
-            dweight.index_add_(0, _rows(heads, d, x.device), torch.mm(dt.t(), x2))
+            wgrad = torch.mm(dt.t(), x2) if xn is None else norm_weight_grad(x, xn, ctx.eps, dt)
+            dweight.index_add_(0, _rows(heads, d, x.device), wgrad)
             if dnorm is not None:
                 dnorm.add_(grads[1])
 
@@ -205,7 +226,8 @@ class _UPipeFunction(torch.autograd.Function):
                 dv = comm.head_to_seq_(dv, group)
                 backprop(wv_rows, kv_heads, dwv, None, None, None, dv)
                 del dv
-        return dx, dwq, dwk, dwv, dwo, dqn, dkn, None, None, None
+        dxn = norm_backward_(x, xn, ctx.eps, dx) if xn is not None else None  # dx: d(norm(x)) -> dx
+        return dx, dwq, dwk, dwv, dwo, dqn, dkn, None, None, None, dxn, None
 
 
 @register(
@@ -265,16 +287,24 @@ class UPipe(AttentionMethod):
         local_x = dtype_bytes * batch * (seq_len // c) * spec.dim
         return (h // c) * unit + local_x + (6 * kr + 4 * qr) * unit + 4 * batch * seq_len * h // c
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    accepts_input_norm = True  # forward(x, ..., input_norm=(weight, eps)): fused_attn_norm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """``input_norm=(weight, eps)``: ``x`` is the block input before its RMSNorm, which runs
+        inside the block tile by tile (``methods.core.normtile``): the normed input never exists."""
         cos, sin = self.rope_for(x, positions)
-        return upipe_block(self, x, cos, sin, self)
+        return upipe_block(self, x, cos, sin, self, input_norm)
 
 
-def upipe_block(params, x: torch.Tensor, cos, sin, schedule) -> torch.Tensor:
+def upipe_block(params, x: torch.Tensor, cos, sin, schedule,
+                input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The whole UPipe block with ``params``' weights. ``schedule`` supplies ``spec``, ``group``
     (the head all-to-all group), ``kernel`` (any ``kernels.Kernel``, e.g. a ring), ``scale``
-    and ``stages``: a ``UPipe`` module is its own schedule; ``usp-upipe`` passes its own."""
+    and ``stages``: a ``UPipe`` module is its own schedule; ``usp-upipe`` passes its own.
+    ``input_norm``: ``(weight, eps)`` of an RMSNorm applied to ``x`` inside the block."""
+    norm_weight, eps = input_norm if input_norm is not None else (None, 0.0)
     return _UPipeFunction.apply(
         x, params.wq.weight, params.wk.weight, params.wv.weight, params.wo.weight,
-        params.q_norm_weight, params.k_norm_weight, cos, sin, schedule,
+        params.q_norm_weight, params.k_norm_weight, cos, sin, schedule, norm_weight, eps,
     )

@@ -27,10 +27,13 @@ def test_paper_fills_in_its_terms_and_keeps_explicit_levers():
     assert library.kernel_workspace == "none"  # its fake flash-attn allocates the real scratch itself
     assert stack.apply(StepConfig(stack="paper"), "torch-cp")[0].kernel_workspace == "fa2"
     # TorchTitan's RoPE table: every method the paper ran in TorchTitan, not FPDT or the HF stack
-    assert step.rope_table and library.rope_table
+    assert step.rope_table == library.rope_table == "checkpointed"
     for outside in stack.OUTSIDE_TORCHTITAN:
-        assert not stack.apply(StepConfig(stack="paper"), outside)[0].rope_table
-    assert not stack.apply(StepConfig(stack="paper", scope="attention"), "upipe")[0].rope_table
+        assert stack.apply(StepConfig(stack="paper"), outside)[0].rope_table == "auto"
+    assert stack.apply(StepConfig(stack="paper", scope="attention"), "upipe")[0].rope_table == "auto"
+    assert stack.apply(StepConfig(stack="paper", rope_table="none"), "upipe")[0].rope_table == "none"
+    with pytest.raises(ValueError, match="rope_table must be one of"):
+        StepConfig(rope_table="yes")
 
 
 def test_paper_budget_is_capacity_less_the_context():

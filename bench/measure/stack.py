@@ -42,7 +42,8 @@ step before it runs, or in the budget by :func:`usable_bytes`:
    ``training.seq_len``; the buffer is registered with ``persistent=False`` and built on
    the device); UPipe's ``fully_fused_attn.py`` and the USP path read it from there. Applies
    to the methods the paper ran in its TorchTitan fork (every method but FPDT, which ran in
-   Megatron-DeepSpeed, and the Hugging Face stack's Ulysses).
+   Megatron-DeepSpeed, and the Hugging Face stack's Ulysses), unless the trial sets
+   ``rope_table`` itself (``none``: our decoder's own RoPE, angles of the local positions only).
 6. ``cuda_context``: device memory outside the caching allocator, taken off the capacity:
    the CUDA context with lazy module loading, about 400 MB per process on CUDA >= 11.7
    (PyTorch maintainers in pytorch/pytorch#109888 and #107667); counted as 0.5 GiB.
@@ -133,8 +134,8 @@ def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
             notes.append("paper stack: tiled_mlp_deepspeed (DeepSpeed's TiledMLP)")
         else:
             notes.append("paper stack: DeepSpeed not installed, so the tiled MLP is ours, not its TiledMLP")
-    if not step.rope_table and method not in OUTSIDE_TORCHTITAN and step.scope == "model":
-        changes["rope_table"] = True
+    if step.rope_table == "auto" and method not in OUTSIDE_TORCHTITAN and step.scope == "model":
+        changes["rope_table"] = "checkpointed"
         notes.append("paper stack: rope_table (TorchTitan's freqs_cis over the whole sequence on every rank)")
     return dataclasses.replace(step, **changes), notes
 

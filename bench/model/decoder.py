@@ -225,25 +225,34 @@ class Block(nn.Module):
     """One pre-norm decoder block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
 
     ``rope_table``: the model's RoPE table (``Decoder.set_rope_table``), an argument as in
-    TorchTitan, so that activation checkpointing saves (and offloads) it with the input."""
+    TorchTitan, so that activation checkpointing saves (and offloads) it with the input.
+    ``fused_norm`` (``StepConfig.fused_attn_norm``): the attention's RMSNorm runs inside the
+    attention method, tile by tile (``methods.core.normtile``), so the normed input, which the
+    method would save for its backward, never exists as a full-length tensor."""
 
     def __init__(self, cfg: ModelConfig, attention: nn.Module) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = attention
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.norm_eps)
+        self.fused_norm = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor | None = None) -> torch.Tensor:
-        if rope_table is None:
-            h = x + self.attention(self.attention_norm(x), positions=positions)
-            return h + self.feed_forward(h)
-        x = _HoldForBackward.apply(x, rope_table)
-        self.attention.rope_table = rope_table  # the angles are looked up in this (possibly unpacked) copy
+        if rope_table is not None:
+            x = _HoldForBackward.apply(x, rope_table)
+            self.attention.rope_table = rope_table  # the angles are looked up in this (possibly unpacked) copy
         try:
-            h = x + self.attention(self.attention_norm(x), positions=positions)
+            h = x + self._attend(x, positions)
         finally:
-            self.attention.rope_table = None
+            if rope_table is not None:
+                self.attention.rope_table = None
         return h + self.feed_forward(h)
+
+    def _attend(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm:
+            norm = (self.attention_norm.weight, self.attention_norm.eps)
+            return self.attention(x, positions=positions, input_norm=norm)
+        return self.attention(self.attention_norm(x), positions=positions)
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -414,6 +423,18 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.tiles = tiles
+
+    def set_fused_attn_norm(self, on: bool) -> None:
+        """Fold each block's attention RMSNorm into its attention method (``Block.fused_norm``);
+        only methods that declare ``accepts_input_norm`` can."""
+        if on and not getattr(self.attention_module(), "accepts_input_norm", False):
+            raise ValueError(f"fused_attn_norm: method {self.method!r} cannot run the block's RMSNorm inside "
+                             f"its projections (only upipe can); drop fused_attn_norm")
+        for layer in self.layers:
+            block = layer
+            while not isinstance(block, Block):
+                block = block.block
+            block.fused_norm = on
 
     def set_loss_chunk(self, chunk: int | None, impl: str = "ours") -> None:
         """None: full logits; n: chunks of n tokens, by ``impl`` (``ours`` | ``deepspeed``)."""

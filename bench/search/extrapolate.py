@@ -6,7 +6,8 @@ runs many. The layers of a decoder are identical, so what one more layer adds to
 peak is a constant: its sharded parameters, gradients and optimizer state, and its offloaded
 checkpoint (host). With 3 or more layers the step is in one regime (the first block keeps its
 checkpoint on the device, and under ``offload_keep="first_last"`` the last too; the others
-are offloaded), so
+are offloaded; under ``offload_keep="none"`` all are, and under ``fsdp_offload`` each layer's
+sharded state adds to the host instead of the device), so
 
     figure(L) = figure(3) + (figure(4) - figure(3)) * (L - 3)
 

@@ -39,13 +39,19 @@ SIM_DEVICES = ("auto", "cpu")
 # the device; "paper" models what the paper's runs held (allocator reserved memory, kernel scratch,
 # the authors' offload settings) against the device less what lives outside the allocator
 STACKS = ("lean", "paper")
-# which blocks keep their activation checkpoint on the device when ac_offload is on
-OFFLOAD_KEEPS = ("first_last", "first")
+# RoPE angles: "none": computed for the local positions; "checkpointed": TorchTitan's precomputed
+# table of the whole sequence on every rank, passed to each block (so checkpoint offload moves it
+# with the block's input); "auto": "checkpointed" under the paper stack for the methods the paper ran
+# in TorchTitan (bench.measure.stack), "none" otherwise
+ROPE_TABLES = ("auto", "none", "checkpointed")
+# which blocks keep their activation checkpoint on the device when ac_offload is on ("none": every
+# block's checkpoint goes to the host, the first and the last included)
+OFFLOAD_KEEPS = ("first_last", "first", "none")
 
 
 # fields added after rows were committed: a row records them only away from their default
 LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
-               "stack", "offload_keep", "rope_table")
+               "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table")
 # simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
 # away from its default such a setting is refused outside simulated mode (Trial.validate)
 SIMULATION_ONLY = (
@@ -79,11 +85,13 @@ class StepConfig:
     kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.measure.workspace)
     tiled_mlp_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledMLP), when tiled_mlp
     chunked_loss_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledFusedLogitsLoss), when chunked_loss
-    offload_keep: str = "first_last"  # checkpoints kept on the device: first_last | first (the authors' scripts)
+    fsdp_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients, AdamW state on host
+    fused_attn_norm: bool = False  # the attention's RMSNorm inside the method, tiled: its output never exists
+    offload_keep: str = "first_last"  # checkpoints kept on the device: first_last | first (the authors' scripts) | none
     stack: str = "lean"  # simulation only: lean | paper (bench.measure.stack); the CLI and specs default to paper
     sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
     allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
-    rope_table: bool = False  # keep TorchTitan's precomputed RoPE table of the whole sequence on every rank
+    rope_table: str = "auto"  # auto (the stack decides) | none | checkpointed (TorchTitan's table, a block argument)
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -96,6 +104,11 @@ class StepConfig:
             raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1 token, got {self.loss_chunk}")
+        if self.fsdp_offload and not self.fsdp:
+            raise ValueError("fsdp_offload offloads FSDP2's sharded state to the host: it needs fsdp=True")
+        if self.fsdp_offload and self.sim_device == "cpu":
+            raise ValueError("fsdp_offload with sim_device='cpu': on the CPU code path the accelerator is the CPU, "
+                             "so FSDP2's CPU offload would not leave it; drop sim_device='cpu'")
         if self.ac_offload and not self.ac:
             raise ValueError("ac_offload offloads activation checkpoints: it needs ac=True")
         if self.kernel_workspace not in KERNEL_WORKSPACES:
@@ -103,6 +116,8 @@ class StepConfig:
                              f"got {self.kernel_workspace!r}")
         if self.stack not in STACKS:
             raise ValueError(f"stack must be one of {list(STACKS)}, got {self.stack!r}")
+        if self.rope_table not in ROPE_TABLES:
+            raise ValueError(f"rope_table must be one of {list(ROPE_TABLES)}, got {self.rope_table!r}")
         if self.offload_keep not in OFFLOAD_KEEPS:
             raise ValueError(f"offload_keep must be one of {list(OFFLOAD_KEEPS)}, got {self.offload_keep!r}")
         if self.sim_device not in SIM_DEVICES:

@@ -7,17 +7,29 @@
   are fp32 master weights and compute runs in bf16 (``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)``); AdamW states are fp32. Without FSDP the model is replicated in the
   compute dtype (no fp32 master copy) and gradients are averaged with an all-reduce.
+* ``fsdp_offload``: FSDP2's own ``CPUOffloadPolicy`` on every unit: the sharded fp32 master
+  weights, their sharded gradients and the AdamW state live in host memory; each unit's shard
+  is copied to the device before its all-gather, gradients are copied back after the
+  reduce-scatter, and the optimizer step runs on the host. Adds host traffic every step (each
+  shard to the device twice, forward and backward recompute, and each gradient shard back)
+  and moves the optimizer step to the CPU. Pinned host memory when ``offload_pin`` (on CUDA).
 * ``ac``: activation checkpointing per block (``torch.utils.checkpoint``, non-reentrant):
   only each block's input is saved, the block is recomputed in backward.
 * ``ac_offload``: those saved block inputs go to host memory through saved-tensor hooks
   (``torch.autograd.graph.save_on_cpu``'s mechanism; pinned on CUDA when
   ``offload_pin``), for all blocks but the first and the last (``offload_keep="first_last"``,
-  the paper's checkpoint wrapper) or all but the first (``"first"``, what its scripts ran).
+  the paper's checkpoint wrapper), all but the first (``"first"``, what its scripts ran) or
+  every block (``"none"``: no block input stays on the device; the first block's input, the
+  embedding output, is then on the host from the forward until the very end of backward).
   A tensor already on the host stays where it is, so the lever does nothing on a CPU device.
 * ``tiled_mlp``: RMSNorm + SwiGLU run over sequence tiles, recomputed in backward
   (``mlp_tiles=0``: the paper's ``ceil(local tokens / dim)`` tiles). ``tiled_norm``: the
   attention's RMSNorm and the final one tiled the same way (the paper's tiled RMSNorm).
   ``tiled_mlp_impl="deepspeed"``: the MLP tiles run through DeepSpeed's ``TiledMLP`` instead.
+* ``fused_attn_norm``: the attention's RMSNorm runs inside the attention method (``upipe``),
+  tile by tile wherever the method reads the normed input (``methods.core.normtile``): the
+  method saves the block input instead of a full-length normed copy of it. Recomputes the
+  norm once per projection (forward, and backward's recompute).
 * ``chunked_loss``: cross-entropy over chunks of ``loss_chunk`` tokens; the
   ``[tokens, vocab]`` logits never exist. ``chunked_loss_impl="deepspeed"``: through
   DeepSpeed's ``TiledFusedLogitsLoss`` instead (LM-head gradients computed in forward).
@@ -41,9 +53,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import methods
@@ -133,8 +146,10 @@ def build_model(
     ``bench.measure.simulate.no_param_init()`` (random init is not possible on fake tensors).
     ``seq_len`` (global tokens) sizes the RoPE table of ``step.rope_table``.
     """
-    if step.rope_table and seq_len is None:
-        raise ValueError("rope_table=True keeps a RoPE table of the whole sequence: pass build_model(seq_len=...)")
+    table = step.rope_table == "checkpointed"
+    if table and seq_len is None:
+        raise ValueError("rope_table='checkpointed' keeps a RoPE table of the whole sequence: "
+                         "pass build_model(seq_len=...)")
     device = torch.device(device)
     master = torch.float32 if step.fsdp else step.torch_dtype
     previous = torch.get_default_dtype()
@@ -146,21 +161,23 @@ def build_model(
         torch.set_default_dtype(previous)
     if seed is not None:
         init_weights(model, seed)
-    if step.rope_table:
+    if table:
         with torch.device(device):
             model.set_rope_table(seq_len)
     model.set_mlp_tiles(step.mlp_tiles if step.tiled_mlp else None, step.tiled_mlp_impl)
     model.set_norm_tiles(step.mlp_tiles if step.tiled_norm else None)
     model.set_loss_chunk(step.loss_chunk if step.chunked_loss else None, step.chunked_loss_impl)
+    model.set_fused_attn_norm(step.fused_attn_norm)
     if step.ac:
         offload = HostOffload(host, pin=step.offload_pin and device.type == "cuda") if step.ac_offload else None
         n = len(model.layers)
-        kept = {0} if step.offload_keep == "first" else {0, n - 1}
+        kept = {"first": {0}, "first_last": {0, n - 1}, "none": set()}[step.offload_keep]
         for i in range(n):
             # the paper's checkpoint wrapper exempts the first and the last block; its scripts'
             # full-checkpointing path passes no "last layer" flag, so only the first stays there
-            # (offload_keep="first"; docs/paper.md, "Training stack")
-            use = offload if (offload is not None and (n <= 2 or i not in kept)) else None
+            # (offload_keep="first"; docs/paper.md, "Training stack"); "none" exempts no block
+            exempt = n > 2 and i in kept
+            use = offload if (offload is not None and not exempt) else None
             model.layers[i] = CheckpointedBlock(model.layers[i], use)
     if step.fsdp:
         if group is None:
@@ -169,9 +186,13 @@ def build_model(
         with unset_fake_temporarily():  # the mesh holds real rank ids, even under simulation
             mesh = DeviceMesh.from_group(group, device_type=device.type)
         mp = MixedPrecisionPolicy(param_dtype=step.torch_dtype, reduce_dtype=torch.float32)
+        # pinned on a real GPU; under simulation the host copies are fake CPU tensors either way
+        # (FakeTensorMode has no ``Tensor.pin_memory``, and pinned or not the bytes are host bytes)
+        pin = step.offload_pin and device.type == "cuda" and detect_fake_mode() is None
+        off = CPUOffloadPolicy(pin_memory=pin) if step.fsdp_offload else OffloadPolicy()
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
     # foreach: what torch picks by default on CUDA (one fused op per step over all tensors)
     opt = torch.optim.AdamW(model.parameters(), lr=step.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     return model, opt

@@ -70,20 +70,20 @@ def test_rope_table_is_held_whole_and_travels_with_the_checkpoints(cfg_file):
     seq = 32768
     table = seq * (CFG["head_dim"] // 2) * 8
     base = sim(cfg_file, seq, ac=True, ac_offload=True)
-    held = sim(cfg_file, seq, ac=True, ac_offload=True, rope_table=True)
+    held = sim(cfg_file, seq, ac=True, ac_offload=True, rope_table="checkpointed")
     assert held["peak_by_category"]["buffer"] - base["peak_by_category"]["buffer"] == table
     # two of the four blocks are offloaded (first and last kept): one host copy each
     assert held["host_peak_bytes"] - base["host_peak_bytes"] == 2 * table
     # with the last block offloaded too, the peak (its attention backward) holds the buffer and
     # the block's unpacked copy
     base_first = sim(cfg_file, seq, ac=True, ac_offload=True, offload_keep="first")
-    held_first = sim(cfg_file, seq, ac=True, ac_offload=True, offload_keep="first", rope_table=True)
+    held_first = sim(cfg_file, seq, ac=True, ac_offload=True, offload_keep="first", rope_table="checkpointed")
     assert held_first["peak_bytes"] - base_first["peak_bytes"] == 2 * table
-    kept = sim(cfg_file, seq, ac=True, ac_offload=False, rope_table=True)
+    kept = sim(cfg_file, seq, ac=True, ac_offload=False, rope_table="checkpointed")
     assert kept["host_peak_bytes"] < 4096  # nothing offloaded: no copies anywhere
     with pytest.raises(ValueError, match="pass build_model"):
         from bench.model.config import get_config
-        build_model(get_config("tiny-llama"), "ulysses", {}, None, StepConfig.plain(rope_table=True), "cpu")
+        build_model(get_config("tiny-llama"), "ulysses", {}, None, StepConfig.plain(rope_table="checkpointed"), "cpu")
 
 
 def test_tiled_mlp_and_norm_lower_memory(cfg_file):
@@ -183,7 +183,7 @@ NO_LEVERS = dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False, tiled_
 
 
 @pytest.mark.parametrize("method", sorted(set(methods.available()) & {"ulysses", "upipe", "ring"}))
-@pytest.mark.parametrize("levers", [ALL_ON, {**ALL_ON, "rope_table": True}, NO_LEVERS],
+@pytest.mark.parametrize("levers", [ALL_ON, {**ALL_ON, "rope_table": "checkpointed"}, NO_LEVERS],
                          ids=["all-levers", "all-levers+rope-table", "no-levers"])
 def test_step_with_levers_equals_plain_single_device_step(pool, method, levers):
     ref = reference_step(method)
