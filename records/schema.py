@@ -18,6 +18,8 @@ from typing import Any, Union
 from .vocab import DType, Kind, Mode, Scope, Status
 
 SCHEMA_VERSION = 1
+# the fewest timed steps whose median and range a row reports as a spread (bench.measure.timing)
+MIN_TIMED_STEPS = 5
 
 
 class RowError(ValueError):

@@ -16,7 +16,9 @@ import os
 import statistics
 from dataclasses import dataclass
 
-MIN_TIMED_STEPS = 5
+from records.schema import MIN_TIMED_STEPS
+
+__all__ = ["MIN_TIMED_STEPS", "HostLoad", "StepStats", "host_shared", "slowest_rank_steps"]
 
 
 @dataclass(frozen=True)
