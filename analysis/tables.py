@@ -173,6 +173,19 @@ def _paper_ratio_range(method: str) -> str:
     return "; ".join(parts) or MISSING
 
 
+def _cpu_baseline(series: list, method: str):
+    """The series a CPU ratio divides by: the paper's Ulysses column as we run it, our ``ulysses``
+    (``usp`` for ``usp-upipe``, the same Ulysses x Ring mesh), else the first of the Ulysses family
+    (``usp``, the wrappers of DeepSpeed's and yunchang's Ulysses)."""
+    wanted = ("usp", "ulysses") if method == "usp-upipe" else ("ulysses", "usp")
+    by_method = {s["method"].iloc[0]: (key, s) for key, s in series if not s["options"].iloc[0]}
+    for name in wanted:
+        if name in by_method:
+            return by_method[name]
+    family_rows = [(key, s) for key, s in series if family(s["method"].iloc[0]) == "ulysses"]
+    return family_rows[0] if family_rows else None
+
+
 def _host_notes(ours: pd.DataFrame) -> list[str]:
     """What the rows say about the host's load while they were timed (``figures.host_*``)."""
     if not len(ours) or "host_shared" not in ours:
@@ -207,14 +220,14 @@ def table3_cpu(rows=None) -> Table:
         for key, s in series:
             out.append([model, ws, key[0], "ours: tokens/s per rank", mode_label]
                        + [throughput_cell(lookup(s, n)) for n in lengths] + [""])
-        # the baseline is the paper's Ulysses column: ``ulysses``, or ``usp`` on a Ulysses x Ring mesh
-        base = [(key, s) for key, s in series if family(s["method"].iloc[0]) == "ulysses"]
         for key, s in series:
-            if not base or key == base[0][0]:
+            method = s["method"].iloc[0]
+            base = _cpu_baseline(series, method)
+            if base is None or key == base[0]:
                 continue
-            vals = [ratio_cell(lookup(s, n), lookup(base[0][1], n)) for n in lengths]
-            out.append([model, ws, f"{key[0]} / {base[0][0][0]}", "ours: ratio", mode_label] + vals
-                       + [_paper_ratio_range(family(s["method"].iloc[0]))])
+            vals = [ratio_cell(lookup(s, n), lookup(base[1], n)) for n in lengths]
+            paper = _paper_ratio_range(family(method)) if family(method) != "ulysses" else ""
+            out.append([model, ws, f"{key[0]} / {base[0][0]}", "ours: ratio", mode_label] + vals + [paper])
     notes = ["CPU rows (gloo ranks on one host, small models): absolute numbers say nothing about "
              "H100 throughput; ratios to Ulysses at equal length are the comparable figure.",
              "tokens/s per rank: `median [min–max]` over the timed steps (the median step's throughput; "
@@ -223,9 +236,10 @@ def table3_cpu(rows=None) -> Table:
              "ratio: the ratio of the medians, `[lo–hi]` from the per-step extremes: lo = the method's slowest "
              "step against the baseline's fastest, hi = its fastest against the baseline's slowest (the widest "
              "the ratio of any two single steps can be, not a confidence interval).",
-             "The baseline is the paper's Ulysses column: `ulysses`, or `usp` where the variant runs the "
-             "Ulysses × Ring mesh (as the paper's 16-GPU runs).",
-             "paper ratio (H100): the range of the same ratio in the paper's Table 3."]
+             "The baseline is the paper's Ulysses column as we run it: our `ulysses` (for `usp-upipe`: `usp`, "
+             "the same Ulysses × Ring mesh, as the paper's 16-GPU runs), else the first Ulysses variant present.",
+             "paper ratio (H100): the range of the same ratio in the paper's Table 3 (none for the Ulysses "
+             "variants, which are the paper's baseline itself)."]
     notes.extend(_host_notes(ours))
     if not len(ours):
         notes.append("No CPU rows yet: run a CPU variant of the Table 3 sweep (a `sweeps/configs/table3-*.yaml` "
