@@ -15,6 +15,8 @@ from typing import Any
 
 import pandas as pd
 
+from records.schema import MIN_TIMED_STEPS
+
 from .style import MISSING, OOM
 
 K, M = 2**10, 2**20
@@ -227,3 +229,54 @@ def number(row: pd.Series | None, metric: str) -> float | None:
         return None
     v = row.get(metric)
     return None if is_missing(v) else float(v)
+
+
+# ----------------------------------------------------------------------------- spread of real step times
+
+SHARED_MARK = "†"  # a cell whose row ran while the host also ran others' work (figures.host_shared)
+
+
+def step_spread(row: pd.Series | None) -> tuple[float, float, float, int] | None:
+    """(median, fastest, slowest step time in s, number of timed steps) of an ``ok`` row that
+    recorded its steps; None for other rows (rows written before the spread was recorded)."""
+    if row is None or row["status"] != "ok":
+        return None
+    steps = row.get("step_times_s")
+    if not isinstance(steps, (list, tuple)) or not steps:
+        return None
+    return float(row["step_time_s"]), float(row["step_time_min_s"]), float(row["step_time_max_s"]), len(steps)
+
+
+def _marks(row: pd.Series, n: int | None) -> str:
+    few = f" (n={n})" if n is not None and n < MIN_TIMED_STEPS else ""
+    return few + (SHARED_MARK if row.get("host_shared") is True else "")
+
+
+def throughput_cell(row: pd.Series | None, digits: int = 2) -> str:
+    """Tokens/s per device as ``median [min–max]``: the median from the median step, the range
+    from the slowest and fastest steps; ``†`` when the host was shared, ``(n=k)`` when fewer
+    than the minimum of timed steps (a smoke row). Rows without step times: the plain value."""
+    spread = step_spread(row)
+    if spread is None:
+        return cell(row, "tokens_per_s_per_device", digits)
+    _, fast, slow, n = spread
+    tokens = float(row["tokens_per_device"])
+    return (f"{fmt(row['tokens_per_s_per_device'], digits)} [{fmt(tokens / slow, digits)}–"
+            f"{fmt(tokens / fast, digits)}]" + _marks(row, n))
+
+
+def ratio_cell(row: pd.Series | None, base: pd.Series | None, digits: int = 3) -> str:
+    """Throughput of ``row`` over ``base``'s at the same length: the ratio of the medians, and,
+    where both rows recorded their steps, ``[lo–hi]`` from the per-step extremes (lo: the row's
+    slowest step against the base's fastest; hi: its fastest against the base's slowest)."""
+    a, b = number(row, "tokens_per_s_per_device"), number(base, "tokens_per_s_per_device")
+    if a is None or b is None or b == 0:
+        return MISSING
+    text = f"{a / b:.{digits}f}"
+    sa, sb = step_spread(row), step_spread(base)
+    if sa is None or sb is None:
+        return text
+    lo, hi = sb[1] / sa[2], sb[2] / sa[1]  # throughput ratio = base step time / row step time
+    n = min(sa[3], sb[3])
+    mark = _marks(row, n) if row.get("host_shared") is True else _marks(base, n)
+    return f"{text} [{lo:.{digits}f}–{hi:.{digits}f}]" + mark

@@ -30,6 +30,8 @@ from .select import (
     number,
     option,
     paper_cell,
+    ratio_cell,
+    throughput_cell,
     trials,
 )
 from .style import MISSING, Table, display_name
@@ -172,6 +174,39 @@ def _paper_ratio_range(method: str) -> str:
     return "; ".join(parts) or MISSING
 
 
+def _cpu_baseline(series: list, method: str):
+    """The series a CPU ratio divides by: the paper's Ulysses column as we run it, our ``ulysses``
+    (``usp`` for ``usp-upipe``, the same Ulysses x Ring mesh), else the first of the Ulysses family
+    (``usp``, the wrappers of DeepSpeed's and yunchang's Ulysses)."""
+    wanted = ("usp", "ulysses") if method == "usp-upipe" else ("ulysses", "usp")
+    by_method = {s["method"].iloc[0]: (key, s) for key, s in series if not s["options"].iloc[0]}
+    for name in wanted:
+        if name in by_method:
+            return by_method[name]
+    family_rows = [(key, s) for key, s in series if family(s["method"].iloc[0]) == "ulysses"]
+    return family_rows[0] if family_rows else None
+
+
+def _host_notes(ours: pd.DataFrame) -> list[str]:
+    """What the rows say about the host's load while they were timed (``figures.host_*``)."""
+    if not len(ours) or "host_shared" not in ours:
+        return []
+    known = ours[ours["host_shared"].notna()] if len(ours) else ours
+    if not len(known):
+        return []
+    shared = known[known["host_shared"].astype(bool)]
+    loads = pd.concat([known["host_load_before"], known["host_load_after"]]).astype(float)
+    cpus = sorted({int(c) for c in known["host_cpus"]})
+    text = (f"Host load ({len(known)} rows with it recorded): 1-min load average {loads.min():.2f}–{loads.max():.2f} "
+            f"around the timed steps on {'/'.join(map(str, cpus))} logical CPUs. ")
+    if len(shared):
+        text += (f"† host shared: in {len(shared)} of them the load exceeded the threads the trial itself ran "
+                 f"(others' work ran during the timing; nothing was done to hide it).")
+    else:
+        text += "In none did it exceed the threads the trial itself ran."
+    return [text]
+
+
 def table3_cpu(rows=None) -> Table:
     """Our CPU runs of the Table 3 sweep (small models, few ranks): tokens/s per rank, and each
     method's ratio to Ulysses next to the paper's ratio range. CPU and H100 numbers are not
@@ -185,21 +220,28 @@ def table3_cpu(rows=None) -> Table:
         series = groups(sub)
         for key, s in series:
             out.append([model, ws, key[0], "ours: tokens/s per rank", mode_label]
-                       + [cell(lookup(s, n), "tokens_per_s_per_device") for n in lengths] + [""])
-        # the baseline is the paper's Ulysses column: ``ulysses``, or ``usp`` on a Ulysses x Ring mesh
-        base = [(key, s) for key, s in series if family(s["method"].iloc[0]) == "ulysses"]
+                       + [throughput_cell(lookup(s, n)) for n in lengths] + [""])
         for key, s in series:
-            if not base or key == base[0][0]:
+            method = s["method"].iloc[0]
+            base = _cpu_baseline(series, method)
+            if base is None or key == base[0]:
                 continue
-            vals = [_ratio(number(lookup(s, n), "tokens_per_s_per_device"),
-                           number(lookup(base[0][1], n), "tokens_per_s_per_device")) for n in lengths]
-            out.append([model, ws, f"{key[0]} / {base[0][0][0]}", "ours: ratio", mode_label] + vals
-                       + [_paper_ratio_range(family(s["method"].iloc[0]))])
+            vals = [ratio_cell(lookup(s, n), lookup(base[1], n)) for n in lengths]
+            paper = _paper_ratio_range(family(method)) if family(method) != "ulysses" else ""
+            out.append([model, ws, f"{key[0]} / {base[0][0]}", "ours: ratio", mode_label] + vals + [paper])
     notes = ["CPU rows (gloo ranks on one host, small models): absolute numbers say nothing about "
              "H100 throughput; ratios to Ulysses at equal length are the comparable figure.",
-             "The baseline is the paper's Ulysses column: `ulysses`, or `usp` where the variant runs the "
-             "Ulysses × Ring mesh (as the paper's 16-GPU runs).",
-             "paper ratio (H100): the range of the same ratio in the paper's Table 3."]
+             "tokens/s per rank: `median [min–max]` over the timed steps (the median step's throughput; "
+             "min from the slowest step, max from the fastest; each step as long as its slowest rank's). "
+             "Rows recorded before step times were kept show one value (the mean of two steps).",
+             "ratio: the ratio of the medians, `[lo–hi]` from the per-step extremes: lo = the method's slowest "
+             "step against the baseline's fastest, hi = its fastest against the baseline's slowest (the widest "
+             "the ratio of any two single steps can be, not a confidence interval).",
+             "The baseline is the paper's Ulysses column as we run it: our `ulysses` (for `usp-upipe`: `usp`, "
+             "the same Ulysses × Ring mesh, as the paper's 16-GPU runs), else the first Ulysses variant present.",
+             "paper ratio (H100): the range of the same ratio in the paper's Table 3 (none for the Ulysses "
+             "variants, which are the paper's baseline itself)."]
+    notes.extend(_host_notes(ours))
     if not len(ours):
         notes.append("No CPU rows yet: run a CPU variant of the Table 3 sweep (a `sweeps/configs/table3-*.yaml` "
                      "with `device: cpu`) with `--executor local`.")

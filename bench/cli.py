@@ -35,6 +35,7 @@ from records.sizes import positive_int
 from . import fidelity
 from .measure.hardware import DEVICES, LINKS
 from .measure.launch import is_rank_zero
+from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Search, Trial
 from .model.config import CONFIGS
 from .search.autochunk import run
@@ -136,7 +137,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "allocator (bench.measure.allocator) and record its reserved peak; expandable: as with "
                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the paper's setting")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
-    p.add_argument("--iters", type=positive_int, default=2, help="timed steps (real/emulated)")
+    p.add_argument("--iters", type=positive_int, default=MIN_TIMED_STEPS,
+                   help=f"timed steps (real/emulated; at least {MIN_TIMED_STEPS} unless --smoke): the row records "
+                   "each, their median as step_time_s, and min/max")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"allow fewer than {MIN_TIMED_STEPS} timed steps (a wiring check; the row's notes say so)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads per rank (real/emulated; default: cores / local ranks when spawned)")
     p.add_argument("--out", default=None, help="JSON Lines file to append rows to "
@@ -209,7 +214,8 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
                           device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,
-                          threads=args.threads, kind=Kind.MAX_CONTEXT if search else Kind.TRIAL, search=search)
+                          smoke=args.smoke, threads=args.threads, kind=Kind.MAX_CONTEXT if search else Kind.TRIAL,
+                          search=search)
     except ValueError as err:
         raise UsageError(f"python -m bench: error: {err}") from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any, Union
 from .vocab import DType, Kind, Mode, Scope, Status
 
 SCHEMA_VERSION = 1
+# the fewest timed steps whose median and range a row reports as a spread (bench.measure.timing)
+MIN_TIMED_STEPS = 5
 
 
 class RowError(ValueError):
@@ -31,9 +34,15 @@ class Figures:
     simulated and CPU runs, ``torch.cuda.max_memory_allocated`` on CUDA), the max over ranks
     in real mode; ``peak_reserved_bytes`` is ``max_memory_reserved`` (CUDA only; in simulated
     mode with ``allocator_model``, the reserved peak of ``bench.measure.allocator``'s model).
-    ``step_time_s`` is seconds per step (mean of the timed steps; emulated: measured compute
-    plus modelled communication). Tokens per device count every token once:
-    ``batch * seq_len / world_size``.
+    ``step_time_s`` is seconds per step: the median of the timed steps (``step_times_s``, each
+    the slowest rank's in real mode; emulated: measured compute plus modelled communication),
+    with ``step_time_min_s``/``step_time_max_s`` their extremes (rows written before these
+    fields existed have the mean of two steps and no spread). Tokens per device count every
+    token once: ``batch * seq_len / world_size``; throughput is from the median.
+    ``host_load_before``/``_after`` are the host's 1-minute load average around the timed steps
+    (rank 0's host), ``host_cpus`` its logical CPUs, ``trial_threads`` the threads the trial's
+    own processes run there, and ``host_shared`` whether the load exceeded them
+    (``bench.measure.timing.host_shared``).
     """
 
     peak_bytes: int | None = None
@@ -44,6 +53,9 @@ class Figures:
     usable_bytes: int | None = None
     host_usable_bytes: int | None = None  # simulated: host memory one rank's offloads may fill
     step_time_s: float | None = None
+    step_time_min_s: float | None = None
+    step_time_max_s: float | None = None
+    step_times_s: list | None = None  # every timed step, in order
     compute_time_s: float | None = None
     comm_time_s: float | None = None  # modelled (emulated, simulated) with the row's link
     comm_bytes: int | None = None  # bytes one rank sends per step (sum over collectives)
@@ -56,6 +68,11 @@ class Figures:
     max_context: int | None = None  # max_context rows: longest fitting length (0: none)
     trials: int | None = None  # max_context rows: trials run
     wall_s: float | None = None  # wall time of the whole trial, set-up included
+    host_load_before: float | None = None  # 1-minute load average before the timed steps
+    host_load_after: float | None = None  # ... and after them
+    host_cpus: int | None = None  # logical CPUs of the host (os.cpu_count)
+    trial_threads: int | None = None  # threads the trial's own processes run on that host
+    host_shared: bool | None = None  # the load exceeded trial_threads: others' work ran too
 
 
 @dataclass
@@ -166,6 +183,24 @@ def _json_safe(value: Any, where: str) -> None:
         raise RowError(f"{where} is not JSON-serialisable: {err}") from None
 
 
+def _check_spread(f: Figures) -> None:
+    """The recorded steps and their summary agree (a hand-edited or mis-combined row is refused)."""
+    if f.step_times_s is None:
+        if f.step_time_min_s is not None or f.step_time_max_s is not None:
+            raise RowError("row.figures.step_time_min_s/max_s need the steps they summarise (step_times_s)")
+        return
+    times = f.step_times_s
+    if not times or not all(_type_ok(t, float) and t >= 0 for t in times):
+        raise RowError(f"row.figures.step_times_s = {times!r} must be a non-empty list of seconds")
+    if f.step_time_min_s is None or f.step_time_max_s is None or f.step_time_s is None:
+        raise RowError("row.figures.step_times_s needs step_time_s (median), step_time_min_s and step_time_max_s")
+    tol = 1e-9 * max(times)
+    if abs(f.step_time_min_s - min(times)) > tol or abs(f.step_time_max_s - max(times)) > tol \
+            or abs(f.step_time_s - statistics.median(times)) > tol:
+        raise RowError(f"row.figures.step_time_s/min/max ({f.step_time_s}, {f.step_time_min_s}, "
+                       f"{f.step_time_max_s}) are not the median/min/max of step_times_s {times}")
+
+
 def validate_row(row: Row | dict) -> Row:
     """Return ``row`` as a ``Row`` if it follows the schema, else raise ``RowError``
     naming the field."""
@@ -200,10 +235,12 @@ def validate_row(row: Row | dict) -> Row:
         v = getattr(r.figures, name)
         if v is not None and v < 0:
             raise RowError(f"row.figures.{name} = {v} must not be negative")
-    for name in ("step_time_s", "tokens_per_s_per_device", "tflops_per_device"):
+    for name in ("step_time_s", "step_time_min_s", "step_time_max_s", "tokens_per_s_per_device",
+                 "tflops_per_device", "host_load_before", "host_load_after"):
         v = getattr(r.figures, name)
         if v is not None and v < 0:
             raise RowError(f"row.figures.{name} = {v} must not be negative")
+    _check_spread(r.figures)
     _json_safe(data, "row")
     return r
 

@@ -16,7 +16,7 @@ what is allowed. Example::
     methods:
       - upipe                       # a bare name: default options
       - {name: upipe, options: {chunk_heads: 16}}
-    step: {ac: true, ac_offload: true, tiled_mlp: true}        # training-step levers (StepConfig), warmup, iters
+    step: {ac: true, ac_offload: true, tiled_mlp: true}        # training-step levers (StepConfig), warmup, iters, smoke
     max_context: {granularity: 256K, max_seq_len: 16M}         # kind: max_context only (Search)
     slurm: {partition: gpu, account: null, time_min: 60, gpus_per_node: 8, constraint: h100}
 """
@@ -46,7 +46,7 @@ SLURM_KEYS = {
     "partition", "account", "time_min", "gpus_per_node", "cpus_per_task", "mem_gb",
     "constraint", "qos", "max_parallel", "tasks_per_gpu",
 }
-TRIAL_KEYS = {"warmup", "iters"}  # per-trial settings a spec's `step:` may also set
+TRIAL_KEYS = {"warmup", "iters", "smoke"}  # per-trial settings a spec's `step:` may also set
 STEP_KEYS = {f.name for f in dataclasses.fields(StepConfig)} - {"scope", "dtype"} | TRIAL_KEYS
 OLD_KINDS = {"run": Kind.TRIAL, "max-context": Kind.MAX_CONTEXT}
 

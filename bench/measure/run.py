@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 import time
 import traceback
 from typing import Any
@@ -51,6 +52,7 @@ from . import fake_flash_attn, launch, simcuda, stack
 from .allocator import record_step, replay
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
+from .timing import MIN_TIMED_STEPS, HostLoad, StepStats, host_shared, slowest_rank_steps
 from .trial import Trial
 from .workspace import KernelWorkspace
 
@@ -181,7 +183,8 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
 
 
 def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, Any]:
-    """Build, warm up, measure memory and time ``trial.iters`` steps on real tensors."""
+    """Build, warm up, measure memory and time ``trial.iters`` steps on real tensors; the
+    host's load average is read before and after the timed steps (``bench.measure.timing``)."""
     if trial.threads:
         torch.set_num_threads(trial.threads)
     built, batch = _build(trial, group, device, host="cpu", fake=False)
@@ -202,6 +205,7 @@ def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, An
                    peak_by_category=dict(peak.by_category) if peak else {})
     else:
         torch.cuda.reset_peak_memory_stats(device)
+    load_before = HostLoad.now()
     times = []
     for _ in range(trial.iters):
         _sync(device)
@@ -212,8 +216,11 @@ def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, An
     if device.type == "cuda":
         out.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                    peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
-    out["compute_time_s"] = sum(times) / len(times)
+    load_after = HostLoad.now()
+    out["compute_time_s"] = StepStats(tuple(times)).median
     out["step_times_s"] = times
+    out["host"] = socket.gethostname()
+    out["host_load"] = {"before": load_before.load_1m, "after": load_after.load_1m, "cpus": load_after.cpus}
     if loss is not None and trial.step.scope == "model":
         out["loss"] = float(loss)
     out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
@@ -251,7 +258,9 @@ def _emulated(trial: Trial) -> dict[str, Any]:
 
 
 def _combine_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Real mode: the worst rank decides (first failure; max peak and time; mean loss)."""
+    """Real mode: the worst rank decides (first failure; max peak; each step as long as its
+    slowest rank's; mean loss). Host load is rank 0's host's; the trial's own threads there
+    are those of the ranks on that host."""
     for r in results:
         if r["status"] != "ok":
             return r
@@ -260,10 +269,32 @@ def _combine_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in results if r.get(key) is not None]
         if values:
             out[key] = max(values)
+    if all(r.get("step_times_s") for r in results):
+        out["step_times_s"] = slowest_rank_steps([r["step_times_s"] for r in results])
+        out["compute_time_s"] = StepStats(tuple(out["step_times_s"])).median
+    out["own_threads"] = sum(r.get("threads") or 1 for r in results if r.get("host") == out.get("host"))
     losses = [r["loss"] for r in results if r.get("loss") is not None]
     if losses:
         out["loss"] = sum(losses) / len(losses)
     return out
+
+
+def _load_figures(f: Figures, result: dict[str, Any]) -> list[str]:
+    """Host load around the timed steps into ``f``; the notes that say whether the host was shared."""
+    load = result.get("host_load")
+    if not load:
+        return []
+    own = result.get("own_threads") or result.get("threads") or 1
+    f.host_load_before, f.host_load_after = round(load["before"], 2), round(load["after"], 2)
+    f.host_cpus, f.trial_threads = load["cpus"], own
+    f.host_shared = host_shared(load["before"], load["after"], own)
+    said = (f"1-min load average {f.host_load_before:.2f} before / {f.host_load_after:.2f} after the timed "
+            f"steps, {f.host_cpus} logical CPUs, {own} thread(s) of this trial")
+    notes = [f"host shared: {said}: other work ran on the host while the steps were timed" if f.host_shared
+             else f"host load: {said} (not above the trial's own)"]
+    if own > f.host_cpus:
+        notes.append(f"the trial's {own} threads share {f.host_cpus} logical CPUs: its ranks are time-sliced")
+    return notes
 
 
 def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: str | None = None) -> Row:
@@ -295,6 +326,11 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.comm_time_s = result.get("comm_time_s")
     elif trial.mode == "real":
         f.step_time_s = f.compute_time_s
+    if result.get("step_times_s") and f.step_time_s is not None:
+        steps = StepStats(tuple(result["step_times_s"])).plus(f.comm_time_s if trial.mode == "emulated" else 0.0)
+        f.step_times_s = list(steps.times)
+        f.step_time_s, f.step_time_min_s, f.step_time_max_s = steps.median, steps.min, steps.max
+    notes.extend(_load_figures(f, result))
     if f.step_time_s:
         f.tokens_per_s_per_device = f.tokens_per_device / f.step_time_s
         f.tflops_per_device = f.flops_per_device / f.step_time_s / 1e12
@@ -358,8 +394,12 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         notes.append("scope attention: one attention block forward + backward; levers other than dtype unused")
     if result.get("threads") and trial.mode != "simulated":
         notes.append(f"torch CPU threads per rank: {result['threads']}")
-    if result.get("step_times_s"):
-        notes.append("timed steps (s): " + ", ".join(f"{t:.4f}" for t in result["step_times_s"]))
+    if f.step_times_s:
+        notes.append("timed steps (s): " + ", ".join(f"{t:.4f}" for t in f.step_times_s)
+                     + f"; step_time_s is their median ({f.step_time_min_s:.4f}-{f.step_time_max_s:.4f})")
+        if len(f.step_times_s) < MIN_TIMED_STEPS:
+            notes.append(f"smoke run: {len(f.step_times_s)} timed step(s), fewer than {MIN_TIMED_STEPS}: "
+                         "the median and range are not a spread to report")
     kernel = trial.kernel_name()
     if device_name is None:
         device_name = result.get("device_name") or (

@@ -32,6 +32,7 @@ from ..model.config import ModelConfig, get_config
 from ..training.config import SIMULATION_ONLY, StepConfig
 from . import fake_flash_attn, launch
 from .hardware import DevicePreset, LinkModel, get_device, get_link
+from .timing import MIN_TIMED_STEPS
 
 AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and rows
 AUTO_OPTION = "chunk_heads"
@@ -112,7 +113,8 @@ class Trial:
     step: StepConfig = StepConfig()
     link: str | None = None  # None: the device preset's default
     warmup: int = 1
-    iters: int = 2
+    iters: int = MIN_TIMED_STEPS  # timed steps (real/emulated): their median, min and max are recorded
+    smoke: bool = False  # allows fewer than MIN_TIMED_STEPS timed steps (a wiring check; the row says so)
     seed: int = 0
     threads: int | None = None  # torch CPU threads per rank (real/emulated); None: as launched
     kind: str = Kind.TRIAL
@@ -237,6 +239,12 @@ class Trial:
             )
         if self.iters < 1 or self.warmup < 1:
             raise ValueError("iters and warmup must both be >= 1 (the first step is never timed)")
+        if self.mode != Mode.SIMULATED and self.iters < MIN_TIMED_STEPS and not self.smoke:
+            raise ValueError(
+                f"iters={self.iters}: a {self.mode} trial times at least {MIN_TIMED_STEPS} steps so that its "
+                f"median and range mean something; use --iters {MIN_TIMED_STEPS} or more, or --smoke for a "
+                f"wiring check whose row says it is one"
+            )
         if self.search is not None and self.search.max_seq_len < self.search_step():
             raise ValueError(
                 f"--max-seq-len {self.search.max_seq_len} is below one step of {self.search_step()} tokens "

@@ -73,6 +73,41 @@ def test_cpu_variant_has_its_own_table_with_ratios(results_dir):
     assert "tiny-llama" not in tables.table3(load_rows(results_dir, quiet=True)).to_markdown()
 
 
+def _cpu_row(method, times, shared, ws=2, seq=4096):
+    import statistics
+
+    from records import Figures
+    tokens = seq // ws
+    med = statistics.median(times)
+    f = Figures(step_time_s=med, step_time_min_s=min(times), step_time_max_s=max(times), step_times_s=list(times),
+                tokens_per_device=tokens, tokens_per_s_per_device=tokens / med, host_load_before=1.0,
+                host_load_after=3.5 if shared else 1.5, host_cpus=2, trial_threads=2, host_shared=shared)
+    return make_row(method, "tiny-llama", seq, ws, device="cpu", device_name="Test CPU", figures=f)
+
+
+def test_cpu_table_shows_the_spread_of_throughput_and_of_the_ratio(tmp_path):
+    write(tmp_path / "table3-llama3-8b-cpu.jsonl", [
+        _cpu_row("ulysses", [2.0, 1.0, 4.0, 2.5, 1.5], shared=False),   # 2048 tokens/rank; median 2.0 s
+        _cpu_row("upipe", [4.0, 2.0, 8.0, 3.0, 5.0], shared=True),      # median 4.0 s
+        make_row("ring", "tiny-llama", 4096, 2, device="cpu", device_name="Test CPU", tps=512.0),  # no spread kept
+        make_row("ds-ulysses", "tiny-llama", 4096, 2, device="cpu", device_name="Test CPU", tps=2048.0),
+    ])
+    t = tables.table3_cpu(load_rows(tmp_path, quiet=True))
+    tps = dict(Source="ours: tokens/s per rank")
+    assert _cell(t, "4K", Row="ulysses", **tps) == "1024.00 [512.00–2048.00]"  # median [slowest–fastest step]
+    assert _cell(t, "4K", Row="upipe", **tps) == "512.00 [256.00–1024.00]†"    # † host shared
+    assert _cell(t, "4K", Row="ring", **tps) == "512.00"                        # an old row: the value alone
+    # ratio of medians 2.0/4.0; range: ulysses' fastest over upipe's slowest .. its slowest over upipe's fastest
+    assert _cell(t, "4K", Row="upipe / ulysses", Source="ours: ratio") == "0.500 [0.125–2.000]†"
+    assert _cell(t, "4K", Row="ring / ulysses", Source="ours: ratio") == "0.500"
+    # our ulysses is the baseline even where a wrapper of the Ulysses family sorts first
+    assert _cell(t, "4K", Row="ds-ulysses (DeepSpeed) / ulysses", Source="ours: ratio") == "2.000"
+    assert _cell(t, "paper ratio (H100)", Row="ds-ulysses (DeepSpeed) / ulysses") == ""
+    md = t.to_markdown()
+    assert "† host shared: in 1 of them" in md and "1-min load average 1.00–3.50" in md
+    assert "ratio of the medians" in md
+
+
 def test_max_context_table(results_dir):
     t = tables.max_context_table(load_rows(results_dir, quiet=True))
     llama8 = dict(Model="llama3-8b", GPUs=8)

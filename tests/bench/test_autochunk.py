@@ -117,7 +117,8 @@ def test_upipe_best_runs_in_the_measuring_modes(mode, capsys):
     import json
 
     rc = cli.main(["run", "--method", "upipe-best", "--model", MODEL, "--seq-len", "2K", "--world-size", "2",
-                   "--mode", mode, "--device", "cpu", "--warmup", "1", "--iters", "1", "--no-save", "--json"])
+                   "--mode", mode, "--device", "cpu", "--warmup", "1", "--iters", "1", "--smoke", "--no-save",
+                   "--json"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     row = json.loads(out.strip().splitlines()[-1])

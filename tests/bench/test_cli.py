@@ -62,7 +62,7 @@ def test_max_context_json(tmp_path):
 def test_real_mode_spawns_gloo_ranks(tmp_path):
     out = tmp_path / "real.jsonl"
     p = bench("run", "--method", "ulysses", "--model", "tiny-mha", "--seq-len", "512", "--world-size", "2",
-              "--mode", "real", "--device", "cpu", "--iters", "1", "--out", str(out))
+              "--mode", "real", "--device", "cpu", "--iters", "1", "--smoke", "--out", str(out))
     assert p.returncode == 0, p.stderr
     (row,) = read_rows(out, on_error="raise")
     assert row.status == "ok" and row.mode == "real" and row.world_size == 2
@@ -76,7 +76,7 @@ def test_real_mode_under_torchrun(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench",
          "run", "--method", "upipe", "--model", "tiny-mha", "--seq-len", "512", "--world-size", "2", "--mode",
-         "real", "--device", "cpu", "--iters", "1", "--out", str(out), "--json"],
+         "real", "--device", "cpu", "--iters", "1", "--smoke", "--out", str(out), "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr
     printed = [json.loads(line) for line in p.stdout.strip().splitlines() if line.startswith("{")]

@@ -117,7 +117,7 @@ def test_isolated_trial_that_dies_is_a_row():
 def test_isolated_emulated_search():
     """Each emulated trial in its own process (one here); the CPU preset's budget is the host's
     memory, so the search reaches its limit."""
-    t = Trial.make("upipe", "tiny-mha", 1, 2, mode="emulated", device="cpu", iters=1)
+    t = Trial.make("upipe", "tiny-mha", 1, 2, mode="emulated", device="cpu", iters=1, smoke=True)
     rows = []
     final = search(searching(t, 256, 256), on_row=rows.append, progress=None)
     assert [(r.seq_len, r.status, r.mode) for r in rows] == [(256, "ok", "emulated")]

@@ -30,7 +30,7 @@ def test_simulated_peak_matches_real_within_5_percent(pool, method, ws, dtype, s
     """Real: MemTracker over the real tensors of each gloo rank, one step after a warm-up step
     (CPU has no allocator peak counters; MemTracker counts live tensor storage, as CUDA's
     max_memory_allocated does). Simulated: the same step under FakeTensorMode on rank 0."""
-    real = Trial.make(method, "tiny-llama", seq, ws, mode="real", device="cpu", warmup=1, iters=1,
+    real = Trial.make(method, "tiny-llama", seq, ws, mode="real", device="cpu", warmup=1, iters=1, smoke=True,
                       step=StepConfig(dtype=dtype))
     results = pool.run(real_rank, real, world_size=ws)
     assert all(r["status"] == "ok" for r in results), results[0].get("traceback")
@@ -44,7 +44,8 @@ def test_simulated_peak_matches_real_within_5_percent(pool, method, ws, dtype, s
 
 
 def test_emulated_row_adds_modelled_communication_to_measured_compute():
-    row = run_trial(Trial.make("upipe", "tiny-mha", 512, 4, mode="emulated", device="cpu", iters=1, threads=1))
+    row = run_trial(Trial.make("upipe", "tiny-mha", 512, 4, mode="emulated", device="cpu", iters=1, smoke=True,
+                               threads=1))
     f = row.figures
     assert row.status == "ok", row.message
     assert row.mode == "emulated" and row.link["name"] == "cpu-shm"

@@ -168,3 +168,40 @@ def test_writer_killed_mid_loop_leaves_whole_rows(tmp_path):
     assert len(rows) > 50
     assert [r.seq_len for r in rows] == list(range(1, len(rows) + 1))
     assert path.read_bytes().endswith(b"\n")
+
+
+def _spread_row(times=(2.0, 1.0, 4.0, 3.0, 1.5), **figs):
+    f = Figures(step_time_s=2.0, step_time_min_s=1.0, step_time_max_s=4.0, step_times_s=list(times),
+                host_load_before=2.5, host_load_after=3.0, host_cpus=2, trial_threads=2, host_shared=True)
+    for k, v in figs.items():
+        setattr(f, k, v)
+    return make_row(mode="real", device="cpu", figures=f)
+
+
+def test_step_spread_and_host_load_round_trip(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    append_rows(path, [_spread_row()])
+    (back,) = read_rows(path, on_error="raise")
+    f = back.figures
+    assert f.step_times_s == [2.0, 1.0, 4.0, 3.0, 1.5]
+    assert (f.step_time_s, f.step_time_min_s, f.step_time_max_s) == (2.0, 1.0, 4.0)
+    assert (f.host_load_before, f.host_load_after, f.host_cpus, f.trial_threads, f.host_shared) == (2.5, 3.0, 2, 2,
+                                                                                                     True)
+
+
+def test_rows_without_a_spread_stay_valid():
+    old = make_row(mode="real", device="cpu", figures=Figures(step_time_s=14.45, compute_time_s=14.45))
+    assert validate_row(old.to_dict()).figures.step_times_s is None
+
+
+@pytest.mark.parametrize("figs,needle", [
+    (dict(step_time_s=2.5), "not the median/min/max"),       # the mean, not the median
+    (dict(step_time_max_s=3.0), "not the median/min/max"),
+    (dict(step_times_s=[]), "non-empty list of seconds"),
+    (dict(step_times_s=[1.0, "x"]), "non-empty list of seconds"),
+    (dict(step_times_s=None), "need the steps they summarise"),
+    (dict(step_time_min_s=None), "needs step_time_s"),
+])
+def test_a_spread_that_does_not_match_its_steps_is_refused(figs, needle):
+    with pytest.raises(RowError, match=needle):
+        validate_row(_spread_row(**figs).to_dict())

@@ -104,7 +104,7 @@ def test_local_real_trial_spawns_its_own_gloo_ranks(tmp_path):
     """A local job is one task: bench must spawn the trial's ranks itself, not take the
     submitit job (1 task) for the launched world."""
     path = write_spec(tmp_path, mode="real", dtype="fp32", device="cpu", seq_lens=["512"],
-                      step={"warmup": 1, "iters": 1})
+                      step={"warmup": 1, "iters": 1, "smoke": True})
     out = sweep_cli("run", str(path), "--executor", "local")
     assert out.returncode == 0, out.stdout + out.stderr
     (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")

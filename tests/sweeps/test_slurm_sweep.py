@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def spec_file(tmp_path: Path, name: str, **changes) -> Path:
     spec = dict(name=name, kind="trial", mode="real", scope="attention", dtype="fp32", device="cpu",
                 models=["tiny-llama"], seq_lens=["512"], world_sizes=[2], methods=["upipe"],
-                step={"warmup": 1, "iters": 1}, out=str(tmp_path / "rows.jsonl"),
+                step={"warmup": 1, "iters": 1, "smoke": True}, out=str(tmp_path / "rows.jsonl"),
                 slurm={"partition": "debug", "time_min": 10, "cpus_per_task": 1, "max_parallel": 1})
     spec.update(changes)
     path = tmp_path / f"{name}.yaml"
