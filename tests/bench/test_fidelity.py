@@ -164,7 +164,7 @@ def test_outputs_written(tiny_results, tmp_path):
 
 def test_cli_runs_selected_anchors(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(fidelity, "load_anchors", lambda paper_dir=PAPER_DIR: _tiny_anchors())
-    assert main(["fidelity", "--anchors", "tiny-mem", "--out", str(tmp_path / "o")]) == 0
+    assert main(["fidelity", "--anchors", "tiny-mem", "--jobs", "1", "--out", str(tmp_path / "o")]) == 0
     captured = capsys.readouterr()
     assert "tiny-mem" in captured.out and "tiny-oom" not in captured.out
     assert "[1/2]" in captured.err and "[2/2]" in captured.err
