@@ -32,7 +32,8 @@ class Figures:
     in real mode; ``peak_reserved_bytes`` is ``max_memory_reserved`` (CUDA only; in simulated
     mode with ``allocator_model``, the reserved peak of ``bench.measure.allocator``'s model).
     ``step_time_s`` is seconds per step (mean of the timed steps; emulated: measured compute
-    plus modelled communication). Tokens per device count every token once:
+    plus modelled communication; simulated: the step-time model of ``bench.measure.steptime``,
+    its terms, constants and the counts it used in ``step_time_model``). Tokens per device count every token once:
     ``batch * seq_len / world_size``.
     """
 
@@ -56,6 +57,7 @@ class Figures:
     max_context: int | None = None  # max_context rows: longest fitting length (0: none)
     trials: int | None = None  # max_context rows: trials run
     wall_s: float | None = None  # wall time of the whole trial, set-up included
+    step_time_model: dict | None = None  # simulated: terms, constants, counts (bench.measure.steptime)
 
 
 @dataclass

@@ -202,10 +202,24 @@ def _nbytes(obj) -> int:
 
 
 def _group_size(args) -> int:
+    return _group(args)[0]
+
+
+def _members(pg) -> tuple[int, ...]:
+    """Global ranks of ``pg`` (empty when the group is not registered, e.g. a backend's own)."""
+    try:
+        return tuple(torch.distributed.get_process_group_ranks(pg))
+    except (ValueError, RuntimeError, KeyError):
+        return ()
+
+
+def _group(args) -> tuple[int, tuple[int, ...]]:
+    """(size, global ranks) of the process group among a c10d op's arguments."""
     for a in args:
         if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
-            return torch.distributed.ProcessGroup.unbox(a).size()
-    return 1
+            pg = torch.distributed.ProcessGroup.unbox(a)
+            return pg.size(), _members(pg)
+    return 1, ()
 
 
 class CommCounter(TorchDispatchMode):
@@ -216,11 +230,14 @@ class CommCounter(TorchDispatchMode):
     handed back to DTensor (``NotImplemented``, as torch's ``MemTracker`` does), so the local ops
     it runs, collectives included, come through here. ``time(link)`` sums the link model over them.
     Receives are not counted separately from sends (a ring step is one send + one recv).
+    ``members[i]`` holds the global ranks of call ``i``'s group (empty when unknown): which
+    nodes a group spans (``bench.measure.steptime``).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, int, int]] = []
+        self.members: list[tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -229,16 +246,20 @@ class CommCounter(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             op = _FUNCTIONAL_OPS.get(func._schema.name.split("::", 1)[-1])
             if op is not None:
-                size = _resolve_process_group(args[-1]).size()
+                pg = _resolve_process_group(args[-1])
+                size = pg.size()
                 nbytes = _nbytes(args[0]) * (size if op == "all_gather" else 1)
                 self.calls.append((op, nbytes, size))
+                self.members.append(_members(pg))
         if func.namespace == "c10d":
             name = func._schema.name.split("::", 1)[-1]
             kind = _C10D_OPS.get(name)
             if kind is not None and kind[0] != "recv":
                 op, idx = kind
                 nbytes = 0 if idx is None else _nbytes(args[idx])
-                self.calls.append((op, nbytes, _group_size(args)))
+                size, members = _group(args)
+                self.calls.append((op, nbytes, size))
+                self.members.append(members)
         return func(*args, **kwargs)
 
     @property
