@@ -5,7 +5,8 @@ The step-time model (``bench.measure.steptime``) turns these counts, with the co
 FakeTensorMode as the memory simulation, so the counts are exactly what the code issues,
 activation-checkpoint recompute included (the recomputed forward runs its kernels again).
 
-FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` with its own formulas for the matmul ops
+FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (its dispatch mode passing DTensor ops on to
+DTensor, so each rank's local kernels are counted: ``LocalFlopCounter``) with its own formulas for the matmul ops
 (``aten.mm``/``addmm``/``bmm``/``baddbmm``: 2·m·n·k) and, through ``custom_mapping``, formulas
 for the attention kernels the suite calls that count **causal masking**:
 
@@ -35,8 +36,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 
@@ -195,15 +197,69 @@ class HostCopies(TorchDispatchMode):
 
 
 def _attention_module(fqn: str) -> bool:
-    last = fqn.rsplit(".", 1)[-1].lower()
-    return "attn" in last or "attention" in last
+    """The decoder's attention submodule (``bench.model.decoder``: ``layers.<i>.attention``)."""
+    return fqn.rsplit(".", 1)[-1] in ("attention", "attn")
+
+
+class _LocalOpsMode(_FlopCounterMode):
+    """torch's FlopCounterMode dispatch mode, counting the **local** kernels a rank runs:
+
+    * ops on DTensors are handed back to DTensor (as ``CommCounter`` and torch's ``MemTracker``
+      do), so the local ops it runs come back through here;
+    * ops DTensor's sharding propagation runs only to infer output shapes
+      (``ShardingPropagator._propagate_tensor_meta_non_cached`` runs the op on fake tensors of the
+      **global** shape, under the active fake mode, which in simulation is ours) are not counted.
+
+    Without both, an SDPA on sequence-sharded DTensors (``torch-cp``: torch's context parallel)
+    counts as every rank attending the whole sequence."""
+
+    propagating = 0  # > 0 while DTensor's shape propagation runs (``StepCounter.counting``)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if _LocalOpsMode.propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def _marking_shape_propagation() -> Iterator[None]:
+    """Mark the span of DTensor's shape propagation (``_LocalOpsMode.propagating``)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, *args, **kwargs):
+        _LocalOpsMode.propagating += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _LocalOpsMode.propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+class LocalFlopCounter(FlopCounterMode):
+    """``FlopCounterMode`` counting the local ops under DTensor (``_LocalOpsMode``)."""
+
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mod_tracker.__enter__()
+        self.mode = _LocalOpsMode(self)
+        self.mode.__enter__()
+        return self
 
 
 class StepCounter:
     """FLOPs by kernel class and host copies of a step (a context manager, see the module docstring)."""
 
     def __init__(self, accelerator: str = "cuda", host: str = "cpu") -> None:
-        self.flops = FlopCounterMode(display=False, custom_mapping=attention_formulas())
+        self.flops = LocalFlopCounter(display=False, custom_mapping=attention_formulas())
         self.copies = HostCopies(accelerator, host, self._in_attention)
 
     def _in_attention(self) -> bool:
@@ -211,7 +267,7 @@ class StepCounter:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator["StepCounter"]:
-        with self.flops, self.copies:
+        with _marking_shape_propagation(), self.flops, self.copies:
             yield self
 
     def counts(self) -> dict[str, float]:

@@ -163,6 +163,22 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
                           "link": link.name}}
 
 
+def scale_counts(counts: dict[str, float], from_len: int, to_len: int) -> dict[str, float]:
+    """Counts at ``from_len`` carried to ``to_len`` by their leading power in the length: attention
+    FLOPs ∝ S², the other FLOPs, collective bytes and host bytes ∝ S, call counts constant. Exact
+    up to the lower-order terms (attention's S·d diagonal, per-call fixed sizes)."""
+    r = to_len / from_len
+    out = {}
+    for k, v in counts.items():
+        if k.endswith("_calls") or k.endswith(".calls"):
+            out[k] = v
+        elif k == "flops.attention":
+            out[k] = v * r * r
+        else:
+            out[k] = v * r
+    return out
+
+
 def figures_from_counts(counts: dict[str, float] | None, device: DevicePreset, link: LinkModel,
                         tokens_per_device: int, constants: StepTimeConstants = FITTED) -> dict[str, Any]:
     """``step_time_s``, ``compute_time_s``, ``tokens_per_s_per_device`` and ``step_time_model``
