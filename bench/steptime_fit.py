@@ -18,7 +18,7 @@ The paper stack's allocator and scratch models do not change them; its ``offload
 ``tiled_mlp_deepspeed`` do (more host traffic, the TiledMLP's recompute), so those two are set
 (``as_paper_runs``; a test checks the counts equal the paper stack's on a small case).
 
-Fit: ``FITTED``'s three constants minimise the squared log residual of the modelled tokens/s
+Fit: ``FITTED``'s four constants minimise the squared log residual of the modelled tokens/s
 on the declared ``FIT_CELLS`` (every method at those lengths, both found in the paper), with
 ``torch.optim.LBFGS`` over their logarithms from a fixed start; every other cell is validation.
 """
@@ -38,7 +38,7 @@ from records import append_rows, human, read_rows
 
 from .fidelity import PAPER_DIR, TABLE3_METHODS, implementation
 from .measure.hardware import get_device, get_link
-from .measure.steptime import FIT_CELLS, FITTED, StepTimeConstants, step_time
+from .measure.steptime import FIT_CELLS, FITTED, StepTimeConstants, attention_kernel, step_time
 from .measure.trial import Trial
 from .training.config import StepConfig
 
@@ -46,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 COUNTS = ROOT / "results" / "fidelity" / "steptime.jsonl"
 DEFAULT_OUT = ROOT / "runs" / "steptime"
 DEVICE = "h100-80g"
-COUNT_LENGTHS = (32768, 65536, 131072)
+# three lengths per model, all with >= 2 MLP tiles per rank (local tokens > dim): with one tile
+# DeepSpeed's TiledMLP runs no backward recompute, so shorter lengths are another regime (not a + b·S)
+COUNT_LENGTHS = {"llama3-8b": (65536, 131072, 262144), "qwen3-32b": (131072, 262144, 524288)}
 CHECK_CELL = ("llama3-8b", "upipe", 524288)  # simulated directly too: the interpolation's check
 SETUPS = {"llama3-8b": 8, "qwen3-32b": 16}
 LABEL = "simulated, h100-80g, modelled step time (bench.measure.steptime)"
@@ -70,14 +72,17 @@ def trial(model: str, method: str, seq_len: int) -> Trial:
 
 
 def collect(out: Path, models: tuple[str, ...] = tuple(SETUPS), methods: tuple[str, ...] = TABLE3_METHODS,
-            lengths: tuple[int, ...] = COUNT_LENGTHS, check: bool = True, progress=sys.stderr) -> list:
-    """Simulate the counts (layer-extrapolated, lean stack) and append the rows to ``out``."""
+            lengths: tuple[int, ...] | None = None, check: bool = True, progress=sys.stderr) -> list:
+    """Simulate the counts (layer-extrapolated, lean stack) and append the rows to ``out``
+    (``lengths``: default each model's ``COUNT_LENGTHS``)."""
     from .search.extrapolate import layer_extrapolated_runner
 
-    todo = [(m, meth, s) for m in models for meth in methods for s in lengths]
+    todo = [(m, meth, s) for m in models for meth in methods for s in (lengths or COUNT_LENGTHS[m])]
     if check and CHECK_CELL[0] in models and CHECK_CELL[1] in methods:
         todo.append(CHECK_CELL)
     todo = list(dict.fromkeys(todo))
+    done = set(load_counts(out)) if Path(out).exists() else set()
+    todo = [t for t in todo if t not in done]  # a rerun completes what is missing
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-steptime-") as work:
         run = layer_extrapolated_runner(work)
@@ -136,28 +141,31 @@ def paper_cells(paper_dir: Path = PAPER_DIR) -> list[dict[str, Any]]:
 
 
 def counts_for(all_counts, model: str, method: str, seq_len: int) -> dict[str, float]:
-    exact = all_counts.get((model, method, seq_len))
-    if exact is not None and seq_len not in COUNT_LENGTHS:
-        return exact
-    return interpolate({s: all_counts[(model, method, s)] for s in COUNT_LENGTHS}, seq_len)
+    """The counts at ``seq_len``: always the quadratic through the model's ``COUNT_LENGTHS`` (exact
+    there; the direct ``CHECK_CELL`` simulation is for the test only)."""
+    return interpolate({s: all_counts[(model, method, s)] for s in COUNT_LENGTHS[model]}, seq_len)
 
 
-def modelled_tps(counts, model: str, seq_len: int, constants: StepTimeConstants) -> tuple[float, dict]:
+def kernel_of(model: str, method: str) -> str:
+    return attention_kernel(implementation(method, SETUPS[model]).method)
+
+
+def modelled_tps(counts, model: str, method: str, seq_len: int, constants: StepTimeConstants) -> tuple[float, dict]:
     gpus = SETUPS[model]
     dev = get_device(DEVICE)
-    res = step_time(counts, dev, get_link(dev.link), constants)
+    res = step_time(counts, dev, get_link(dev.link), constants, kernel_of(model, method))
     return seq_len / gpus / res["step_time_s"], res
 
 
-def fit(cells: list[dict[str, Any]], all_counts, start: StepTimeConstants = StepTimeConstants(0.5, 0.5, 2e-5),
-        iters: int = 200) -> StepTimeConstants:
+def fit(cells: list[dict[str, Any]], all_counts,
+        start: StepTimeConstants = StepTimeConstants(0.5, 0.5, 0.5, 2e-5), iters: int = 200) -> StepTimeConstants:
     """Least squares on log(tokens/s) over ``cells`` (torch LBFGS over the constants' logs)."""
     import torch
 
     data = [(counts_for(all_counts, c["model"], c["method"], int(c["seq_len"])), c["model"], int(c["seq_len"]),
-             float(c["tokens_per_s_per_gpu"])) for c in cells]
-    logs = torch.tensor([math.log(start.eff_matmul), math.log(start.eff_attention), math.log(start.latency_s)],
-                        dtype=torch.float64, requires_grad=True)
+             float(c["tokens_per_s_per_gpu"]), kernel_of(c["model"], c["method"])) for c in cells]
+    logs = torch.tensor([math.log(start.eff_matmul), math.log(start.eff_attention), math.log(start.eff_attention_fa2),
+                         math.log(start.latency_s)], dtype=torch.float64, requires_grad=True)
     dev = get_device(DEVICE)
     link = get_link(dev.link)
 
@@ -165,8 +173,8 @@ def fit(cells: list[dict[str, Any]], all_counts, start: StepTimeConstants = Step
         opt.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         e = logs.exp()
-        for counts, model, s, paper in data:
-            consts = _TensorConstants(e[0], e[1], e[2])
+        for counts, model, s, paper, kernel in data:
+            consts = _TensorConstants(e[0], e[1] if kernel == "fa3" else e[2], e[3])
             t = _step_time_t(counts, dev, link, consts)
             total = total + (torch.log(s / SETUPS[model] / t) - math.log(paper)) ** 2
         total.backward()
@@ -176,13 +184,13 @@ def fit(cells: list[dict[str, Any]], all_counts, start: StepTimeConstants = Step
                             line_search_fn="strong_wolfe")
     opt.step(loss)
     e = logs.detach().exp().tolist()
-    return StepTimeConstants(min(1.0, e[0]), min(1.0, e[1]), e[2])
+    return StepTimeConstants(min(1.0, e[0]), min(1.0, e[1]), min(1.0, e[2]), e[3])
 
 
 @dataclasses.dataclass
 class _TensorConstants:  # StepTimeConstants' fields as tensors, for the fit's gradients
     eff_matmul: Any
-    eff_attention: Any
+    eff_attention: Any  # the kernel's: FA3's or FA2's
     latency_s: Any
 
 
@@ -216,7 +224,7 @@ def table(all_counts, constants: StepTimeConstants, oom: dict | None = None) -> 
     oom = oom or {}
     for c in paper_cells():
         model, meth, s = c["model"], c["method"], int(c["seq_len"])
-        tps, res = modelled_tps(counts_for(all_counts, model, meth, s), model, s, constants)
+        tps, res = modelled_tps(counts_for(all_counts, model, meth, s), model, meth, s, constants)
         paper = float(c["tokens_per_s_per_gpu"]) if c["status"] == "ok" else None
         limit = oom.get((model, meth))
         out.append({"model": model, "gpus": SETUPS[model], "method": meth, "seq_len": s,
@@ -241,7 +249,8 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
 def render(records, constants: StepTimeConstants, fitted_now: bool) -> str:
     lines = [f"Table 3 (tokens/s per GPU): paper vs {LABEL}",
              f"constants ({'fitted now' if fitted_now else 'FITTED in bench.measure.steptime'}): "
-             f"eff_matmul={constants.eff_matmul:.4f} eff_attention={constants.eff_attention:.4f} "
+             f"eff_matmul={constants.eff_matmul:.4f} eff_attention(FA3)={constants.eff_attention:.4f} "
+             f"eff_attention_fa2={constants.eff_attention_fa2:.4f} "
              f"latency_s={constants.latency_s * 1e6:.2f}us; fit cells: "
              + ", ".join(f"{m} {human(s)}" for m, s in FIT_CELLS) + " (all methods)",
              f"{'model':10} {'method':9} {'len':>5} {'paper':>9} {'modelled':>9} {'resid':>7} {'fit':>4}  impl"]
@@ -305,14 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collect", action="store_true", help="simulate the counts first (minutes), appending to --counts")
     p.add_argument("--models", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--methods", nargs="+", default=list(TABLE3_METHODS), choices=list(TABLE3_METHODS))
-    p.add_argument("--lengths", nargs="+", type=int, default=list(COUNT_LENGTHS))
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="default: COUNT_LENGTHS per model")
     p.add_argument("--only-collect", action="store_true", help="with --collect: stop after collecting")
     p.add_argument("--no-fit", action="store_true", help="use FITTED instead of refitting")
     p.add_argument("--figs", default=None, help="write table3_model.md/.csv into this folder (paper_figs: on purpose)")
     args = p.parse_args(argv)
     counts_path = Path(args.counts)
     if args.collect:
-        collect(counts_path, tuple(args.models), tuple(args.methods), tuple(args.lengths))
+        collect(counts_path, tuple(args.models), tuple(args.methods), tuple(args.lengths) if args.lengths else None)
         if args.only_collect:
             return 0
     if not counts_path.exists():
@@ -320,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     all_counts = load_counts(counts_path)
     missing = sorted({(c["model"], c["method"]) for c in paper_cells()
-                      if any((c["model"], c["method"], s) not in all_counts for s in COUNT_LENGTHS)})
+                      if any((c["model"], c["method"], s) not in all_counts for s in COUNT_LENGTHS[c["model"]])})
     if missing:
-        print(f"error: {counts_path} lacks counts at {[human(s) for s in COUNT_LENGTHS]} for {missing}; "
+        print(f"error: {counts_path} lacks counts at COUNT_LENGTHS for {missing}; "
               "run --collect for them", file=sys.stderr)
         return 2
     cells = [c for c in paper_cells() if c["status"] == "ok" and is_fit_cell(c["model"], int(c["seq_len"]))]

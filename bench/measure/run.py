@@ -297,7 +297,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.comm_time_s = result.get("comm_time_s")
         if trial.step.scope == "model":
             for key, value in figures_from_counts(result.get("step_counts"), preset, link,
-                                                  f.tokens_per_device).items():
+                                                  f.tokens_per_device, trial.method).items():
                 setattr(f, key, value)
     elif trial.mode == "real":
         f.step_time_s = f.compute_time_s

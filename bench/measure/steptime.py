@@ -9,7 +9,12 @@ a measurement). The terms, each a named mechanism:
   1,979 TFLOPS with sparsity", i.e. 989.5 dense) and FLOPs those the simulated step executed
   (``stepcount``: recompute included, causal attention counted as the masked pairs it
   skips). Classes: ``matmul`` (GEMMs) at ``eff_matmul``, ``attention`` (flash kernels) at
-  ``eff_attention``; ``other`` (none counted today) at ``eff_matmul``. Elementwise kernels
+  ``eff_attention`` for FlashAttention 3 (the paper's kernel for the reported throughputs,
+  docs/paper.md "Kernels and versions") and ``eff_attention_fa2`` for torch's SDPA flash
+  kernel, which is FlashAttention 2's code (what Native PyTorch = ``torch-cp`` ran; the same
+  split as the paper stack's ``kernel_scratch`` term, ``bench.measure.stack.scratch_model``;
+  the FA3 paper, Shah et al. 2024, reports FA3 1.5-2x FA2 on H100); ``other`` (none counted
+  today) at ``eff_matmul``. Elementwise kernels
   (norms, RoPE, SwiGLU, softmax merges, the optimizer) are not counted: they are memory-bound
   and small next to the matmuls at these lengths (stated, not modelled).
 * **communication**: every collective the step issued (``CommCounter``: op, bytes per rank,
@@ -43,7 +48,8 @@ a measurement). The terms, each a named mechanism:
   pay ``latency_s`` each and the counted host bytes go through the host link as above. So
   the stage count × layers × passes enters through the observed calls.
 
-Fitted constants (``FITTED``): ``eff_matmul``, ``eff_attention``, ``latency_s``, by
+Fitted constants (``FITTED``): ``eff_matmul``, ``eff_attention``, ``eff_attention_fa2``,
+``latency_s``, by
 ``python -m bench steptime`` on the declared cells ``FIT_CELLS`` of the paper's Table 3 (the
 counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/test_steptime.py``
 checks that refitting reproduces them.
@@ -54,6 +60,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .hardware import CommCounter, DevicePreset, LinkModel
+from .stack import scratch_model
 
 STEPTIME_VERSION = 1
 HOST_LINK_Bps = 32e9 * 16 / 8 * 128 / 130  # PCIe 5.0 x16 per direction (see the module docstring)
@@ -66,18 +73,20 @@ class StepTimeConstants:
     """The model's free constants (fitted, ``FITTED``)."""
 
     eff_matmul: float  # fraction of the bf16 peak GEMMs reach
-    eff_attention: float  # fraction of the bf16 peak the flash kernels reach (on the FLOPs they compute)
+    eff_attention: float  # fraction of the bf16 peak FlashAttention 3 reaches (on the FLOPs it computes)
+    eff_attention_fa2: float  # the same for torch's SDPA flash kernel (FlashAttention 2's code)
     latency_s: float  # per collective call: NCCL launch + peer synchronisation
 
     def __post_init__(self) -> None:
-        if not (0 < self.eff_matmul <= 1 and 0 < self.eff_attention <= 1):
-            raise ValueError(f"efficiencies must be in (0, 1], got {self.eff_matmul}, {self.eff_attention}")
+        effs = (self.eff_matmul, self.eff_attention, self.eff_attention_fa2)
+        if not all(0 < e <= 1 for e in effs):
+            raise ValueError(f"efficiencies must be in (0, 1], got {effs}")
         if self.latency_s < 0:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
 
 
 # python -m bench steptime --fit (FIT_CELLS; results/fidelity/steptime.jsonl); see the module docstring
-FITTED = StepTimeConstants(eff_matmul=0.5, eff_attention=0.5, latency_s=20e-6)
+FITTED = StepTimeConstants(eff_matmul=0.5, eff_attention=0.5, eff_attention_fa2=0.3, latency_s=20e-6)
 FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): every Table 3 method there
 
 
@@ -135,14 +144,24 @@ def _comm_terms(counts: dict[str, float], link: LinkModel, latency_s: float) -> 
 # --------------------------------------------------------------------------- the model
 
 
+def attention_kernel(method: str) -> str:
+    """``fa2`` for the methods whose attention is torch's SDPA flash kernel in the paper's runs
+    (``torch-cp``), else ``fa3`` (see the module docstring)."""
+    return "fa2" if scratch_model(method) == "fa2" else "fa3"
+
+
 def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
-              constants: StepTimeConstants = FITTED) -> dict[str, Any]:
-    """The modelled step: ``{"step_time_s", "compute_time_s", "terms", "constants", "version"}``."""
+              constants: StepTimeConstants = FITTED, kernel: str = "fa3") -> dict[str, Any]:
+    """The modelled step: ``{"step_time_s", "compute_time_s", "terms", "constants", "version"}``
+    (``kernel``: the attention kernel family, ``attention_kernel(method)``)."""
     if not device.peak_bf16_flops:
         raise ValueError(f"device preset {device.name!r} has no peak_bf16_flops: add it to bench.measure.hardware")
+    if kernel not in ("fa3", "fa2"):
+        raise ValueError(f"kernel must be 'fa3' or 'fa2', got {kernel!r}")
     peak = device.peak_bf16_flops
     mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (constants.eff_matmul * peak)
-    attn = counts.get("flops.attention", 0) / (constants.eff_attention * peak)
+    eff_attn = constants.eff_attention if kernel == "fa3" else constants.eff_attention_fa2
+    attn = counts.get("flops.attention", 0) / (eff_attn * peak)
     compute = mm + attn
     comm = _comm_terms(counts, link, constants.latency_s)
     exposed_overlap = max(0.0, comm["overlapped_s"] - compute)
@@ -160,7 +179,7 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
     }
     return {"version": STEPTIME_VERSION, "step_time_s": total, "compute_time_s": compute, "terms": terms,
             "constants": {**asdict(constants), "peak_bf16_flops": peak, "host_link_Bps": HOST_LINK_Bps,
-                          "link": link.name}}
+                          "link": link.name, "attention_kernel": kernel}}
 
 
 def scale_counts(counts: dict[str, float], from_len: int, to_len: int) -> dict[str, float]:
@@ -180,12 +199,12 @@ def scale_counts(counts: dict[str, float], from_len: int, to_len: int) -> dict[s
 
 
 def figures_from_counts(counts: dict[str, float] | None, device: DevicePreset, link: LinkModel,
-                        tokens_per_device: int, constants: StepTimeConstants = FITTED) -> dict[str, Any]:
+                        tokens_per_device: int, method: str, constants: StepTimeConstants = FITTED) -> dict[str, Any]:
     """``step_time_s``, ``compute_time_s``, ``tokens_per_s_per_device`` and ``step_time_model``
     (the counts included) for a simulated row; ``{}`` without counts or a device peak."""
     if not counts or not device.peak_bf16_flops:
         return {}
-    model = step_time(counts, device, link, constants)
+    model = step_time(counts, device, link, constants, attention_kernel(method))
     total = model.pop("step_time_s")
     return {"step_time_s": total, "compute_time_s": model.pop("compute_time_s"),
             "tokens_per_s_per_device": tokens_per_device / total if total > 0 else None,

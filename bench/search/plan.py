@@ -62,7 +62,7 @@ from records import GiB, human, read_rows, requested_options
 
 from ..measure.hardware import get_device
 from ..measure.run import guarded, measure_simulated
-from ..measure.steptime import FITTED, STEPTIME_VERSION, scale_counts, step_time
+from ..measure.steptime import FITTED, STEPTIME_VERSION, attention_kernel, scale_counts, step_time
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
 from .autochunk import candidates, with_chunk
@@ -330,7 +330,8 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
         return None
     preset = get_device(device)
     counts = scale_counts(entry.step_counts, entry.max_context, seq_len)
-    return step_time(counts, preset, entry.trial.link_model(), FITTED)["step_time_s"]
+    kernel = attention_kernel(entry.method)
+    return step_time(counts, preset, entry.trial.link_model(), FITTED, kernel)["step_time_s"]
 
 
 # --------------------------------------------------------------------------- the plan

@@ -120,14 +120,16 @@ def test_the_model_refuses_bad_input():
     with pytest.raises(ValueError, match="peak_bf16_flops"):
         step_time({}, dataclasses.replace(get_device("h100-80g"), peak_bf16_flops=0.0), get_link("nvlink-h100"))
     with pytest.raises(ValueError, match="efficiencies"):
-        StepTimeConstants(1.5, 0.5, 0.0)
+        StepTimeConstants(1.5, 0.5, 0.5, 0.0)
+    with pytest.raises(ValueError, match="kernel"):
+        step_time({}, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, kernel="fa1")
 
 
 def test_latency_is_paid_per_call():
     link, dev = get_link("nvlink-h100"), get_device("h100-80g")
     few = {"comm.all_to_all.8.8.bytes": 1e9, "comm.all_to_all.8.8.calls": 4}
     many = {**few, "comm.all_to_all.8.8.calls": 400}
-    c = StepTimeConstants(0.5, 0.5, 1e-4)
+    c = StepTimeConstants(0.5, 0.5, 0.5, 1e-4)
     assert step_time(many, dev, link, c)["step_time_s"] - step_time(few, dev, link, c)["step_time_s"] \
         == pytest.approx(396 * 1e-4)
 
@@ -152,7 +154,7 @@ def committed():
 def test_interpolation_matches_a_direct_simulation(committed):
     model, method, s = CHECK_CELL
     direct = committed[(model, method, s)]
-    est = interpolate({n: committed[(model, method, n)] for n in COUNT_LENGTHS}, s)
+    est = interpolate({n: committed[(model, method, n)] for n in COUNT_LENGTHS[model]}, s)
     for key in ("flops.matmul", "flops.attention"):
         assert est[key] == pytest.approx(direct[key], rel=1e-3), key
     for key in direct:
@@ -164,6 +166,7 @@ def test_the_fit_reproduces_the_committed_constants(committed):
     got = fit(cells, committed)
     assert got.eff_matmul == pytest.approx(FITTED.eff_matmul, rel=1e-3)
     assert got.eff_attention == pytest.approx(FITTED.eff_attention, rel=1e-3)
+    assert got.eff_attention_fa2 == pytest.approx(FITTED.eff_attention_fa2, rel=1e-3)
     assert got.latency_s == pytest.approx(FITTED.latency_s, rel=1e-2, abs=1e-7)
 
 
@@ -200,6 +203,24 @@ def test_the_plan_times_with_this_model():
     counts = {"flops.matmul": 1e15, "flops.attention": 2e15, "comm.all_to_all.8.8.bytes": 1e10,
               "comm.all_to_all.8.8.calls": 100, "host.offload.d2h_bytes": 1e9, "host.offload.h2d_bytes": 1e9}
     e = Entry("upipe", Trial.make("upipe", "llama3-8b", 1 << 20, 8), max_context=1 << 20, step_counts=counts)
-    want = step_time(scale_counts(counts, 1 << 20, 1 << 19), get_device("h100-80g"), get_link("nvlink-h100"))
+    want = step_time(scale_counts(counts, 1 << 20, 1 << 19), get_device("h100-80g"), get_link("nvlink-h100"),
+                     FITTED, "fa3")
     assert modelled_time(e, "h100-80g", 1 << 19) == pytest.approx(want["step_time_s"])
     assert modelled_time(dataclasses.replace(e, step_counts=None), "h100-80g", 1 << 19) is None
+
+
+@pytest.mark.parametrize("method", ["torch-cp", "upipe"])
+def test_counting_changes_no_memory_figure(method, monkeypatch):
+    """The counters run inside the memory tracker: the peaks must be those of an uncounted step."""
+    import contextlib
+
+    from bench.measure import stepcount
+
+    trial = Trial.make(method, "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
+                       step=StepConfig(stack="paper"))
+    counted = guarded(measure_simulated, trial)
+    monkeypatch.setattr(stepcount.StepCounter, "counting", lambda self: contextlib.nullcontext(self))
+    monkeypatch.setattr(stepcount.StepCounter, "counts", lambda self: {})
+    plain = guarded(measure_simulated, trial)
+    for key in ("peak_bytes", "host_peak_bytes", "peak_reserved_bytes", "peak_by_category", "comm_bytes_by_op"):
+        assert counted[key] == plain[key], key
