@@ -4,6 +4,8 @@
     python -m bench steptime --collect         # re-simulate the counts (minutes) into --counts
     python -m bench steptime --figs paper_figs # also write table3_model.md/.csv there (on purpose)
 
+Per-cell records go to ``--out`` (default ``<runs>/steptime/table3_model.jsonl``, ``records.outputs.runs_dir``).
+
 Counts. For every method and model of ``results/paper/table3_throughput.csv`` the paper's
 implementation (``bench.fidelity.implementation``) is simulated under the lean stack with the
 paper's record levers (FSDP2, AC offloaded to host, tiled MLP/norm, chunked loss; torch-cp
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from records import append_rows, human, read_rows
+from records.outputs import runs_dir
 
 from .fidelity import PAPER_DIR, TABLE3_METHODS, implementation
 from .measure.hardware import get_device, get_link
@@ -44,7 +48,6 @@ from .training.config import StepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNTS = ROOT / "results" / "fidelity" / "steptime.jsonl"
-DEFAULT_OUT = ROOT / "runs" / "steptime"
 DEVICE = "h100-80g"
 # three lengths per model, all with >= 2 MLP tiles per rank (local tokens > dim): with one tile
 # DeepSpeed's TiledMLP runs no backward recompute, so shorter lengths are another regime (not a + b·S)
@@ -276,7 +279,7 @@ def max_context_limits(path: Path = ROOT / "results" / "bench" / "simulated.json
     for r in read_rows(path, on_error="skip"):
         if r.kind != "max_context" or r.mode != "simulated" or r.device != DEVICE or r.status != "ok":
             continue
-        if (r.levers or {}).get("stack", "paper") != "paper" and "paper" not in " ".join(r.notes):
+        if (r.levers or {}).get("stack") != "paper":
             continue
         for meth in TABLE3_METHODS:
             for model, gpus in SETUPS.items():
@@ -318,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only-collect", action="store_true", help="with --collect: stop after collecting")
     p.add_argument("--no-fit", action="store_true", help="use FITTED instead of refitting")
     p.add_argument("--figs", default=None, help="write table3_model.md/.csv into this folder (paper_figs: on purpose)")
+    p.add_argument("--out", default=None, help="per-cell records (JSON Lines: paper, modelled, residual, terms, "
+                   "constants); default <runs>/steptime/table3_model.jsonl")
     args = p.parse_args(argv)
     counts_path = Path(args.counts)
     if args.collect:
@@ -339,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     records = table(all_counts, constants, max_context_limits())
     text = render(records, constants, not args.no_fit)
     print(text)
+    out = Path(args.out) if args.out else runs_dir() / "steptime" / "table3_model.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as handle:
+        for r in records:
+            handle.write(json.dumps({**r, "mode": LABEL, "constants": dataclasses.asdict(constants),
+                                     "counts_from": str(counts_path)}) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
     if args.figs:
         for f in write_figs(records, Path(args.figs), constants, text):
             print(f"wrote {f}", file=sys.stderr)

@@ -171,16 +171,18 @@ def test_the_fit_reproduces_the_committed_constants(committed):
 
 
 def test_the_command_writes_the_table(committed, tmp_path, capsys):
-    assert main(["--no-fit", "--figs", str(tmp_path)]) == 0
+    assert main(["--no-fit", "--figs", str(tmp_path), "--out", str(tmp_path / "cells.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "validation:" in out and "upipe" in out
     lines = (tmp_path / "table3_model.csv").read_text().splitlines()
     assert len(lines) == 1 + len([c for c in paper_cells()])
     assert "simulated, h100-80g, modelled step time" in lines[1]
+    cells = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert len(cells) == len(lines) - 1 and all(c["model_tps"] > 0 for c in cells)
 
 
 def test_the_command_refuses_missing_counts(tmp_path, capsys):
-    assert main(["--counts", str(tmp_path / "none.jsonl"), "--no-fit"]) == 2
+    assert main(["--counts", str(tmp_path / "none.jsonl"), "--no-fit", "--out", str(tmp_path / "c.jsonl")]) == 2
     assert "--collect" in capsys.readouterr().err
 
 
