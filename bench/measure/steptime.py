@@ -29,11 +29,12 @@ a measurement). The terms, each a named mechanism:
   fitted constant, below), which is what makes many small collectives cost more than few
   large ones.
   Overlap, as the code runs them: all-to-alls (Ulysses, UPipe, USP, FPDT's exchanges, torch's
-  CP rotations) are waited on before the attention kernel or the next projection can run, so
-  they are **on the critical path**; FSDP2's all-gathers (prefetched one block ahead) and
-  reduce-scatters (issued on their own stream), and ring attention's P2P sends (posted before
-  the block's kernel runs) **overlap compute**: only what exceeds the compute is exposed,
-  ``max(0, overlapped − compute)``.
+  CP rotations) and any other collective the attention itself issues (torch's CP all-gathers
+  K/V before its ring: ``comm_attn.*`` counts, ``CommCounter.issuers``) are waited on before
+  the attention kernel or the next projection can run, so they are **on the critical path**;
+  FSDP2's all-gathers (prefetched one block ahead) and reduce-scatters (issued on their own
+  stream), and ring attention's P2P sends (posted before the block's kernel runs) **overlap
+  compute**: only what exceeds the compute is exposed, ``max(0, overlapped − compute)``.
 * **host traffic** through the host link (``HOST_LINK_Bps``: PCIe 5.0 x16, 32 GT/s per lane x 16
   lanes with 128b/130b coding = 63.0 GB/s per direction, PCI-SIG PCIe 5.0 base specification;
   each H100 SXM has its own x16 link to the host in a DGX/HGX H100). Checkpoint offload
@@ -62,10 +63,11 @@ from typing import Any
 from .hardware import CommCounter, DevicePreset, LinkModel
 from .stack import scratch_model
 
-STEPTIME_VERSION = 1
+STEPTIME_VERSION = 2  # 2: collectives the attention issues (comm_attn.*) are on the critical path
 HOST_LINK_Bps = 32e9 * 16 / 8 * 128 / 130  # PCIe 5.0 x16 per direction (see the module docstring)
 CRITICAL_OPS = ("all_to_all", "barrier")  # waited on before the next kernel
 OVERLAP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "send", "broadcast")  # FSDP2 prefetch, ring P2P
+BLOCKING_IF_ATTENTION = ("all_gather", "reduce_scatter", "all_reduce")  # issued by the attention: waited on
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,10 @@ class StepTimeConstants:
 
 
 # fitted by `python -m bench steptime` on FIT_CELLS (10 cells) from results/fidelity/steptime.jsonl; a latency
-# of ~0.95 ms per collective call is far above NCCL's own (~10-50 us): it absorbs what else each call
+# of ~0.97 ms per collective call is far above NCCL's own (~10-50 us): it absorbs what else each call
 # costs (stream synchronisation, the idle gap around a blocking exchange): a fitted, not a measured, figure
-FITTED = StepTimeConstants(eff_matmul=0.429040, eff_attention=0.631690, eff_attention_fa2=0.305490,
-                           latency_s=954.388e-6)
+FITTED = StepTimeConstants(eff_matmul=0.438019, eff_attention=0.629354, eff_attention_fa2=0.313298,
+                           latency_s=965.778e-6)
 FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): every Table 3 method there
 
 
@@ -105,9 +107,13 @@ def comm_counts(counter: CommCounter, ranks_per_node: int, rank: int = 0) -> dic
             continue
         members = counter.members[i] if i < len(counter.members) else ()
         in_node = sum(1 for r in members if r // ranks_per_node == node) if members else min(size, ranks_per_node)
-        key = f"comm.{op}.{size}.{in_node}"
-        out[f"{key}.bytes"] = out.get(f"{key}.bytes", 0) + nbytes
-        out[f"{key}.calls"] = out.get(f"{key}.calls", 0) + 1
+        keys = [f"comm.{op}.{size}.{in_node}"]
+        by_attention = i < len(counter.issuers) and counter.issuers[i] == "attention"
+        if by_attention and op in BLOCKING_IF_ATTENTION:
+            keys.append(f"comm_attn.{op}.{size}.{in_node}")  # the same call, also on the critical path
+        for key in keys:
+            out[f"{key}.bytes"] = out.get(f"{key}.bytes", 0) + nbytes
+            out[f"{key}.calls"] = out.get(f"{key}.calls", 0) + 1
     return out
 
 
@@ -133,11 +139,17 @@ def collective_seconds(op: str, nbytes: float, size: int, in_node: int, link: Li
 def _comm_terms(counts: dict[str, float], link: LinkModel, latency_s: float) -> dict[str, float]:
     out = {"critical_s": 0.0, "overlapped_s": 0.0, "critical_calls": 0.0, "overlapped_calls": 0.0}
     for key, nbytes in counts.items():
-        if not key.startswith("comm.") or not key.endswith(".bytes"):
+        if not key.startswith("comm") or not key.endswith(".bytes"):
             continue
-        _, op, size, in_node, _ = key.split(".")
+        kind, op, size, in_node, _ = key.split(".")
         calls = counts.get(key[:-len("bytes")] + "calls", 0)
         t = collective_seconds(op, nbytes, int(size), int(in_node), link) + calls * latency_s
+        if kind == "comm_attn":  # counted under comm.* as overlapped: move it to the critical path
+            out["overlapped_s"] -= t
+            out["overlapped_calls"] -= calls
+            out["critical_s"] += t
+            out["critical_calls"] += calls
+            continue
         where = "critical" if op in CRITICAL_OPS else "overlapped"
         out[f"{where}_s"] += t
         out[f"{where}_calls"] += calls

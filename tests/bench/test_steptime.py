@@ -226,3 +226,21 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
     plain = guarded(measure_simulated, trial)
     for key in ("peak_bytes", "host_peak_bytes", "peak_reserved_bytes", "peak_by_category", "comm_bytes_by_op"):
         assert counted[key] == plain[key], key
+
+
+def test_collectives_the_attention_issues_are_on_the_critical_path():
+    """torch's CP all-gathers K/V itself (blocking its ring); FSDP's all-gathers are issued by the step."""
+    cp = _counts("torch-cp", 8192, 4)
+    up = _counts("upipe", 8192, 4)
+    assert cp["comm_attn.all_gather.4.4.calls"] > 0
+    assert cp["comm_attn.all_gather.4.4.calls"] < cp["comm.all_gather.4.4.calls"]  # FSDP's stay overlapped
+    assert not any(k.startswith("comm_attn.") for k in up)
+    link, dev = get_link("nvlink-h100"), get_device("h100-80g")
+    counts = {"comm.all_gather.8.8.bytes": 8e9, "comm.all_gather.8.8.calls": 2}
+    blocking = {**counts, "comm_attn.all_gather.8.8.bytes": 8e9, "comm_attn.all_gather.8.8.calls": 2}
+    c = StepTimeConstants(0.5, 0.5, 0.5, 1e-5)
+    hidden = step_time({**counts, "flops.matmul": 1e15}, dev, link, c)["terms"]
+    shown = step_time({**blocking, "flops.matmul": 1e15}, dev, link, c)["terms"]
+    assert hidden["comm_critical_s"] == 0 and hidden["comm_overlapped_exposed_s"] == 0
+    assert shown["comm_critical_s"] == pytest.approx(collective_seconds("all_gather", 8e9, 8, 8, link) + 2e-5)
+    assert shown["comm_overlapped_s"] == pytest.approx(0, abs=1e-12)
