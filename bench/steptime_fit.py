@@ -3,6 +3,7 @@
     python -m bench steptime                   # fit on FIT_CELLS from the committed counts, print every cell
     python -m bench steptime --collect         # re-simulate the counts (minutes) into --counts
     python -m bench steptime --figs paper_figs # also write table3_model.md/.csv there (on purpose)
+    python -m bench steptime --refresh         # after FITTED changed: the counts rows' figures with it
 
 Per-cell records go to ``--out`` (default ``<runs>/steptime/table3_model.jsonl``, ``records.outputs.runs_dir``).
 
@@ -96,6 +97,30 @@ def collect(out: Path, models: tuple[str, ...] = tuple(SETUPS), methods: tuple[s
             append_rows(out, [row])
             rows.append(row)
     return rows
+
+
+def refresh_rows(path: Path, constants: StepTimeConstants = FITTED) -> int:
+    """Recompute the step-time figures of the counts rows at ``path`` from their counts with
+    ``constants`` (after a refit changed ``FITTED``): nothing is simulated again. Returns the rows rewritten."""
+    from records import validate_row
+
+    from .measure.steptime import figures_from_counts
+
+    rows = list(read_rows(path))
+    for r in rows:
+        model = r.figures.step_time_model
+        if not model:
+            continue
+        dev = get_device(r.device)
+        figs = figures_from_counts(model["counts"], dev, get_link((r.link or {}).get("name") or dev.link),
+                                   r.figures.tokens_per_device, r.method, constants)
+        for key, value in figs.items():
+            setattr(r.figures, key, value)
+        if r.figures.step_time_s and r.figures.flops_per_device:
+            r.figures.tflops_per_device = r.figures.flops_per_device / r.figures.step_time_s / 1e12
+    text = "".join(json.dumps(validate_row(r).to_dict(), allow_nan=False) + "\n" for r in rows)
+    Path(path).write_text(text)
+    return len(rows)
 
 
 def paper_method(row) -> str | None:
@@ -320,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", nargs="+", type=int, default=None, help="default: COUNT_LENGTHS per model")
     p.add_argument("--only-collect", action="store_true", help="with --collect: stop after collecting")
     p.add_argument("--no-fit", action="store_true", help="use FITTED instead of refitting")
+    p.add_argument("--refresh", action="store_true", help="recompute the counts rows' step-time figures with FITTED "
+                   "(after FITTED changed), then go on")
     p.add_argument("--figs", default=None, help="write table3_model.md/.csv into this folder (paper_figs: on purpose)")
     p.add_argument("--out", default=None, help="per-cell records (JSON Lines: paper, modelled, residual, terms, "
                    "constants); default <runs>/steptime/table3_model.jsonl")
@@ -332,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     if not counts_path.exists():
         print(f"error: no counts at {counts_path}; run with --collect first", file=sys.stderr)
         return 2
+    if args.refresh:
+        print(f"refreshed {refresh_rows(counts_path)} rows of {counts_path} with FITTED", file=sys.stderr)
     all_counts = load_counts(counts_path)
     missing = sorted({(c["model"], c["method"]) for c in paper_cells()
                       if any((c["model"], c["method"], s) not in all_counts for s in COUNT_LENGTHS[c["model"]])})

@@ -17,7 +17,15 @@ from bench.measure.hardware import CommCounter, get_device, get_link
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
 from bench.measure.stepcount import causal_pairs
-from bench.measure.steptime import FITTED, StepTimeConstants, collective_seconds, comm_counts, scale_counts, step_time
+from bench.measure.steptime import (
+    FITTED,
+    STEPTIME_VERSION,
+    StepTimeConstants,
+    collective_seconds,
+    comm_counts,
+    scale_counts,
+    step_time,
+)
 from bench.measure.trial import Trial
 from bench.model.config import flops_per_step, get_config
 from bench.steptime_fit import (
@@ -189,7 +197,12 @@ def test_the_command_refuses_missing_counts(tmp_path, capsys):
 def test_rows_round_trip_with_the_model(committed):
     from records import read_rows
 
-    row = next(r for r in read_rows(COUNTS) if r.figures.step_time_model)
+    rows = [r for r in read_rows(COUNTS) if r.figures.step_time_model]
+    for r in rows:  # the committed rows carry the current model (python -m bench steptime --refresh)
+        model = r.figures.step_time_model
+        assert model["version"] == STEPTIME_VERSION
+        assert {k: model["constants"][k] for k in dataclasses.asdict(FITTED)} == dataclasses.asdict(FITTED)
+    row = rows[0]
     again = validate_row(json.loads(json.dumps(row.to_dict())))
     assert again.figures.step_time_model == row.figures.step_time_model
     assert again.figures.step_time_s == row.figures.step_time_s > 0
