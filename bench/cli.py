@@ -168,6 +168,8 @@ def build_parser() -> Parser:
                     help="simulated mode: each probe from 3- and 4-layer simulations extrapolated over the "
                     "model's layers (bench.search.extrapolate; several times faster on deep models; in process)")
     sub.add_parser("list", help="methods, models, device presets and link models")
+    sub.add_parser("steptime", help="the step-time model fitted on and compared with the paper's Table 3 "
+                   "(bench.steptime_fit; python -m bench steptime --help)", add_help=False)
     tr = sub.add_parser("trial", help="run a trial given as JSON (bench.measure.trial.Trial.to_json; what sweeps send)")
     tr.add_argument("trial", help="the trial as JSON")
     tr.add_argument("--out", default=None,
@@ -366,6 +368,10 @@ def _fidelity(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["steptime"]:  # its own parser (bench.steptime_fit)
+        from .steptime_fit import main as steptime_main
+        return steptime_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.command == "list":

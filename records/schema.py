@@ -37,8 +37,10 @@ class Figures:
     ``step_time_s`` is seconds per step: the median of the timed steps (``step_times_s``, each
     the slowest rank's in real mode; emulated: measured compute plus modelled communication),
     with ``step_time_min_s``/``step_time_max_s`` their extremes (rows written before these
-    fields existed have the mean of two steps and no spread). Tokens per device count every
-    token once: ``batch * seq_len / world_size``; throughput is from the median.
+    fields existed have the mean of two steps and no spread); simulated: the step-time model of
+    ``bench.measure.steptime``, its terms, constants and the counts it used in
+    ``step_time_model``. Tokens per device count every token once: ``batch * seq_len /
+    world_size``; throughput is from the median.
     ``host_load_before``/``_after`` are the host's 1-minute load average around the timed steps
     (rank 0's host), ``host_cpus`` its logical CPUs, ``trial_threads`` the threads the trial's
     own processes run there, and ``host_shared`` whether the load exceeded them
@@ -73,6 +75,7 @@ class Figures:
     host_cpus: int | None = None  # logical CPUs of the host (os.cpu_count)
     trial_threads: int | None = None  # threads the trial's own processes run on that host
     host_shared: bool | None = None  # the load exceeded trial_threads: others' work ran too
+    step_time_model: dict | None = None  # simulated: terms, constants, counts (bench.measure.steptime)
 
 
 @dataclass

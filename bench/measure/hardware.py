@@ -30,6 +30,7 @@ direction. The step's modelled communication time is the sum over its collective
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -193,6 +194,24 @@ _FUNCTIONAL_OPS = {
 }
 
 
+_METHODS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "methods")
+# code that issues a method's own collectives: the suite's methods, torch's context parallel, the
+# attention libraries the methods wrap (yunchang, ring-flash-attn, DeepSpeed's sequence parallel)
+_ATTENTION_CODE = ("/torch/distributed/tensor/experimental/", "/yunchang/", "/ring_flash_attn/",
+                   "/deepspeed/sequence/")
+
+
+def issuer() -> str:
+    """``attention`` when the attention's code is on the Python stack, else ``step``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_METHODS_DIR) or any(part in name for part in _ATTENTION_CODE):
+            return "attention"
+        frame = frame.f_back
+    return "step"
+
+
 def _nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -202,10 +221,24 @@ def _nbytes(obj) -> int:
 
 
 def _group_size(args) -> int:
+    return _group(args)[0]
+
+
+def _members(pg) -> tuple[int, ...]:
+    """Global ranks of ``pg`` (empty when the group is not registered, e.g. a backend's own)."""
+    try:
+        return tuple(torch.distributed.get_process_group_ranks(pg))
+    except (ValueError, RuntimeError, KeyError):
+        return ()
+
+
+def _group(args) -> tuple[int, tuple[int, ...]]:
+    """(size, global ranks) of the process group among a c10d op's arguments."""
     for a in args:
         if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
-            return torch.distributed.ProcessGroup.unbox(a).size()
-    return 1
+            pg = torch.distributed.ProcessGroup.unbox(a)
+            return pg.size(), _members(pg)
+    return 1, ()
 
 
 class CommCounter(TorchDispatchMode):
@@ -216,11 +249,17 @@ class CommCounter(TorchDispatchMode):
     handed back to DTensor (``NotImplemented``, as torch's ``MemTracker`` does), so the local ops
     it runs, collectives included, come through here. ``time(link)`` sums the link model over them.
     Receives are not counted separately from sends (a ring step is one send + one recv).
+    ``members[i]`` holds the global ranks of call ``i``'s group (empty when unknown): which
+    nodes a group spans; ``issuers[i]`` whether the attention issued it (``"attention"``: called
+    from the methods' code, torch's context parallel or the attention libraries, by the Python
+    frames) or the rest of the step (``"step"``: FSDP's hooks); ``bench.measure.steptime``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, int, int]] = []
+        self.members: list[tuple[int, ...]] = []
+        self.issuers: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -229,16 +268,22 @@ class CommCounter(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             op = _FUNCTIONAL_OPS.get(func._schema.name.split("::", 1)[-1])
             if op is not None:
-                size = _resolve_process_group(args[-1]).size()
+                pg = _resolve_process_group(args[-1])
+                size = pg.size()
                 nbytes = _nbytes(args[0]) * (size if op == "all_gather" else 1)
                 self.calls.append((op, nbytes, size))
+                self.members.append(_members(pg))
+                self.issuers.append(issuer())
         if func.namespace == "c10d":
             name = func._schema.name.split("::", 1)[-1]
             kind = _C10D_OPS.get(name)
             if kind is not None and kind[0] != "recv":
                 op, idx = kind
                 nbytes = 0 if idx is None else _nbytes(args[idx])
-                self.calls.append((op, nbytes, _group_size(args)))
+                size, members = _group(args)
+                self.calls.append((op, nbytes, size))
+                self.members.append(members)
+                self.issuers.append(issuer())
         return func(*args, **kwargs)
 
     @property

@@ -52,6 +52,8 @@ from . import fake_flash_attn, launch, simcuda, stack
 from .allocator import record_step, replay
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
+from .stepcount import StepCounter
+from .steptime import comm_counts, figures_from_counts
 from .timing import MIN_TIMED_STEPS, HostLoad, StepStats, host_shared, slowest_rank_steps
 from .trial import Trial
 from .workspace import KernelWorkspace
@@ -142,12 +144,13 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
             maybe_prime_optimizer(*built)
         run = step_fn(trial.step.scope, built, batch, trial.step, group)
         counter = CommCounter()
+        steps = StepCounter(device.type, host)
         workspace = KernelWorkspace(trial.step.kernel_workspace)
         modelled = trial.step.kernel_workspace != "none"
 
         def tracked():
             # the workspace mode inside the tracker, so that it sees the scratch buffers
-            with counter, (workspace if modelled else contextlib.nullcontext()):
+            with counter, steps.counting(), (workspace if modelled else contextlib.nullcontext()):
                 run()
 
         allocator = trial.step.allocator_model
@@ -176,6 +179,7 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         "comm_bytes": counter.bytes,
         "comm_bytes_by_op": counter.by_op(),
         "comm_time_s": counter.time(trial.link_model()),
+        "step_counts": {**steps.counts(), **comm_counts(counter, trial.link_model().ranks_per_node)},
         "sim_device": str(device),
         "flash_attn_simulated": needs and "flash_attn" in added,
         "stack_notes": stack_notes,
@@ -324,6 +328,10 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.step_time_s = f.compute_time_s + (f.comm_time_s or 0.0)
     elif trial.mode == "simulated":
         f.comm_time_s = result.get("comm_time_s")
+        if trial.step.scope == "model":
+            for key, value in figures_from_counts(result.get("step_counts"), preset, link,
+                                                  f.tokens_per_device, trial.method).items():
+                setattr(f, key, value)
     elif trial.mode == "real":
         f.step_time_s = f.compute_time_s
     if result.get("step_times_s") and f.step_time_s is not None:
@@ -332,7 +340,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.step_time_s, f.step_time_min_s, f.step_time_max_s = steps.median, steps.min, steps.max
     notes.extend(_load_figures(f, result))
     if f.step_time_s:
-        f.tokens_per_s_per_device = f.tokens_per_device / f.step_time_s
+        f.tokens_per_s_per_device = f.tokens_per_device / f.step_time_s  # (simulated: the model's)
         f.tflops_per_device = f.flops_per_device / f.step_time_s / 1e12
     # memory budget: simulation has no OOM to catch, nor does a CPU
     paper = trial.mode == "simulated" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None

@@ -11,7 +11,8 @@ sharded state adds to the host instead of the device), so
 
     figure(L) = figure(3) + (figure(4) - figure(3)) * (L - 3)
 
-for the peak, each tracker category, the host peak and the modelled communication. The
+for the peak, each tracker category, the host peak, the modelled communication and the
+step-time counts (FLOPs, collectives, host copies: ``bench.measure.stepcount``). The
 reserved peak (paper stack) is not linear in the layers: the allocator's slack above the live
 bytes is what its cache holds around the peak moment, inside one block's backward, so it is
 taken from the 4-layer simulation and added to the extrapolated peak,
@@ -45,6 +46,9 @@ def extrapolate(r3: dict[str, Any], r4: dict[str, Any], layers: int) -> dict[str
             out[key] = value if isinstance(r3[key], float) else int(value)
     if r4.get("peak_reserved_bytes") is not None:
         out["peak_reserved_bytes"] = out["peak_bytes"] + max(0, r4["peak_reserved_bytes"] - r4["peak_bytes"])
+    c3, c4 = r3.get("step_counts") or {}, r4.get("step_counts") or {}
+    if c3 or c4:  # FLOPs, collectives and host copies per layer are identical: linear too
+        out["step_counts"] = {k: c3.get(k, 0) + (c4.get(k, 0) - c3.get(k, 0)) * n for k in set(c3) | set(c4)}
     cats = set(r3.get("peak_by_category") or {}) | set(r4.get("peak_by_category") or {})
     out["peak_by_category"] = {c: int(r3["peak_by_category"].get(c, 0)
                                       + (r4["peak_by_category"].get(c, 0) - r3["peak_by_category"].get(c, 0)) * n)

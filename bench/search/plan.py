@@ -30,11 +30,11 @@ bracket [longest fit, shortest failure]; it ends when the two are one step apart
 answer is exact to one step as in ``bench.search.maxctx``.
 
 Step time: a measured row from ``results/`` (mode real, same method/options/model/world
-size/device/length) when one exists; else the model ``model FLOPs per device / (peak
-bf16 FLOP/s x 0.4 MFU) + modelled communication`` (the simulated collectives through the
-device's link model) plus host traffic (twice the host peak over PCIe 5, 55 GB/s), both
-scaled linearly in the length from the longest fitting trial; no overlap, no per-stage
-launch overhead). The source is printed for every row.
+size/device/length) when one exists; else ``bench.measure.steptime``'s model (its fitted
+constants) over the counts the longest fitting trial observed (FLOPs by kernel class,
+collectives, host copies; extrapolated over layers like the peaks), carried to the length by
+``steptime.scale_counts`` (attention FLOPs ∝ S², the rest ∝ S, calls constant). The source is
+printed for every row.
 
 ``chunk_heads=auto`` resolves to the largest U that fits (``bench.search.autochunk``); at the
 maximum context of U = C no larger U fits, so the auto row reports U = C's length and the U
@@ -62,12 +62,11 @@ from records import GiB, human, read_rows, requested_options
 
 from ..measure.hardware import get_device
 from ..measure.run import guarded, measure_simulated
+from ..measure.steptime import FITTED, STEPTIME_VERSION, attention_kernel, scale_counts, step_time
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
-from ..model.config import flops_per_device, get_config
+from ..model.config import get_config
 from .autochunk import candidates, with_chunk
 
-MFU = 0.4
-HOST_Bps = 55e9  # PCIe 5 x16, one direction, per GPU: host traffic = 2 x host peak bytes, no overlap
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
 
@@ -119,15 +118,21 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         r = _sim(trial, cfg.n_layers, workdir, cache)
         vals, exact = {k: r.get(k) or 0 for k in keys}, True
         rows = [r]
+        counts = dict(r.get("step_counts") or {})
     else:
         r3 = _sim(trial, LOW, workdir, cache)
         if slope is None or (trial.seq_len, LOW + 1) in cache:
             r4 = _sim(trial, LOW + 1, workdir, cache)
             slope = {k: (r4.get(k) or 0) - (r3.get(k) or 0) for k in keys} if r4["status"] == "ok" else {}
+            if r4["status"] == "ok":
+                c3, c4 = r3.get("step_counts") or {}, r4.get("step_counts") or {}
+                slope["step_counts"] = {k: c4.get(k, 0) - c3.get(k, 0) for k in set(c3) | set(c4)}
             rows, exact = [r3, r4], True
         else:
             rows, exact = [r3], False
         vals = {k: (r3.get(k) or 0) + slope.get(k, 0) * (cfg.n_layers - LOW) for k in keys}
+        c3, dc = r3.get("step_counts") or {}, slope.get("step_counts") or {}
+        counts = {k: c3.get(k, 0) + dc.get(k, 0) * (cfg.n_layers - LOW) for k in set(c3) | set(dc)}
     bad = [r for r in rows if r["status"] == "error"]
     if bad:
         p = Point(trial.seq_len, "error", 0, 0, 0.0, usable, bad[0].get("message", ""))
@@ -140,6 +145,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     p = Point(trial.seq_len, "ok" if load <= 1.0 else "oom", peak, host, float(vals["comm_time_s"]), usable)
     p.load = load  # type: ignore[attr-defined]
     p.exact, p.slope = exact, slope  # type: ignore[attr-defined]
+    p.step_counts = counts  # type: ignore[attr-defined]
     return p
 
 
@@ -227,6 +233,7 @@ class Entry:
     peak_bytes: int | None = None
     host_peak_bytes: int | None = None
     comm_time_s: float | None = None  # at max_context
+    step_counts: dict | None = None  # at max_context (bench.measure.stepcount), for the step-time model
     points: int = 0
     error: str = ""
     skipped: str = ""
@@ -273,6 +280,7 @@ def _search_entry(args) -> Entry:
     if best is not None:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
+        entry.step_counts = getattr(best, "step_counts", None)
     if err is not None:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0
@@ -316,13 +324,14 @@ def measured_time(trial: Trial) -> float | None:
     return best
 
 
-def modelled_time(cfg, entry: Entry, gpus: int, device: str, seq_len: int) -> float:
-    peak = get_device(device).peak_bf16_flops
-    compute = flops_per_device(cfg, seq_len, gpus) / (peak * MFU)
-    scale = seq_len / entry.max_context if entry.max_context else 0.0
-    comm = (entry.comm_time_s or 0.0) * scale
-    host = 2 * (entry.host_peak_bytes or 0) * scale / HOST_Bps  # to the host and back
-    return compute + comm + host
+def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
+    """``bench.measure.steptime`` over the entry's counts at its max context, carried to ``seq_len``."""
+    if not entry.step_counts or not entry.max_context:
+        return None
+    preset = get_device(device)
+    counts = scale_counts(entry.step_counts, entry.max_context, seq_len)
+    kernel = attention_kernel(entry.method)
+    return step_time(counts, preset, entry.trial.link_model(), FITTED, kernel)["step_time_s"]
 
 
 # --------------------------------------------------------------------------- the plan
@@ -376,10 +385,10 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         if measured is not None:
             e.step_time_s, e.time_source = measured, "measured"
         else:
-            e.step_time_s, e.time_source = modelled_time(cfg, e, gpus, device, common), "model"
+            e.step_time_s, e.time_source = modelled_time(e, device, common), "model"
     at_longest = [e for e in ok if e.max_context == longest]
-    fastest_longest = min(at_longest, key=lambda e: modelled_time(cfg, e, gpus, device, longest), default=None)
-    fastest_common = min(ok, key=lambda e: e.step_time_s, default=None)
+    fastest_longest = min(at_longest, key=lambda e: modelled_time(e, device, longest) or math.inf, default=None)
+    fastest_common = min((e for e in ok if e.step_time_s), key=lambda e: e.step_time_s, default=None)
     host_usable = preset.host_usable()
     result = {
         "model": cfg.name, "gpus": gpus, "nodes": nodes, "device": device, "granularity": granularity,
@@ -407,8 +416,9 @@ def render(res: dict[str, Any]) -> str:
            if res["layers"] > 4 else ""),
         f"step time at the common length {human(res['common']) if res['common'] else '-'} "
         f"(longest that every method fits); source per row: measured = results/ real rows, "
-        f"model = FLOPs/(peak x {MFU:.0%} MFU) + link-modelled communication + 2 x host bytes / "
-        f"{HOST_Bps / 1e9:.0f} GB/s (no overlap; UPipe's per-stage launch overhead not modelled)",
+        f"model = bench.measure.steptime v{STEPTIME_VERSION} (counted FLOPs at eff {FITTED.eff_matmul:.2f} "
+        f"matmul / {FITTED.eff_attention:.2f} attention, collectives through the link model with "
+        f"{FITTED.latency_s * 1e6:.0f} us per call, host copies over PCIe 5 x16)",
         "",
         f"{'configuration':26} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
         f"{'source':8} note",

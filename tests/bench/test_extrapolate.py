@@ -37,6 +37,11 @@ def test_extrapolated_equals_full_simulation(seven_layers, stack):
     assert extra.figures.peak_bytes == full.figures.peak_bytes
     assert extra.figures.host_peak_bytes == full.figures.host_peak_bytes
     assert extra.figures.peak_by_category == full.figures.peak_by_category
+    # the step-time counts (FLOPs, collectives, host copies) are linear in the layers too
+    full_counts, extra_counts = (r.figures.step_time_model["counts"] for r in (full, extra))
+    assert extra_counts.keys() == full_counts.keys()
+    assert all(extra_counts[k] == pytest.approx(full_counts[k], rel=1e-9) for k in full_counts)
+    assert extra.figures.step_time_s == pytest.approx(full.figures.step_time_s, rel=1e-9)
     assert any("extrapolated over layers" in n for n in extra.notes)
     if stack == "paper":  # the slack is the 4-layer one: equal to within the allocator's pages
         # (20 MiB in the large pool, which dominate a model this small; at GiB scale they are noise)

@@ -29,6 +29,9 @@ def test_layer_extrapolation_matches_full_simulation(tiny_file, tmp_path, method
     assert point.exact
     assert abs(point.peak_bytes - full["peak_bytes"]) <= 0.01 * full["peak_bytes"]
     assert abs(point.host_peak_bytes - full["host_peak_bytes"]) <= 0.01 * max(1, full["host_peak_bytes"])
+    # the step-time counts the plan's modelled step time uses are extrapolated exactly as well
+    assert point.step_counts.keys() == full["step_counts"].keys()
+    assert all(point.step_counts[k] == pytest.approx(v, rel=1e-9) for k, v in full["step_counts"].items())
 
 
 def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):

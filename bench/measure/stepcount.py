@@ -1,0 +1,309 @@
+"""What a simulated step executes, counted: FLOPs by kernel class and host<->device copies.
+
+The step-time model (``bench.measure.steptime``) turns these counts, with the collectives
+``bench.measure.hardware.CommCounter`` records, into seconds. Counting happens under the same
+FakeTensorMode as the memory simulation, so the counts are exactly what the code issues,
+activation-checkpoint recompute included (the recomputed forward runs its kernels again).
+
+FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (its dispatch mode passing DTensor ops on to
+DTensor, so each rank's local kernels are counted: ``LocalFlopCounter``) with its own formulas for the matmul ops
+(``aten.mm``/``addmm``/``bmm``/``baddbmm``: 2·m·n·k) and, through ``custom_mapping``, formulas
+for the attention kernels the suite calls that count **causal masking**:
+
+* torch's fused SDPA ops (``aten._scaled_dot_product_flash_attention[_for_cpu]`` and their
+  backward, what ``methods.core.kernels`` calls; also ``_efficient``/``_cudnn``) and the
+  simulated flash-attn kernels (``cpab_sim::fa2_*``/``fa3_*``, ``bench.measure.fake_flash_attn``;
+  what yunchang and DeepSpeed's FPDT call). torch's own formulas count every (query, key)
+  pair ("NB: We aren't accounting for causal attention here", torch/utils/flop_counter.py);
+  causal flash kernels skip the tiles above the diagonal, so here the dense count
+  (``sdpa_flop_count``/``sdpa_backward_flop_count``: 4·sq·sk·d forward, 10·sq·sk·d backward per
+  head) is multiplied by the unmasked share of the (sq, sk) pairs. Alignment: torch's
+  ``is_causal`` is top-left (row i sees keys 0..i, torch SDPA docs); flash-attn >= 2.1 is
+  bottom-right (row i sees keys up to sk - sq + i, flash-attn README "2.1: change behavior of
+  causal flag"). Tiles straddling the diagonal are computed whole by the kernels; at a tile
+  of 128 that adds ~128/S of the causal work (< 0.2% at 64K per kernel call), not counted.
+
+Host copies: every ``aten._to_copy``/``aten.copy_`` between the simulated accelerator and the
+host device (``cpu`` on the GPU code path, ``meta`` on the CPU code path) with its bytes and
+direction, split by **who issues it** (the calling code, from the Python frames): the attention
+methods' code under ``methods/`` (FPDT's K/V/Q/O chunks, ``methods.core.chunkstore``) or the
+training step (the checkpoint offload of ``bench.training.step.HostOffload``, ``ac_offload``).
+The split matters because the two overlap differently with compute (``bench.measure.steptime``).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+import methods
+
+aten = torch.ops.aten
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+
+
+def causal_pairs(sq: int, sk: int, bottom_right: bool) -> int:
+    """(query, key) pairs a causal mask keeps for ``sq`` queries and ``sk`` keys."""
+    if bottom_right:  # row i sees keys j <= sk - sq + i
+        if sq <= sk:
+            return sq * (sk - sq) + sq * (sq + 1) // 2
+        return sk * (sk + 1) // 2
+    if sq <= sk:  # top-left: row i sees keys j <= i
+        return sq * (sq + 1) // 2
+    return sk * (sk + 1) // 2 + (sq - sk) * sk
+
+
+def _share(sq: int, sk: int, causal: bool, bottom_right: bool) -> float:
+    return causal_pairs(sq, sk, bottom_right) / (sq * sk) if causal and sq and sk else 1.0
+
+
+def _bhsd(t) -> tuple[int, int, int, int]:
+    return tuple(t.shape)
+
+
+def _bshd(t) -> tuple[int, int, int, int]:
+    b, s, h, d = t.shape
+    return (b, h, s, d)
+
+
+def _fwd(q, k, v, causal: bool, bottom_right: bool, layout=_bhsd) -> int:
+    qs, ks, vs = layout(q), layout(k), layout(v)
+    return int(sdpa_flop_count(qs, ks, vs) * _share(qs[2], ks[2], causal, bottom_right))
+
+
+def _bwd(dout, q, k, v, causal: bool, bottom_right: bool, layout=_bhsd) -> int:
+    qs, ks, vs, ds = layout(q), layout(k), layout(v), layout(dout)
+    ds = (ds[0], ds[1], ds[2], vs[3])  # flash-attn pads dout's head dim to 8: count the real one
+    return int(sdpa_backward_flop_count(ds, qs, ks, vs) * _share(qs[2], ks[2], causal, bottom_right))
+
+
+def _raw(fn):
+    fn._get_raw = True
+    return fn
+
+
+def _arg(args, kwargs, index: int, name: str, default=False):
+    return kwargs.get(name, args[index] if len(args) > index else default)
+
+
+@_raw
+def _sdpa_fwd(q, k, v, *args, out_val=None, **kwargs) -> int:  # flash/cudnn/efficient/_for_cpu
+    return _fwd(q, k, v, bool(_arg(args, kwargs, 1, "is_causal")), False)
+
+
+@_raw
+def _sdpa_efficient_fwd(q, k, v, attn_bias=None, compute_log_sumexp=False, dropout_p=0.0, is_causal=False,
+                        *args, out_val=None, **kwargs) -> int:
+    return _fwd(q, k, v, bool(is_causal), False)
+
+
+@_raw
+def _sdpa_flash_bwd(dout, q, k, v, out, lse, *args, out_val=None, **kwargs) -> int:
+    # cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, ...
+    return _bwd(dout, q, k, v, bool(_arg(args, kwargs, 5, "is_causal")), False)
+
+
+@_raw
+def _sdpa_cpu_bwd(dout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args, out_val=None, **kwargs) -> int:
+    return _bwd(dout, q, k, v, bool(is_causal), False)
+
+
+@_raw
+def _fa2_fwd(q, k, v, dropout_p, softmax_scale, causal, *args, out_val=None, **kwargs) -> int:
+    return _fwd(q, k, v, bool(causal), True, _bshd)
+
+
+@_raw
+def _fa2_bwd(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dk_e, dv_e, dropout_p, softmax_scale, causal,
+             *args, out_val=None, **kwargs) -> int:
+    return _bwd(dout, q, k, v, bool(causal), True, _bshd)
+
+
+@_raw
+def _fa3_fwd(q, k, v, softmax_scale, causal, *args, out_val=None, **kwargs) -> int:
+    return _fwd(q, k, v, bool(causal), True, _bshd)
+
+
+@_raw
+def _fa3_bwd(dout, q, k, v, out, lse, dq, dk, dv, scratch, softmax_scale, causal, *args, out_val=None,
+             **kwargs) -> int:
+    return _bwd(dout, q, k, v, bool(causal), True, _bshd)
+
+
+def attention_formulas() -> dict:
+    """Op -> causal-aware FLOP formula (``FlopCounterMode(custom_mapping=...)``)."""
+    table = {
+        aten._scaled_dot_product_flash_attention: _sdpa_fwd,
+        aten._scaled_dot_product_cudnn_attention: _sdpa_fwd,
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_fwd,
+        aten._scaled_dot_product_efficient_attention: _sdpa_efficient_fwd,
+        aten._scaled_dot_product_flash_attention_backward: _sdpa_flash_bwd,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
+    }
+    sim = getattr(torch.ops, "cpab_sim", None)
+    for name, fn in (("fa2_fwd", _fa2_fwd), ("fa2_bwd", _fa2_bwd), ("fa3_fwd", _fa3_fwd), ("fa3_bwd", _fa3_bwd)):
+        op = getattr(sim, name, None) if sim is not None else None
+        if op is not None:
+            table[op] = fn
+    return table
+
+
+ATTENTION_NAMES = ("_scaled_dot_product", "fa2_", "fa3_", "_flash_attention", "_efficient_attention")
+
+
+def kernel_class(op) -> str:
+    """``matmul``, ``attention`` or ``other`` for an op FlopCounterMode counted."""
+    parts = str(op).replace("::", ".").split(".")  # aten.mm / aten.mm.default / cpab_sim.fa2_fwd
+    name = parts[1] if len(parts) > 1 else parts[0]
+    if any(a in str(op) for a in ATTENTION_NAMES):
+        return "attention"
+    if name in MATMUL_OPS:
+        return "matmul"
+    return "other"
+
+
+class HostCopies(TorchDispatchMode):
+    """Bytes copied between the simulated accelerator and the host device, by direction and issuer."""
+
+    def __init__(self, accelerator: str, host: str) -> None:
+        super().__init__()
+        self.accelerator, self.host = accelerator, host
+        self.counts: dict[str, float] = {}
+
+    def _add(self, src: torch.device, dst: torch.device, nbytes: int) -> None:
+        if src.type == self.accelerator and dst.type == self.host:
+            way = "d2h"
+        elif src.type == self.host and dst.type == self.accelerator:
+            way = "h2d"
+        else:
+            return
+        who = "method" if _issued_by_a_method() else "offload"
+        for key, val in ((f"host.{who}.{way}_bytes", nbytes), (f"host.{who}.{way}_calls", 1)):
+            self.counts[key] = self.counts.get(key, 0) + val
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is aten._to_copy.default and isinstance(out, torch.Tensor):
+            self._add(args[0].device, out.device, out.numel() * out.element_size())
+        elif func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            self._add(src.device, dst.device, dst.numel() * dst.element_size())
+        return out
+
+
+_METHODS_DIR = str(Path(methods.__file__).resolve().parent)
+
+
+def _issued_by_a_method() -> bool:
+    """Whether the copy being dispatched was called from the attention methods' code (``methods/``:
+    FPDT's chunk store, a method's index tensors) rather than from the training step (the
+    checkpoint offload's saved-tensor hooks, ``bench.training.step``): the Python frames say."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_METHODS_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _LocalOpsMode(_FlopCounterMode):
+    """torch's FlopCounterMode dispatch mode, counting the **local** kernels a rank runs:
+
+    * ops on DTensors are handed back to DTensor (as ``CommCounter`` and torch's ``MemTracker``
+      do), so the local ops it runs come back through here;
+    * ops DTensor's sharding propagation runs only to infer output shapes
+      (``ShardingPropagator._propagate_tensor_meta_non_cached`` runs the op on fake tensors of the
+      **global** shape, under the active fake mode, which in simulation is ours) are not counted.
+
+    Without both, an SDPA on sequence-sharded DTensors (``torch-cp``: torch's context parallel)
+    counts as every rank attending the whole sequence."""
+
+    propagating = 0  # > 0 while DTensor's shape propagation runs (``StepCounter.counting``)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if _LocalOpsMode.propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def _marking_shape_propagation() -> Iterator[None]:
+    """Mark the span of DTensor's shape propagation (``_LocalOpsMode.propagating``)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def marked(self, *args, **kwargs):
+        _LocalOpsMode.propagating += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _LocalOpsMode.propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+class _GlobalOnly:
+    """Stands in for FlopCounterMode's ``ModTracker``: every count goes to ``Global``. torch's
+    ModTracker registers module hooks (backward ones through multi-grad hooks) that keep some
+    tensors alive longer: under it the simulated peak of ``torch-cp`` grew (27 -> 38 MB on a tiny
+    case), and the counters must not change any memory figure (a test checks)."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+
+class LocalFlopCounter(FlopCounterMode):
+    """``FlopCounterMode`` counting the local ops under DTensor (``_LocalOpsMode``), per step only
+    (no per-module breakdown: ``_GlobalOnly``)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mod_tracker = _GlobalOnly()
+
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mod_tracker.__enter__()
+        self.mode = _LocalOpsMode(self)
+        self.mode.__enter__()
+        return self
+
+
+class StepCounter:
+    """FLOPs by kernel class and host copies of a step (a context manager, see the module docstring)."""
+
+    def __init__(self, accelerator: str = "cuda", host: str = "cpu") -> None:
+        self.flops = LocalFlopCounter(display=False, custom_mapping=attention_formulas())
+        self.copies = HostCopies(accelerator, host)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator["StepCounter"]:
+        with _marking_shape_propagation(), self.flops, self.copies:
+            yield self
+
+    def counts(self) -> dict[str, float]:
+        """Flat counts: ``flops.<class>`` and ``host.<issuer>.<d2h|h2d>_<bytes|calls>``."""
+        out: dict[str, float] = {"flops.matmul": 0, "flops.attention": 0, "flops.other": 0}
+        for op, n in self.flops.get_flop_counts().get("Global", {}).items():
+            out[f"flops.{kernel_class(op)}"] += n
+        out.update(self.copies.counts)
+        return out

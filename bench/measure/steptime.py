@@ -1,0 +1,226 @@
+"""A step's modelled time from what the simulation observed (``bench.measure.stepcount`` counts).
+
+Version ``STEPTIME_VERSION``. Every simulated row carries the counts and this model's terms in
+``figures.step_time_model`` and its total in ``step_time_s`` (mode ``simulated``: a model, not
+a measurement). The terms, each a named mechanism:
+
+* **compute** = Σ_class FLOPs_class / (eff_class × peak), with ``peak`` the device preset's
+  dense bf16 tensor-core peak (H100 SXM: 989 TFLOP/s, NVIDIA H100 datasheet, "BF16 Tensor Core
+  1,979 TFLOPS with sparsity", i.e. 989.5 dense) and FLOPs those the simulated step executed
+  (``stepcount``: recompute included, causal attention counted as the masked pairs it
+  skips). Classes: ``matmul`` (GEMMs) at ``eff_matmul``, ``attention`` (flash kernels) at
+  ``eff_attention`` for FlashAttention 3 (the paper's kernel for the reported throughputs,
+  docs/paper.md "Kernels and versions") and ``eff_attention_fa2`` for torch's SDPA flash
+  kernel, which is FlashAttention 2's code (what Native PyTorch = ``torch-cp`` ran; the same
+  split as the paper stack's ``kernel_scratch`` term, ``bench.measure.stack.scratch_model``;
+  the FA3 paper, Shah et al. 2024, reports FA3 1.5-2x FA2 on H100); ``other`` (none counted
+  today) at ``eff_matmul``. Elementwise kernels
+  (norms, RoPE, SwiGLU, softmax merges, the optimizer) are not counted: they are memory-bound
+  and small next to the matmuls at these lengths (stated, not modelled).
+* **communication**: every collective the step issued (``CommCounter``: op, bytes per rank,
+  group and its members) through the link model of the preset (``bench.measure.hardware``):
+  NCCL's ring algorithm, as the paper set (``NCCL_ALGO=RING``, docs/paper.md "Allocator and
+  NCCL"): all-gather / reduce-scatter move ``B·(n-1)/n`` per rank (all-reduce twice that),
+  over NVLink when the whole group is in rank 0's node and over the InfiniBand NIC when it
+  spans nodes (a ring through two nodes runs at its slowest hop); an all-to-all's share to
+  peers in the node goes over NVLink and to the others over IB, concurrently, so the slower
+  decides (``max``); a P2P send of a ring attention goes at its link. Each call also costs
+  the per-collective latency ``latency_s`` (NCCL's launch and the peers' synchronisation: a
+  fitted constant, below), which is what makes many small collectives cost more than few
+  large ones.
+  Overlap, as the code runs them: all-to-alls (Ulysses, UPipe, USP, FPDT's exchanges, torch's
+  CP rotations) and any other collective the attention itself issues (torch's CP all-gathers
+  K/V before its ring: ``comm_attn.*`` counts, ``CommCounter.issuers``) are waited on before
+  the attention kernel or the next projection can run, so they are **on the critical path**;
+  FSDP2's all-gathers (prefetched one block ahead) and reduce-scatters (issued on their own
+  stream), and ring attention's P2P sends (posted before the block's kernel runs) **overlap
+  compute**: only what exceeds the compute is exposed, ``max(0, overlapped − compute)``.
+* **host traffic** through the host link (``HOST_LINK_Bps``: PCIe 5.0 x16, 32 GT/s per lane x 16
+  lanes with 128b/130b coding = 63.0 GB/s per direction, PCI-SIG PCIe 5.0 base specification;
+  each H100 SXM has its own x16 link to the host in a DGX/HGX H100). Checkpoint offload
+  (``ac_offload``: ``bench.training.step.HostOffload``) copies with ``non_blocking`` on the
+  compute stream, so it is serialised with compute: ``(d2h + h2d) / HOST_LINK_Bps`` added.
+  A method's own store (FPDT's chunks, ``methods.core.chunkstore``) copies on a side stream
+  with one-ahead prefetch, overlapping the attention kernels: exposed ``max(0, t_host −
+  t_attention)``.
+* **UPipe's per-stage cost** and **FPDT's chunk pipeline** are not separate formulas: UPipe's
+  stages issue ``stages × 4`` smaller all-to-alls per layer and pass where Ulysses issues 4,
+  and FPDT's chunks issue their exchanges and host copies chunk by chunk; the counted calls
+  pay ``latency_s`` each and the counted host bytes go through the host link as above. So
+  the stage count × layers × passes enters through the observed calls.
+
+Fitted constants (``FITTED``): ``eff_matmul``, ``eff_attention``, ``eff_attention_fa2``,
+``latency_s``, by
+``python -m bench steptime`` on the declared cells ``FIT_CELLS`` of the paper's Table 3 (the
+counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/test_steptime.py``
+checks that refitting reproduces them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .hardware import CommCounter, DevicePreset, LinkModel
+from .stack import scratch_model
+
+STEPTIME_VERSION = 2  # 2: collectives the attention issues (comm_attn.*) are on the critical path
+HOST_LINK_Bps = 32e9 * 16 / 8 * 128 / 130  # PCIe 5.0 x16 per direction (see the module docstring)
+CRITICAL_OPS = ("all_to_all", "barrier")  # waited on before the next kernel
+OVERLAP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "send", "broadcast")  # FSDP2 prefetch, ring P2P
+BLOCKING_IF_ATTENTION = ("all_gather", "reduce_scatter", "all_reduce")  # issued by the attention: waited on
+
+
+@dataclass(frozen=True)
+class StepTimeConstants:
+    """The model's free constants (fitted, ``FITTED``)."""
+
+    eff_matmul: float  # fraction of the bf16 peak GEMMs reach
+    eff_attention: float  # fraction of the bf16 peak FlashAttention 3 reaches (on the FLOPs it computes)
+    eff_attention_fa2: float  # the same for torch's SDPA flash kernel (FlashAttention 2's code)
+    latency_s: float  # per collective call: NCCL launch + peer synchronisation
+
+    def __post_init__(self) -> None:
+        effs = (self.eff_matmul, self.eff_attention, self.eff_attention_fa2)
+        if not all(0 < e <= 1 for e in effs):
+            raise ValueError(f"efficiencies must be in (0, 1], got {effs}")
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+
+
+# fitted by `python -m bench steptime` on FIT_CELLS (10 cells) from results/fidelity/steptime.jsonl; a latency
+# of ~0.97 ms per collective call is far above NCCL's own (~10-50 us): it absorbs what else each call
+# costs (stream synchronisation, the idle gap around a blocking exchange): a fitted, not a measured, figure
+FITTED = StepTimeConstants(eff_matmul=0.438019, eff_attention=0.629354, eff_attention_fa2=0.313298,
+                           latency_s=965.778e-6)
+FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): every Table 3 method there
+
+
+# --------------------------------------------------------------------------- collective counts
+
+
+def comm_counts(counter: CommCounter, ranks_per_node: int, rank: int = 0) -> dict[str, float]:
+    """Flat counts ``comm.<op>.<group size>.<members in rank's node>.<bytes|calls>`` of a step's collectives."""
+    node = rank // ranks_per_node
+    out: dict[str, float] = {}
+    for i, (op, nbytes, size) in enumerate(counter.calls):
+        if size <= 1:
+            continue
+        members = counter.members[i] if i < len(counter.members) else ()
+        in_node = sum(1 for r in members if r // ranks_per_node == node) if members else min(size, ranks_per_node)
+        keys = [f"comm.{op}.{size}.{in_node}"]
+        by_attention = i < len(counter.issuers) and counter.issuers[i] == "attention"
+        if by_attention and op in BLOCKING_IF_ATTENTION:
+            keys.append(f"comm_attn.{op}.{size}.{in_node}")  # the same call, also on the critical path
+        for key in keys:
+            out[f"{key}.bytes"] = out.get(f"{key}.bytes", 0) + nbytes
+            out[f"{key}.calls"] = out.get(f"{key}.calls", 0) + 1
+    return out
+
+
+def collective_seconds(op: str, nbytes: float, size: int, in_node: int, link: LinkModel) -> float:
+    """Bandwidth time of ``nbytes`` (per rank) of ``op`` in a group of ``size`` with ``in_node``
+    members in the rank's node (no latency: ``latency_s`` is added per call)."""
+    if size <= 1:
+        return 0.0
+    if op == "all_to_all":
+        intra = nbytes * (in_node - 1) / size / link.intra_Bps
+        inter = nbytes * (size - in_node) / size / link.inter_Bps
+        return max(intra, inter)
+    bw = link.intra_Bps if in_node >= size else link.inter_Bps  # a ring is as fast as its slowest hop
+    if op in ("all_gather", "reduce_scatter"):
+        return nbytes * (size - 1) / size / bw
+    if op == "all_reduce":
+        return 2 * nbytes * (size - 1) / size / bw
+    if op in ("send", "broadcast"):
+        return nbytes / bw
+    return 0.0
+
+
+def _comm_terms(counts: dict[str, float], link: LinkModel, latency_s: float) -> dict[str, float]:
+    out = {"critical_s": 0.0, "overlapped_s": 0.0, "critical_calls": 0.0, "overlapped_calls": 0.0}
+    for key, nbytes in counts.items():
+        if not key.startswith("comm") or not key.endswith(".bytes"):
+            continue
+        kind, op, size, in_node, _ = key.split(".")
+        calls = counts.get(key[:-len("bytes")] + "calls", 0)
+        t = collective_seconds(op, nbytes, int(size), int(in_node), link) + calls * latency_s
+        if kind == "comm_attn":  # counted under comm.* as overlapped: move it to the critical path
+            out["overlapped_s"] -= t
+            out["overlapped_calls"] -= calls
+            out["critical_s"] += t
+            out["critical_calls"] += calls
+            continue
+        where = "critical" if op in CRITICAL_OPS else "overlapped"
+        out[f"{where}_s"] += t
+        out[f"{where}_calls"] += calls
+    return out
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def attention_kernel(method: str) -> str:
+    """``fa2`` for the methods whose attention is torch's SDPA flash kernel in the paper's runs
+    (``torch-cp``), else ``fa3`` (see the module docstring)."""
+    return "fa2" if scratch_model(method) == "fa2" else "fa3"
+
+
+def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
+              constants: StepTimeConstants = FITTED, kernel: str = "fa3") -> dict[str, Any]:
+    """The modelled step: ``{"step_time_s", "compute_time_s", "terms", "constants", "version"}``
+    (``kernel``: the attention kernel family, ``attention_kernel(method)``)."""
+    if not device.peak_bf16_flops:
+        raise ValueError(f"device preset {device.name!r} has no peak_bf16_flops: add it to bench.measure.hardware")
+    if kernel not in ("fa3", "fa2"):
+        raise ValueError(f"kernel must be 'fa3' or 'fa2', got {kernel!r}")
+    peak = device.peak_bf16_flops
+    mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (constants.eff_matmul * peak)
+    eff_attn = constants.eff_attention if kernel == "fa3" else constants.eff_attention_fa2
+    attn = counts.get("flops.attention", 0) / (eff_attn * peak)
+    compute = mm + attn
+    comm = _comm_terms(counts, link, constants.latency_s)
+    exposed_overlap = max(0.0, comm["overlapped_s"] - compute)
+    offload_b = counts.get("host.offload.d2h_bytes", 0) + counts.get("host.offload.h2d_bytes", 0)
+    method_b = counts.get("host.method.d2h_bytes", 0) + counts.get("host.method.h2d_bytes", 0)
+    host_offload = offload_b / HOST_LINK_Bps
+    host_method = method_b / HOST_LINK_Bps
+    exposed_method = max(0.0, host_method - attn)
+    total = compute + comm["critical_s"] + exposed_overlap + host_offload + exposed_method
+    terms = {
+        "compute_matmul_s": mm, "compute_attention_s": attn,
+        "comm_critical_s": comm["critical_s"], "comm_critical_calls": comm["critical_calls"],
+        "comm_overlapped_s": comm["overlapped_s"], "comm_overlapped_exposed_s": exposed_overlap,
+        "host_offload_s": host_offload, "host_method_s": host_method, "host_method_exposed_s": exposed_method,
+    }
+    return {"version": STEPTIME_VERSION, "step_time_s": total, "compute_time_s": compute, "terms": terms,
+            "constants": {**asdict(constants), "peak_bf16_flops": peak, "host_link_Bps": HOST_LINK_Bps,
+                          "link": link.name, "attention_kernel": kernel}}
+
+
+def scale_counts(counts: dict[str, float], from_len: int, to_len: int) -> dict[str, float]:
+    """Counts at ``from_len`` carried to ``to_len`` by their leading power in the length: attention
+    FLOPs ∝ S², the other FLOPs, collective bytes and host bytes ∝ S, call counts constant. Exact
+    up to the lower-order terms (attention's S·d diagonal, per-call fixed sizes)."""
+    r = to_len / from_len
+    out = {}
+    for k, v in counts.items():
+        if k.endswith("_calls") or k.endswith(".calls"):
+            out[k] = v
+        elif k == "flops.attention":
+            out[k] = v * r * r
+        else:
+            out[k] = v * r
+    return out
+
+
+def figures_from_counts(counts: dict[str, float] | None, device: DevicePreset, link: LinkModel,
+                        tokens_per_device: int, method: str, constants: StepTimeConstants = FITTED) -> dict[str, Any]:
+    """``step_time_s``, ``compute_time_s``, ``tokens_per_s_per_device`` and ``step_time_model``
+    (the counts included) for a simulated row; ``{}`` without counts or a device peak."""
+    if not counts or not device.peak_bf16_flops:
+        return {}
+    model = step_time(counts, device, link, constants, attention_kernel(method))
+    total = model.pop("step_time_s")
+    return {"step_time_s": total, "compute_time_s": model.pop("compute_time_s"),
+            "tokens_per_s_per_device": tokens_per_device / total if total > 0 else None,
+            "step_time_model": {**model, "counts": dict(counts)}}

@@ -1,0 +1,403 @@
+"""``python -m bench steptime``: the step-time model (``bench.measure.steptime``) against Table 3.
+
+    python -m bench steptime                   # fit on FIT_CELLS from the committed counts, print every cell
+    python -m bench steptime --collect         # re-simulate the counts (minutes) into --counts
+    python -m bench steptime --figs paper_figs # also write table3_model.md/.csv there (on purpose)
+    python -m bench steptime --refresh         # after FITTED changed: the counts rows' figures with it
+
+Per-cell records go to ``--out`` (default ``<runs>/steptime/table3_model.jsonl``, ``records.outputs.runs_dir``).
+
+Counts. For every method and model of ``results/paper/table3_throughput.csv`` the paper's
+implementation (``bench.fidelity.implementation``) is simulated under the lean stack with the
+paper's record levers (FSDP2, AC offloaded to host, tiled MLP/norm, chunked loss; torch-cp
+without tiled MLP/norms) and the paper-stack terms that change what runs (``as_paper_runs``)
+at ``COUNT_LENGTHS`` (3 lengths), through layer extrapolation
+(``bench.search.extrapolate``). The rows go to ``results/fidelity/steptime.jsonl``. FLOPs,
+collective bytes and calls, and host bytes are exact functions of the configuration: at a
+fixed model, method and ranks every count is ``a + b·S + c·S²`` (attention's S², the rest
+linear, call counts constant), so the 3 lengths determine it at any length (``interpolate``;
+``CHECK_CELL`` is simulated directly as well and ``tests/bench/test_steptime.py`` compares).
+The paper stack's allocator and scratch models do not change them; its ``offload_first_only`` and
+``tiled_mlp_deepspeed`` do (more host traffic, the TiledMLP's recompute), so those two are set
+(``as_paper_runs``; a test checks the counts equal the paper stack's on a small case).
+
+Known residuals (named, not tuned away; ``paper_figs/table3_model.md`` shows them):
+
+* yunchang 0.6.4's FlashAttention-3 path (``yunchang/kernels/attention.py``,
+  ``flash_attn3_func_forward``/``_backward``) calls the kernel with ``causal=False`` whatever
+  it is given, so its zigzag ring computes every diagonal block unmasked: 1/R more attention
+  FLOPs at ring degree R (Ring on 8 GPUs: +12.5%; USP 8x2 on 16 GPUs: +50%). The simulation
+  counts what that code runs, so the modelled Ring (Llama3-8B) and Ulysses (Qwen3-32B, 8x2)
+  are slower than the paper's, and the Qwen3-32B UPipe/Ulysses ratio is above 1.
+* FPDT between 256K and 1M: the model hides its chunk fetches behind the attention kernels
+  (side stream, one-ahead prefetch); the paper's FPDT is 20-30% slower there.
+* Native PyTorch on two nodes at 128K-256K: far slower in the paper than the counted work
+  predicts (its K/V all-gathers over InfiniBand are on the critical path here already).
+
+Fit: ``FITTED``'s four constants minimise the squared log residual of the modelled tokens/s
+on the declared ``FIT_CELLS`` (every method at those lengths, both found in the paper), with
+``torch.optim.LBFGS`` over their logarithms from a fixed start; every other cell is validation.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from records import append_rows, human, read_rows
+from records.outputs import runs_dir
+
+from .fidelity import PAPER_DIR, TABLE3_METHODS, implementation
+from .measure import stack
+from .measure.hardware import get_device, get_link
+from .measure.steptime import FIT_CELLS, FITTED, StepTimeConstants, attention_kernel, step_time
+from .measure.trial import Trial
+from .training.config import StepConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+COUNTS = ROOT / "results" / "fidelity" / "steptime.jsonl"
+DEVICE = "h100-80g"
+# three lengths per model, all with >= 2 MLP tiles per rank (local tokens > dim): with one tile
+# DeepSpeed's TiledMLP runs no backward recompute, so shorter lengths are another regime (not a + b·S)
+COUNT_LENGTHS = {"llama3-8b": (65536, 131072, 262144), "qwen3-32b": (131072, 262144, 524288)}
+CHECK_CELL = ("llama3-8b", "upipe", 524288)  # simulated directly too: the interpolation's check
+SETUPS = {"llama3-8b": 8, "qwen3-32b": 16}
+LABEL = "simulated, h100-80g, modelled step time (bench.measure.steptime)"
+
+
+def as_paper_runs(step: StepConfig, method: str) -> StepConfig:
+    """The lean stack with the paper stack's terms that change what executes (not only what is
+    accounted): checkpoints of all blocks but the first offloaded (``offload_first_only``: more host
+    traffic), DeepSpeed's TiledMLP (``tiled_mlp_deepspeed``: it recomputes each tile's forward in
+    backward, more matmul FLOPs) and TorchTitan's RoPE table (``rope_table``: offloaded with every
+    offloaded block's input, more host traffic). The allocator and scratch models change memory only,
+    not the counts (``tests/bench/test_steptime.py`` checks this equals the paper stack's counts)."""
+    paper, _ = stack.apply(dataclasses.replace(step, stack="paper"), method)
+    return dataclasses.replace(step, offload_keep=paper.offload_keep, tiled_mlp_impl=paper.tiled_mlp_impl,
+                               rope_table=paper.rope_table)
+
+
+def trial(model: str, method: str, seq_len: int) -> Trial:
+    impl = implementation(method, SETUPS[model])
+    step = as_paper_runs(StepConfig(stack="lean", **impl.levers), impl.method)
+    return Trial.make(impl.method, model, seq_len, SETUPS[model], dict(impl.options), mode="simulated",
+                      device=DEVICE, step=step)
+
+
+def collect(out: Path, models: tuple[str, ...] = tuple(SETUPS), methods: tuple[str, ...] = TABLE3_METHODS,
+            lengths: tuple[int, ...] | None = None, check: bool = True, progress=sys.stderr) -> list:
+    """Simulate the counts (layer-extrapolated, lean stack) and append the rows to ``out``
+    (``lengths``: default each model's ``COUNT_LENGTHS``)."""
+    from .search.extrapolate import layer_extrapolated_runner
+
+    todo = [(m, meth, s) for m in models for meth in methods for s in (lengths or COUNT_LENGTHS[m])]
+    if check and CHECK_CELL[0] in models and CHECK_CELL[1] in methods:
+        todo.append(CHECK_CELL)
+    todo = list(dict.fromkeys(todo))
+    done = set(load_counts(out)) if Path(out).exists() else set()
+    todo = [t for t in todo if t not in done]  # a rerun completes what is missing
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-steptime-") as work:
+        run = layer_extrapolated_runner(work)
+        for m, meth, s in todo:
+            row = run(trial(m, meth, s))
+            row.notes.append(f"steptime counts for the paper's {meth!r} ({implementation(meth, SETUPS[m]).describe()})")
+            print(f"  {m} {meth} {human(s)}: {row.status} {row.figures.wall_s:.0f}s", file=progress, flush=True)
+            append_rows(out, [row])
+            rows.append(row)
+    return rows
+
+
+def refresh_rows(path: Path, constants: StepTimeConstants = FITTED) -> int:
+    """Recompute the step-time figures of the counts rows at ``path`` from their counts with
+    ``constants`` (after a refit changed ``FITTED``): nothing is simulated again. Returns the rows rewritten."""
+    from records import validate_row
+
+    from .measure.steptime import figures_from_counts
+
+    rows = list(read_rows(path))
+    for r in rows:
+        model = r.figures.step_time_model
+        if not model:
+            continue
+        dev = get_device(r.device)
+        figs = figures_from_counts(model["counts"], dev, get_link((r.link or {}).get("name") or dev.link),
+                                   r.figures.tokens_per_device, r.method, constants)
+        for key, value in figs.items():
+            setattr(r.figures, key, value)
+        if r.figures.step_time_s and r.figures.flops_per_device:
+            r.figures.tflops_per_device = r.figures.flops_per_device / r.figures.step_time_s / 1e12
+    text = "".join(json.dumps(validate_row(r).to_dict(), allow_nan=False) + "\n" for r in rows)
+    Path(path).write_text(text)
+    return len(rows)
+
+
+def paper_method(row) -> str | None:
+    """The Table 3 column a counts row stands for (its note, written by ``collect``)."""
+    for note in row.notes:
+        found = re.match(r"steptime counts for the paper's '([^']+)'", note)
+        if found:
+            return found.group(1)
+    return None
+
+
+def load_counts(path: Path = COUNTS) -> dict[tuple[str, str, int], dict[str, float]]:
+    """(model, paper method, seq_len) -> counts, from the committed rows."""
+    out = {}
+    for r in read_rows(path):
+        meth = paper_method(r)
+        model = r.model
+        if meth and r.status in ("ok", "oom") and r.figures.step_time_model:  # oom: the counts are still whole
+            out[(model, meth, r.seq_len)] = r.figures.step_time_model["counts"]
+    return out
+
+
+def interpolate(points: dict[int, dict[str, float]], seq_len: int) -> dict[str, float]:
+    """Counts at ``seq_len`` from three lengths: the quadratic through them, key by key."""
+    xs = sorted(points)
+    if len(xs) != 3:
+        raise ValueError(f"need counts at exactly 3 lengths to interpolate, got {xs}")
+    keys = set().union(*(points[x] for x in xs))
+    out = {}
+    for k in keys:
+        ys = [points[x].get(k, 0) for x in xs]
+        val = 0.0
+        for i, xi in enumerate(xs):  # Lagrange basis
+            w = 1.0
+            for j, xj in enumerate(xs):
+                if j != i:
+                    w *= (seq_len - xj) / (xi - xj)
+            val += w * ys[i]
+        out[k] = max(0.0, val)
+    return out
+
+
+def paper_cells(paper_dir: Path = PAPER_DIR) -> list[dict[str, Any]]:
+    with open(Path(paper_dir) / "table3_throughput.csv", newline="") as handle:
+        return [r for r in csv.DictReader(handle) if r["status"] in ("ok", "oom")]
+
+
+def counts_for(all_counts, model: str, method: str, seq_len: int) -> dict[str, float]:
+    """The counts at ``seq_len``: always the quadratic through the model's ``COUNT_LENGTHS`` (exact
+    there; the direct ``CHECK_CELL`` simulation is for the test only)."""
+    return interpolate({s: all_counts[(model, method, s)] for s in COUNT_LENGTHS[model]}, seq_len)
+
+
+def kernel_of(model: str, method: str) -> str:
+    return attention_kernel(implementation(method, SETUPS[model]).method)
+
+
+def modelled_tps(counts, model: str, method: str, seq_len: int, constants: StepTimeConstants) -> tuple[float, dict]:
+    gpus = SETUPS[model]
+    dev = get_device(DEVICE)
+    res = step_time(counts, dev, get_link(dev.link), constants, kernel_of(model, method))
+    return seq_len / gpus / res["step_time_s"], res
+
+
+def fit(cells: list[dict[str, Any]], all_counts,
+        start: StepTimeConstants = StepTimeConstants(0.5, 0.5, 0.5, 2e-5), iters: int = 200) -> StepTimeConstants:
+    """Least squares on log(tokens/s) over ``cells`` (torch LBFGS over the constants' logs)."""
+    import torch
+
+    data = [(counts_for(all_counts, c["model"], c["method"], int(c["seq_len"])), c["model"], int(c["seq_len"]),
+             float(c["tokens_per_s_per_gpu"]), kernel_of(c["model"], c["method"])) for c in cells]
+    logs = torch.tensor([math.log(start.eff_matmul), math.log(start.eff_attention), math.log(start.eff_attention_fa2),
+                         math.log(start.latency_s)], dtype=torch.float64, requires_grad=True)
+    dev = get_device(DEVICE)
+    link = get_link(dev.link)
+
+    def loss():
+        opt.zero_grad()
+        total = torch.zeros((), dtype=torch.float64)
+        e = logs.exp()
+        for counts, model, s, paper, kernel in data:
+            consts = _TensorConstants(e[0], e[1] if kernel == "fa3" else e[2], e[3])
+            t = _step_time_t(counts, dev, link, consts)
+            total = total + (torch.log(s / SETUPS[model] / t) - math.log(paper)) ** 2
+        total.backward()
+        return total
+
+    opt = torch.optim.LBFGS([logs], lr=0.5, max_iter=iters, tolerance_grad=1e-12, tolerance_change=1e-14,
+                            line_search_fn="strong_wolfe")
+    opt.step(loss)
+    e = logs.detach().exp().tolist()
+    return StepTimeConstants(min(1.0, e[0]), min(1.0, e[1]), min(1.0, e[2]), e[3])
+
+
+@dataclasses.dataclass
+class _TensorConstants:  # StepTimeConstants' fields as tensors, for the fit's gradients
+    eff_matmul: Any
+    eff_attention: Any  # the kernel's: FA3's or FA2's
+    latency_s: Any
+
+
+def _step_time_t(counts, dev, link, consts):
+    """``step_time``'s total with tensor constants (the same formula, differentiable)."""
+    import torch
+
+    from .measure.steptime import HOST_LINK_Bps, _comm_terms
+
+    peak = dev.peak_bf16_flops
+    mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (consts.eff_matmul * peak)
+    attn = counts.get("flops.attention", 0) / (consts.eff_attention * peak)
+    compute = mm + attn
+    bw = _comm_terms(counts, link, 0.0)
+    critical = bw["critical_s"] + consts.latency_s * bw["critical_calls"]
+    overlapped = bw["overlapped_s"] + consts.latency_s * bw["overlapped_calls"]
+    offload = (counts.get("host.offload.d2h_bytes", 0) + counts.get("host.offload.h2d_bytes", 0)) / HOST_LINK_Bps
+    method = (counts.get("host.method.d2h_bytes", 0) + counts.get("host.method.h2d_bytes", 0)) / HOST_LINK_Bps
+    zero = torch.zeros((), dtype=torch.float64)
+    return (compute + critical + torch.maximum(zero, overlapped - compute) + offload
+            + torch.maximum(zero, method - attn))
+
+
+def is_fit_cell(model: str, seq_len: int) -> bool:
+    return (model, seq_len) in FIT_CELLS
+
+
+def table(all_counts, constants: StepTimeConstants, oom: dict | None = None) -> list[dict[str, Any]]:
+    """One record per Table 3 cell (and per modelled length of every method)."""
+    out = []
+    oom = oom or {}
+    for c in paper_cells():
+        model, meth, s = c["model"], c["method"], int(c["seq_len"])
+        tps, res = modelled_tps(counts_for(all_counts, model, meth, s), model, meth, s, constants)
+        paper = float(c["tokens_per_s_per_gpu"]) if c["status"] == "ok" else None
+        limit = oom.get((model, meth))
+        out.append({"model": model, "gpus": SETUPS[model], "method": meth, "seq_len": s,
+                    "paper_status": c["status"], "paper_tps": paper, "model_tps": tps,
+                    "model_status": "oom" if limit is not None and s > limit else "ok",
+                    "residual": (tps / paper - 1) if paper else None,
+                    "fit": is_fit_cell(model, s) and paper is not None,
+                    "terms": res["terms"], "impl": implementation(meth, SETUPS[model]).describe()})
+    return out
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    val = sorted(abs(r["residual"]) for r in records if r["residual"] is not None and not r["fit"])
+    median = val[len(val) // 2] if len(val) % 2 else (val[len(val) // 2 - 1] + val[len(val) // 2]) / 2
+    tps = {(r["model"], r["method"], r["seq_len"]): r["model_tps"] for r in records}
+    ratio = {(m, s): tps[(m, "upipe", s)] / tps[(m, "ulysses", s)]
+             for (m, meth, s) in tps if meth == "upipe" and (m, "ulysses", s) in tps}
+    return {"validation_cells": len(val), "median_abs_residual": median, "max_abs_residual": val[-1],
+            "upipe_over_ulysses": ratio}
+
+
+def render(records, constants: StepTimeConstants, fitted_now: bool) -> str:
+    lines = [f"Table 3 (tokens/s per GPU): paper vs {LABEL}",
+             f"constants ({'fitted now' if fitted_now else 'FITTED in bench.measure.steptime'}): "
+             f"eff_matmul={constants.eff_matmul:.4f} eff_attention(FA3)={constants.eff_attention:.4f} "
+             f"eff_attention_fa2={constants.eff_attention_fa2:.4f} "
+             f"latency_s={constants.latency_s * 1e6:.2f}us; fit cells: "
+             + ", ".join(f"{m} {human(s)}" for m, s in FIT_CELLS) + " (all methods)",
+             f"{'model':10} {'method':9} {'len':>5} {'paper':>9} {'modelled':>9} {'resid':>7} {'fit':>4}  impl"]
+    for r in records:
+        paper = f"{r['paper_tps']:9.2f}" if r["paper_tps"] else f"{r['paper_status']:>9}"
+        mod = f"{r['model_tps']:9.2f}" if r["model_status"] == "ok" else f"{'oom':>9}"
+        res = f"{r['residual'] * 100:+6.1f}%" if r["residual"] is not None else f"{'-':>7}"
+        lines.append(f"{r['model']:10} {r['method']:9} {human(r['seq_len']):>5} {paper} {mod} {res} "
+                     f"{'yes' if r['fit'] else 'no':>4}  {r['impl']}")
+    s = summary(records)
+    lines.append(f"validation: {s['validation_cells']} cells, median |residual| {s['median_abs_residual'] * 100:.1f}%, "
+                 f"max {s['max_abs_residual'] * 100:.1f}%")
+    lines.append("modelled UPipe/Ulysses: " + ", ".join(
+        f"{m} {human(k)} {v:.3f}" for (m, k), v in sorted(s["upipe_over_ulysses"].items())))
+    return "\n".join(lines)
+
+
+def max_context_limits(path: Path = ROOT / "results" / "bench" / "simulated.jsonl") -> dict:
+    """(model, paper method) -> longest fitting length, from the paper-stack max_context rows."""
+    out: dict = {}
+    if not path.exists():
+        return out
+    for r in read_rows(path, on_error="skip"):
+        if r.kind != "max_context" or r.mode != "simulated" or r.device != DEVICE or r.status != "ok":
+            continue
+        if (r.levers or {}).get("stack") != "paper":
+            continue
+        for meth in TABLE3_METHODS:
+            for model, gpus in SETUPS.items():
+                impl = implementation(meth, gpus)
+                if r.model == model and r.world_size == gpus and r.method == impl.method and all(
+                        (r.options or {}).get(k) == v for k, v in impl.options.items()):
+                    out[(model, meth)] = max(out.get((model, meth), 0), r.figures.max_context or 0)
+    return out
+
+
+def write_figs(records, out_dir: Path, constants: StepTimeConstants, text: str) -> list[str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path = out_dir / "table3_model.csv", out_dir / "table3_model.md"
+    with open(csv_path, "w", newline="") as handle:
+        w = csv.writer(handle)
+        w.writerow(["model", "gpus", "method", "seq_len", "paper_status", "paper_tokens_per_s_per_gpu",
+                    "modelled_status", "modelled_tokens_per_s_per_gpu", "residual", "used_for_fit", "implementation",
+                    "mode"])
+        for r in records:
+            w.writerow([r["model"], r["gpus"], r["method"], r["seq_len"], r["paper_status"],
+                        "" if r["paper_tps"] is None else f"{r['paper_tps']:.2f}", r["model_status"],
+                        f"{r['model_tps']:.2f}", "" if r["residual"] is None else f"{r['residual']:.4f}",
+                        "yes" if r["fit"] else "no", r["impl"], LABEL])
+    md_path.write_text(
+        "# Table 3 with a modelled series\n\nGenerated by `python -m bench steptime --figs paper_figs` "
+        "(bench/steptime_fit.py) from the committed counts `results/fidelity/steptime.jsonl`. "
+        f"Mode: {LABEL}; `oom` where the paper-stack max-context rows of `results/bench/simulated.jsonl` "
+        "say the length does not fit. Known residuals: `python -m bench steptime --help` / the docstring of "
+        "`bench/steptime_fit.py`.\n\n```\n" + text + "\n```\n")
+    return [str(csv_path), str(md_path)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench steptime", description=__doc__.splitlines()[0])
+    p.add_argument("--counts", default=str(COUNTS), help="counts rows (default: the committed ones)")
+    p.add_argument("--collect", action="store_true", help="simulate the counts first (minutes), appending to --counts")
+    p.add_argument("--models", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    p.add_argument("--methods", nargs="+", default=list(TABLE3_METHODS), choices=list(TABLE3_METHODS))
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="default: COUNT_LENGTHS per model")
+    p.add_argument("--only-collect", action="store_true", help="with --collect: stop after collecting")
+    p.add_argument("--no-fit", action="store_true", help="use FITTED instead of refitting")
+    p.add_argument("--refresh", action="store_true", help="recompute the counts rows' step-time figures with FITTED "
+                   "(after FITTED changed), then go on")
+    p.add_argument("--figs", default=None, help="write table3_model.md/.csv into this folder (paper_figs: on purpose)")
+    p.add_argument("--out", default=None, help="per-cell records (JSON Lines: paper, modelled, residual, terms, "
+                   "constants); default <runs>/steptime/table3_model.jsonl")
+    args = p.parse_args(argv)
+    counts_path = Path(args.counts)
+    if args.collect:
+        collect(counts_path, tuple(args.models), tuple(args.methods), tuple(args.lengths) if args.lengths else None)
+        if args.only_collect:
+            return 0
+    if not counts_path.exists():
+        print(f"error: no counts at {counts_path}; run with --collect first", file=sys.stderr)
+        return 2
+    if args.refresh:
+        print(f"refreshed {refresh_rows(counts_path)} rows of {counts_path} with FITTED", file=sys.stderr)
+    all_counts = load_counts(counts_path)
+    missing = sorted({(c["model"], c["method"]) for c in paper_cells()
+                      if any((c["model"], c["method"], s) not in all_counts for s in COUNT_LENGTHS[c["model"]])})
+    if missing:
+        print(f"error: {counts_path} lacks counts at COUNT_LENGTHS for {missing}; "
+              "run --collect for them", file=sys.stderr)
+        return 2
+    cells = [c for c in paper_cells() if c["status"] == "ok" and is_fit_cell(c["model"], int(c["seq_len"]))]
+    constants = FITTED if args.no_fit else fit(cells, all_counts)
+    records = table(all_counts, constants, max_context_limits())
+    text = render(records, constants, not args.no_fit)
+    print(text)
+    out = Path(args.out) if args.out else runs_dir() / "steptime" / "table3_model.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as handle:
+        for r in records:
+            handle.write(json.dumps({**r, "mode": LABEL, "constants": dataclasses.asdict(constants),
+                                     "counts_from": str(counts_path)}) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    if args.figs:
+        for f in write_figs(records, Path(args.figs), constants, text):
+            print(f"wrote {f}", file=sys.stderr)
+    return 0

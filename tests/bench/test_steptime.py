@@ -1,0 +1,260 @@
+"""The step-time model (``bench.measure.stepcount``/``steptime``) and its Table 3 fit (``bench.steptime_fit``).
+
+FLOP counting against the analytic count, causal masking against a brute-force mask, the
+inter-node path of the link model, the fit reproducing the committed constants from the
+committed counts, the quadratic interpolation against a direct simulation, the command, and
+the row schema.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bench.measure.hardware import CommCounter, get_device, get_link
+from bench.measure.run import guarded, measure_simulated
+from bench.measure.simulate import fake_process_group
+from bench.measure.stepcount import causal_pairs
+from bench.measure.steptime import (
+    FITTED,
+    STEPTIME_VERSION,
+    StepTimeConstants,
+    collective_seconds,
+    comm_counts,
+    scale_counts,
+    step_time,
+)
+from bench.measure.trial import Trial
+from bench.model.config import flops_per_step, get_config
+from bench.steptime_fit import (
+    CHECK_CELL,
+    COUNT_LENGTHS,
+    COUNTS,
+    as_paper_runs,
+    fit,
+    interpolate,
+    is_fit_cell,
+    load_counts,
+    main,
+    paper_cells,
+)
+from bench.training.config import StepConfig
+from records import Row, validate_row
+
+NO_LEVERS = dict(ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False, chunked_loss=False)
+
+
+def _counts(method: str, seq_len: int, world: int, **step) -> dict:
+    trial = Trial.make(method, "tiny-llama", seq_len, world, mode="simulated", device="h100-80g",
+                       step=StepConfig(**step))
+    r = guarded(measure_simulated, trial)
+    assert r["status"] == "ok", r.get("message")
+    return r["step_counts"]
+
+
+def test_counted_flops_equal_the_analytic_count():
+    """No recompute, no tiling: matmuls = 6·N·T exactly; attention = the causal analytic term with
+    flash's backward (5 matmuls, torch's formula) instead of the convention's 2x forward: x 14/12,
+    plus the diagonal (S+1)/S."""
+    s, w = 4096, 2
+    c = _counts("ulysses", s, w, **NO_LEVERS)
+    cfg = get_config("tiny-llama")
+    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * s * s // 2
+    assert c["flops.matmul"] == (flops_per_step(cfg, s) - attn) / w
+    assert c["flops.attention"] == pytest.approx(attn / w * 14 / 12, rel=2 / s)
+    assert c["flops.other"] == 0
+
+
+def test_checkpoint_recompute_is_counted():
+    """Full AC runs every block's forward twice: the layers' matmuls go from 6 to 8 FLOPs per
+    parameter and token, attention from 14 to 18 units."""
+    s, w = 4096, 2
+    plain = _counts("ulysses", s, w, **NO_LEVERS)
+    ac = _counts("ulysses", s, w, **{**NO_LEVERS, "ac": True})
+    assert ac["flops.attention"] == pytest.approx(plain["flops.attention"] * 18 / 14, rel=1e-9)
+    assert ac["flops.matmul"] > plain["flops.matmul"] * 1.2
+
+
+def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
+    """The allocator and scratch models change no count; the paper stack's offload_first_only and
+    DeepSpeed TiledMLP and TorchTitan's RoPE table do, and ``as_paper_runs`` sets exactly those (what the
+    counts are collected with)."""
+    paper = _counts("upipe", 8192, 4, stack="paper")
+    plain = _counts("upipe", 8192, 4, stack="lean")
+    assert plain["flops.matmul"] < paper["flops.matmul"]  # TiledMLP recomputes its tiles
+    assert plain["host.offload.d2h_bytes"] < paper["host.offload.d2h_bytes"]  # one more block offloaded
+    trial = Trial.make("upipe", "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
+                       step=as_paper_runs(StepConfig(stack="lean"), "upipe"))
+    r = guarded(measure_simulated, trial)
+    assert r["step_counts"] == paper
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 5), (3, 7), (7, 3), (1, 4)])
+def test_causal_pairs_match_a_mask(sq, sk):
+    top_left = torch.ones(sq, sk, dtype=torch.bool).tril()
+    bottom_right = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
+    assert causal_pairs(sq, sk, bottom_right=False) == int(top_left.sum())
+    assert causal_pairs(sq, sk, bottom_right=True) == int(bottom_right.sum())
+
+
+def test_inter_node_groups_go_over_infiniband():
+    link = get_link("nvlink-h100")
+    b = 1 << 30
+    # a ring through two nodes runs at the NIC's speed; the same ring inside a node at NVLink's
+    assert collective_seconds("all_gather", b, 16, 8, link) == pytest.approx(b * 15 / 16 / link.inter_Bps)
+    assert collective_seconds("all_gather", b, 8, 8, link) == pytest.approx(b * 7 / 8 / link.intra_Bps)
+    assert collective_seconds("send", b, 2, 1, link) == pytest.approx(b / link.inter_Bps)
+    # an all-to-all over 16 ranks: half its bytes leave the node over IB, which decides
+    assert collective_seconds("all_to_all", b, 16, 8, link) == pytest.approx(b * 8 / 16 / link.inter_Bps)
+
+
+def test_comm_counts_see_which_nodes_a_group_spans():
+    """A 2-rank group {0, 8} on 16 ranks is small but crosses nodes; {0..7} stays inside."""
+    with fake_process_group(16):
+        across = torch.distributed.new_group([0, 8])
+        inside = torch.distributed.new_group(list(range(8)))
+        counter = CommCounter()
+        x = torch.zeros(1024)
+        with counter:
+            torch.distributed.all_gather_into_tensor(torch.zeros(2048), x, group=across)
+            torch.distributed.all_gather_into_tensor(torch.zeros(8192), x, group=inside)
+    counts = comm_counts(counter, ranks_per_node=8)
+    assert counts["comm.all_gather.2.1.calls"] == 1 and counts["comm.all_gather.8.8.calls"] == 1
+    assert counts["comm.all_gather.2.1.bytes"] == 2048 * 4
+
+
+def test_the_model_refuses_bad_input():
+    with pytest.raises(ValueError, match="peak_bf16_flops"):
+        step_time({}, dataclasses.replace(get_device("h100-80g"), peak_bf16_flops=0.0), get_link("nvlink-h100"))
+    with pytest.raises(ValueError, match="efficiencies"):
+        StepTimeConstants(1.5, 0.5, 0.5, 0.0)
+    with pytest.raises(ValueError, match="kernel"):
+        step_time({}, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, kernel="fa1")
+
+
+def test_latency_is_paid_per_call():
+    link, dev = get_link("nvlink-h100"), get_device("h100-80g")
+    few = {"comm.all_to_all.8.8.bytes": 1e9, "comm.all_to_all.8.8.calls": 4}
+    many = {**few, "comm.all_to_all.8.8.calls": 400}
+    c = StepTimeConstants(0.5, 0.5, 0.5, 1e-4)
+    assert step_time(many, dev, link, c)["step_time_s"] - step_time(few, dev, link, c)["step_time_s"] \
+        == pytest.approx(396 * 1e-4)
+
+
+def test_scale_counts_by_leading_power():
+    c = scale_counts({"flops.attention": 4.0, "flops.matmul": 2.0, "comm.x.8.8.calls": 3,
+                      "comm.x.8.8.bytes": 10.0, "host.offload.d2h_calls": 5}, 100, 200)
+    assert c == {"flops.attention": 16.0, "flops.matmul": 4.0, "comm.x.8.8.calls": 3, "comm.x.8.8.bytes": 20.0,
+                 "host.offload.d2h_calls": 5}
+
+
+# --------------------------------------------------------------------------- the committed counts and fit
+
+
+@pytest.fixture(scope="module")
+def committed():
+    if not COUNTS.exists():
+        pytest.skip(f"no committed counts at {COUNTS} (python -m bench steptime --collect)")
+    return load_counts(COUNTS)
+
+
+def test_interpolation_matches_a_direct_simulation(committed):
+    model, method, s = CHECK_CELL
+    direct = committed[(model, method, s)]
+    est = interpolate({n: committed[(model, method, n)] for n in COUNT_LENGTHS[model]}, s)
+    for key in ("flops.matmul", "flops.attention"):
+        assert est[key] == pytest.approx(direct[key], rel=1e-3), key
+    for key in direct:
+        assert est.get(key, 0) == pytest.approx(direct[key], rel=1e-3, abs=1), key
+
+
+def test_the_fit_reproduces_the_committed_constants(committed):
+    cells = [c for c in paper_cells() if c["status"] == "ok" and is_fit_cell(c["model"], int(c["seq_len"]))]
+    got = fit(cells, committed)
+    assert got.eff_matmul == pytest.approx(FITTED.eff_matmul, rel=1e-3)
+    assert got.eff_attention == pytest.approx(FITTED.eff_attention, rel=1e-3)
+    assert got.eff_attention_fa2 == pytest.approx(FITTED.eff_attention_fa2, rel=1e-3)
+    assert got.latency_s == pytest.approx(FITTED.latency_s, rel=1e-2, abs=1e-7)
+
+
+def test_the_command_writes_the_table(committed, tmp_path, capsys):
+    assert main(["--no-fit", "--figs", str(tmp_path), "--out", str(tmp_path / "cells.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "validation:" in out and "upipe" in out
+    lines = (tmp_path / "table3_model.csv").read_text().splitlines()
+    assert len(lines) == 1 + len([c for c in paper_cells()])
+    assert "simulated, h100-80g, modelled step time" in lines[1]
+    cells = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert len(cells) == len(lines) - 1 and all(c["model_tps"] > 0 for c in cells)
+
+
+def test_the_command_refuses_missing_counts(tmp_path, capsys):
+    assert main(["--counts", str(tmp_path / "none.jsonl"), "--no-fit", "--out", str(tmp_path / "c.jsonl")]) == 2
+    assert "--collect" in capsys.readouterr().err
+
+
+def test_rows_round_trip_with_the_model(committed):
+    from records import read_rows
+
+    rows = [r for r in read_rows(COUNTS) if r.figures.step_time_model]
+    for r in rows:  # the committed rows carry the current model (python -m bench steptime --refresh)
+        model = r.figures.step_time_model
+        assert model["version"] == STEPTIME_VERSION
+        assert {k: model["constants"][k] for k in dataclasses.asdict(FITTED)} == dataclasses.asdict(FITTED)
+    row = rows[0]
+    again = validate_row(json.loads(json.dumps(row.to_dict())))
+    assert again.figures.step_time_model == row.figures.step_time_model
+    assert again.figures.step_time_s == row.figures.step_time_s > 0
+    old = row.to_dict()
+    del old["figures"]["step_time_model"]  # rows written before the model stay valid
+    assert isinstance(validate_row(old), Row)
+
+
+def test_the_plan_times_with_this_model():
+    """``bench.search.plan``'s modelled step time is this model over the entry's counts carried to the length."""
+    from bench.search.plan import Entry, modelled_time
+
+    counts = {"flops.matmul": 1e15, "flops.attention": 2e15, "comm.all_to_all.8.8.bytes": 1e10,
+              "comm.all_to_all.8.8.calls": 100, "host.offload.d2h_bytes": 1e9, "host.offload.h2d_bytes": 1e9}
+    e = Entry("upipe", Trial.make("upipe", "llama3-8b", 1 << 20, 8), max_context=1 << 20, step_counts=counts)
+    want = step_time(scale_counts(counts, 1 << 20, 1 << 19), get_device("h100-80g"), get_link("nvlink-h100"),
+                     FITTED, "fa3")
+    assert modelled_time(e, "h100-80g", 1 << 19) == pytest.approx(want["step_time_s"])
+    assert modelled_time(dataclasses.replace(e, step_counts=None), "h100-80g", 1 << 19) is None
+
+
+@pytest.mark.parametrize("method", ["torch-cp", "upipe"])
+def test_counting_changes_no_memory_figure(method, monkeypatch):
+    """The counters run inside the memory tracker: the peaks must be those of an uncounted step."""
+    import contextlib
+
+    from bench.measure import stepcount
+
+    trial = Trial.make(method, "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
+                       step=StepConfig(stack="paper"))
+    counted = guarded(measure_simulated, trial)
+    monkeypatch.setattr(stepcount.StepCounter, "counting", lambda self: contextlib.nullcontext(self))
+    monkeypatch.setattr(stepcount.StepCounter, "counts", lambda self: {})
+    plain = guarded(measure_simulated, trial)
+    for key in ("peak_bytes", "host_peak_bytes", "peak_reserved_bytes", "peak_by_category", "comm_bytes_by_op"):
+        assert counted[key] == plain[key], key
+
+
+def test_collectives_the_attention_issues_are_on_the_critical_path():
+    """torch's CP all-gathers K/V itself (blocking its ring); FSDP's all-gathers are issued by the step."""
+    cp = _counts("torch-cp", 8192, 4)
+    up = _counts("upipe", 8192, 4)
+    assert cp["comm_attn.all_gather.4.4.calls"] > 0
+    assert cp["comm_attn.all_gather.4.4.calls"] < cp["comm.all_gather.4.4.calls"]  # FSDP's stay overlapped
+    assert not any(k.startswith("comm_attn.") for k in up)
+    link, dev = get_link("nvlink-h100"), get_device("h100-80g")
+    counts = {"comm.all_gather.8.8.bytes": 8e9, "comm.all_gather.8.8.calls": 2}
+    blocking = {**counts, "comm_attn.all_gather.8.8.bytes": 8e9, "comm_attn.all_gather.8.8.calls": 2}
+    c = StepTimeConstants(0.5, 0.5, 0.5, 1e-5)
+    hidden = step_time({**counts, "flops.matmul": 1e15}, dev, link, c)["terms"]
+    shown = step_time({**blocking, "flops.matmul": 1e15}, dev, link, c)["terms"]
+    assert hidden["comm_critical_s"] == 0 and hidden["comm_overlapped_exposed_s"] == 0
+    assert shown["comm_critical_s"] == pytest.approx(collective_seconds("all_gather", 8e9, 8, 8, link) + 2e-5)
+    assert shown["comm_overlapped_s"] == pytest.approx(0, abs=1e-12)
