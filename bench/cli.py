@@ -187,6 +187,14 @@ def build_parser() -> Parser:
     pl.add_argument("--out-dir", default=None,
                     help="where plan_<model>_<gpus>x<device>.md/.png go (default runs/plans)")
     pl.add_argument("--no-figs", action="store_true", help="print only")
+    pl.add_argument("--stack", choices=["paper", "lean"], default="paper",
+                    help="accounting of the simulations (bench.measure.stack; default paper)")
+    pl.add_argument("--paper-only", action="store_true",
+                    help="only the methods in the paper's setup, not the levers beyond it (+...)")
+    pl.add_argument("--cache", default=None,
+                    help="simulation cache to read and append to (default runs/plan/sims.jsonl; the committed "
+                    "results/plan/sims.jsonl is read too)")
+    pl.add_argument("--no-cache", action="store_true", help="simulate everything, read and write no cache")
     fi = sub.add_parser("fidelity", help="the paper's memory anchors and fits/OOM boundaries, simulated under the "
                         "paper and lean stacks (bench.fidelity)")
     fi.add_argument("--only", choices=["memory", "boundaries", "all"], default="all")
@@ -383,8 +391,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if out_dir is not None:
                     check_dir(out_dir, "--out-dir")
+                default_cache = runs_dir() / "plan" / "sims.jsonl"
+                cache = None if args.no_cache else Path(args.cache) if args.cache else default_cache
+                if cache is not None:
+                    check_file(cache, "--cache")
                 res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
-                           out_dir)
+                           out_dir, stack=args.stack, beyond=not args.paper_only, cache=cache,
+                           use_cache=not args.no_cache)
             except ValueError as err:
                 raise UsageError(f"python -m bench plan: error: {err}") from None
             print(res["text"])

@@ -23,15 +23,28 @@ says so in its notes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from records import Row
 
 from ..measure.run import build_row, guarded, measure_simulated
 from ..measure.trial import Trial
-from .plan import LOW, layer_variant
+
+LOW = 3  # layer counts simulated: 3 and 4 (step.py keeps the first and last block's checkpoints on
+# the device and offloads the others only when there are more than 2 blocks, so L >= 3 is one regime)
+
+
+def layer_variant(cfg, n_layers: int, directory: str) -> str:
+    """A JSON config file of ``cfg`` with ``n_layers`` layers (same name)."""
+    path = Path(directory) / f"{cfg.name.replace('/', '_')}_L{n_layers}.json"
+    if not path.exists():
+        path.write_text(json.dumps({**cfg.to_dict(), "n_layers": n_layers}))
+    return str(path)
+
 
 LINEAR = ("peak_bytes", "host_peak_bytes", "comm_bytes", "comm_time_s")
 

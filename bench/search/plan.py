@@ -61,24 +61,18 @@ from analysis.plan_figure import draw_plan
 from records import GiB, human, read_rows, requested_options
 
 from ..measure.hardware import get_device
-from ..measure.run import guarded, measure_simulated
+from ..measure.run import build_row, guarded, measure_simulated
 from ..measure.steptime import FITTED, STEPTIME_VERSION, attention_kernel, scale_counts, step_time
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
+from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
+from .extrapolate import LINEAR, LOW, extrapolate, layer_variant
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
 
 # --------------------------------------------------------------------------- layer extrapolation
-
-
-def layer_variant(cfg, n_layers: int, directory: str) -> str:
-    """A JSON config file of ``cfg`` with ``n_layers`` layers (same name)."""
-    path = Path(directory) / f"{cfg.name.replace('/', '_')}_L{n_layers}.json"
-    if not path.exists():
-        path.write_text(json.dumps({**cfg.to_dict(), "n_layers": n_layers}))
-    return str(path)
 
 
 @dataclass
@@ -92,8 +86,53 @@ class Point:  # (exact, slope attributes are set by extrapolated)
     message: str = ""
 
 
-LOW = 3  # layer counts simulated: 3 and 4 (step.py keeps the first and last block's checkpoints on
-# the device and offloads the others only when there are more than 2 blocks, so L >= 3 is one regime)
+
+class SimCache:
+    """Simulations the planner has run, kept across runs: ``(trial, layers) -> measure_simulated``'s
+    result. A plan re-run (or another plan that shares trials) then simulates only what is new.
+
+    Read from the committed reference (``results/plan/sims.jsonl``: the simulations behind the
+    committed plans) and from the user's cache (``runs/plan/sims.jsonl`` under the working
+    directory, or ``path``); new results are appended to the user's file only, so a user's plan
+    never touches committed data. A line is ``{"key": ..., "result": ...}``; the key is the
+    trial's JSON (``Trial.to_json``) with the model named by its config name and layer count,
+    so it does not depend on where the layer variant's file lives. Results depend on the code:
+    a change to the simulation makes a stale cache wrong, so ``--no-cache`` ignores both files
+    and the committed one is regenerated with the plans (results/plan/README.md)."""
+
+    def __init__(self, path: Path | None, read: tuple[Path, ...] = ()) -> None:
+        self.path = path
+        self.entries: dict[str, dict] = {}
+        for f in (*read, *([path] if path else [])):
+            if f is not None and f.exists():
+                for line in f.read_text().splitlines():
+                    if line.strip():
+                        d = json.loads(line)
+                        self.entries[d["key"]] = d["result"]
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(trial: Trial, name: str, n_layers: int) -> str:
+        d = json.loads(trial.to_json())
+        d["model"] = f"{name}:L{n_layers}"
+        return json.dumps(d, sort_keys=True)
+
+    def get(self, key: str) -> dict | None:
+        hit = self.entries.get(key)
+        if hit is not None:
+            self.hits += 1
+        return hit
+
+    def put(self, key: str, result: dict) -> None:
+        self.misses += 1
+        self.entries[key] = result
+        if self.path is not None and result.get("status") != "error":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:  # one write per line: workers append concurrently
+                f.write(json.dumps({"key": key, "result": result}, default=str) + "\n")
+
+
+_CACHE: SimCache | None = None  # this process's (set by plan(); workers get theirs in _worker_init)
 
 
 def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
@@ -102,50 +141,89 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
         cfg = trial.config()
         t = trial if n_layers == cfg.n_layers else dataclasses.replace(
             trial, model=layer_variant(cfg, n_layers, workdir))
-        cache[key] = guarded(measure_simulated, dataclasses.replace(t, mode="simulated"))
+        t = dataclasses.replace(t, mode="simulated")
+        stored = _CACHE.key(t, cfg.name, n_layers) if _CACHE is not None else None
+        result = _CACHE.get(stored) if stored else None
+        if result is None:
+            result = guarded(measure_simulated, t)
+            if _CACHE is not None:
+                _CACHE.put(stored, result)
+        cache[key] = result
     return cache[key]
 
 
+def _slope(r3: dict, r4: dict) -> dict:
+    """Per-layer increments of everything ``bench.search.extrapolate.extrapolate`` carries."""
+    cats = set(r3.get("peak_by_category") or {}) | set(r4.get("peak_by_category") or {})
+    c3, c4 = r3.get("step_counts") or {}, r4.get("step_counts") or {}
+    out = {k: (r4.get(k) or 0) - (r3.get(k) or 0) for k in LINEAR}
+    out["peak_by_category"] = {c: (r4.get("peak_by_category") or {}).get(c, 0)
+                               - (r3.get("peak_by_category") or {}).get(c, 0) for c in cats}
+    out["step_counts"] = {k: c4.get(k, 0) - c3.get(k, 0) for k in set(c3) | set(c4)}
+    if r4.get("peak_reserved_bytes") is not None:
+        out["reserved_slack"] = r4["peak_reserved_bytes"] - r4["peak_bytes"]
+    return out
+
+
+def _estimated_r4(r3: dict, slope: dict) -> dict:
+    """A 4-layer result from the 3-layer one and increments measured at another length."""
+    r4 = {**r3}
+    for k in LINEAR:
+        if r3.get(k) is not None:
+            r4[k] = r3[k] + slope.get(k, 0)
+    r4["peak_by_category"] = {c: (r3.get("peak_by_category") or {}).get(c, 0) + d
+                              for c, d in slope.get("peak_by_category", {}).items()}
+    c3 = r3.get("step_counts") or {}
+    r4["step_counts"] = {k: c3.get(k, 0) + slope.get("step_counts", {}).get(k, 0)
+                         for k in set(c3) | set(slope.get("step_counts", {}))}
+    if r3.get("peak_reserved_bytes") is not None:
+        r4["peak_reserved_bytes"] = r4["peak_bytes"] + slope.get(
+            "reserved_slack", r3["peak_reserved_bytes"] - r3["peak_bytes"])
+    return r4
+
+
 def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | None = None) -> Point:
-    """Rank 0's simulated figures for ``trial`` from 3- and 4-layer models, extrapolated to the
-    model's layers. ``slope`` (per-layer increments measured at another length) saves the
-    4-layer simulation: an approximation that ``search_max`` re-checks exactly at its answer."""
+    """Rank 0's figures for ``trial`` from 3- and 4-layer simulations extrapolated to the model's
+    layers (``bench.search.extrapolate.extrapolate``), judged as a row is (``build_row``: the
+    paper stack's reserved peak against the device less the CUDA context, the lean stack's
+    allocated peak against 90%, offloads against the preset's host memory). ``slope`` (per-layer
+    increments measured at another length) saves the 4-layer simulation: an approximation that
+    ``search_max`` re-checks exactly at its answer."""
     cache = {} if cache is None else cache
     cfg = trial.config()
-    usable = trial.preset().usable()
-    keys = ("peak_bytes", "host_peak_bytes", "comm_time_s")
+    trial = dataclasses.replace(trial, mode="simulated")
     if cfg.n_layers <= LOW + 1:
-        r = _sim(trial, cfg.n_layers, workdir, cache)
-        vals, exact = {k: r.get(k) or 0 for k in keys}, True
-        rows = [r]
-        counts = dict(r.get("step_counts") or {})
+        rows, exact = [_sim(trial, cfg.n_layers, workdir, cache)], True
+        result = rows[0]
     else:
         r3 = _sim(trial, LOW, workdir, cache)
         if slope is None or (trial.seq_len, LOW + 1) in cache:
             r4 = _sim(trial, LOW + 1, workdir, cache)
-            slope = {k: (r4.get(k) or 0) - (r3.get(k) or 0) for k in keys} if r4["status"] == "ok" else {}
-            if r4["status"] == "ok":
-                c3, c4 = r3.get("step_counts") or {}, r4.get("step_counts") or {}
-                slope["step_counts"] = {k: c4.get(k, 0) - c3.get(k, 0) for k in set(c3) | set(c4)}
+            slope = _slope(r3, r4) if r4["status"] == "ok" else {}
             rows, exact = [r3, r4], True
         else:
-            rows, exact = [r3], False
-        vals = {k: (r3.get(k) or 0) + slope.get(k, 0) * (cfg.n_layers - LOW) for k in keys}
-        c3, dc = r3.get("step_counts") or {}, slope.get("step_counts") or {}
-        counts = {k: c3.get(k, 0) + dc.get(k, 0) * (cfg.n_layers - LOW) for k in set(c3) | set(dc)}
+            r4, rows, exact = _estimated_r4(r3, slope), [r3], False
+        result = r4 if any(r["status"] == "error" for r in rows) else extrapolate(r3, r4, cfg.n_layers)
     bad = [r for r in rows if r["status"] == "error"]
     if bad:
-        p = Point(trial.seq_len, "error", 0, 0, 0.0, usable, bad[0].get("message", ""))
+        p = Point(trial.seq_len, "error", 0, 0, 0.0, 0, bad[0].get("message", ""))
         p.load = float("inf")  # type: ignore[attr-defined]
         return p
-    peak, host = int(vals["peak_bytes"]), int(vals["host_peak_bytes"])
-    host_usable = trial.preset().host_usable() if hasattr(trial.preset(), "host_usable") else None
+    row = build_row(trial, {**result, "status": "ok"}, 0.0)
+    f = row.figures
+    paper = trial.step.stack == "paper" and f.peak_reserved_bytes is not None
+    compared = max(f.peak_reserved_bytes, f.peak_bytes) if paper else f.peak_bytes
+    host_usable = f.host_usable_bytes
     # the binding budget: device memory, or the preset's host memory per GPU for offloads
-    load = max(peak / usable, host / host_usable if host_usable else 0.0)
-    p = Point(trial.seq_len, "ok" if load <= 1.0 else "oom", peak, host, float(vals["comm_time_s"]), usable)
+    load = max(compared / f.usable_bytes, (f.host_peak_bytes or 0) / host_usable if host_usable else 0.0)
+    if row.status == "oom":
+        load = max(load, 1.0 + 1e-9)  # e.g. the allocator model ran out before the peak
+    p = Point(trial.seq_len, row.status, int(compared), int(f.host_peak_bytes or 0), float(f.comm_time_s or 0.0),
+              int(f.usable_bytes), row.message)
     p.load = load  # type: ignore[attr-defined]
     p.exact, p.slope = exact, slope  # type: ignore[attr-defined]
-    p.step_counts = counts  # type: ignore[attr-defined]
+    p.step_counts = result.get("step_counts") or {}  # type: ignore[attr-defined]
+    p.row = row  # type: ignore[attr-defined]
     return p
 
 
@@ -252,9 +330,35 @@ class Entry:
         return self.trial.auto_chunk is not None
 
 
-def entries(model: str, gpus: int, nodes: int, device: str, granularity: int) -> list[Entry]:
-    def entry(label: str, method: str, options: dict) -> Entry:
-        return Entry(label, Trial.make(method, model, granularity, gpus, options, device=device))
+# Beyond the paper (issue 18): levers added one at a time to the paper's UPipe setup, each rung keeping
+# the ones before it, so that each lever's gain in context and cost in step time show. Each lever is a
+# StepConfig field (bench/training/config.py, where its mechanism is described).
+LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("+our RoPE", {"rope_table": "none"}),  # no TorchTitan table of the whole sequence (nor its offloaded copies)
+    ("+offload all", {"offload_keep": "none"}),  # first and last block's checkpoints on the host too
+    ("+FSDP offload", {"fsdp_offload": True}),  # fp32 masters, gradients, AdamW state and step on the host
+    ("+fused norm", {"fused_attn_norm": True}),  # the attention norm inside UPipe's projections, tiled
+    ("+2-level AC", {"ac_group": 4}),  # checkpoints of groups of 4 blocks on the host (host: n/4 + 4 inputs)
+)
+MAX_COST = 2.0  # a configuration slower than this x UPipe's paper setup is reported, not recommended
+
+
+def ladder() -> list[tuple[str, dict[str, Any]]]:
+    """The cumulative rungs whose levers this code has (a lever not yet in StepConfig is left out)."""
+    known = {f.name for f in dataclasses.fields(StepConfig)}
+    out, levers = [], {}
+    for label, lever in LADDER:
+        if set(lever) <= known:
+            levers = {**levers, **lever}
+            out.append((label, dict(levers)))
+    return out
+
+
+def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, stack: str = "paper",
+            beyond: bool = True) -> list[Entry]:
+    def entry(label: str, method: str, options: dict, **levers) -> Entry:
+        step = StepConfig(stack=stack, **levers)
+        return Entry(label, Trial.make(method, model, granularity, gpus, options, device=device, step=step))
 
     out = [entry(f"upipe U={gpus}", "upipe", {}), entry("upipe U=auto", "upipe", {AUTO_OPTION: AUTO}),
            entry("ulysses", "ulysses", {}), entry("ring", "ring", {})]
@@ -264,6 +368,10 @@ def entries(model: str, gpus: int, nodes: int, device: str, granularity: int) ->
                 entry(f"usp-upipe u={u} U={u}", "usp-upipe", {"ulysses_degree": u}),
                 entry(f"usp-upipe u={u} U=auto", "usp-upipe", {"ulysses_degree": u, AUTO_OPTION: AUTO})]
     out += [entry("fpdt", "fpdt", {}), entry("offload", "offload", {})]
+    if beyond:  # the paper's UPipe (USP x UPipe across nodes) with the levers of LADDER added one by one
+        base, opts = ("upipe", {}) if nodes == 1 else ("usp-upipe", {"ulysses_degree": gpus // nodes})
+        name = out[0].label if nodes == 1 else f"usp-upipe u={gpus // nodes} U={gpus // nodes}"
+        out += [entry(f"{name} {label}", base, dict(opts), **levers) for label, levers in ladder()]
     return out
 
 
@@ -287,9 +395,12 @@ def _search_entry(args) -> Entry:
     return entry
 
 
-def _worker_init() -> None:
-    """One intra-op thread per worker: fake tensors compute nothing, and the workers share the cores."""
+def _worker_init(cache: tuple | None = None) -> None:
+    """One intra-op thread per worker: fake tensors compute nothing, and the workers share the cores.
+    ``cache``: the ``SimCache`` arguments of the parent (each worker reads the files, appends its own)."""
+    global _CACHE
     torch.set_num_threads(1)
+    _CACHE = SimCache(*cache) if cache else None
 
 
 def _resolve_u_job(args):
@@ -337,21 +448,52 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
 # --------------------------------------------------------------------------- the plan
 
 
+COMMITTED_CACHE = RESULTS_DIR / "plan" / "sims.jsonl"
+
+
+def pareto_front(entries_: list[Entry]) -> list[Entry]:
+    """Entries no other beats on both counts: a longer (or equal) context at a shorter (or equal)
+    modelled step time at the common length, one of them strictly."""
+    timed = [e for e in entries_ if e.step_time_s]
+
+    def beaten(e: Entry) -> bool:
+        return any(o.max_context >= e.max_context and o.step_time_s <= e.step_time_s
+                   and (o.max_context > e.max_context or o.step_time_s < e.step_time_s) for o in timed)
+    return [e for e in timed if not beaten(e)]
+
+
+def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
+    """The longest context among the configurations at most ``MAX_COST`` x the baseline's step time
+    at the common length (ties: the faster); with no baseline, the longest context."""
+    timed = [e for e in entries_ if e.step_time_s]
+    if baseline is not None and baseline.step_time_s:
+        timed = [e for e in timed if e.step_time_s <= MAX_COST * baseline.step_time_s]
+    return max(timed, key=lambda e: (e.max_context, -e.step_time_s), default=None)
+
+
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 512 << 10, out_dir: str | None = None, workers: int | None = None,
-         progress=sys.stderr) -> dict[str, Any]:
+         progress=sys.stderr, stack: str = "paper", beyond: bool = True,
+         cache: Path | None = None, use_cache: bool = True) -> dict[str, Any]:
+    """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
+    None with ``use_cache``: none written, the committed one still read)."""
+    global _CACHE
     cfg = get_config(model)
     preset = get_device(device)
     if gpus % nodes:
         raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
     t0 = time.perf_counter()
-    todo = entries(model, gpus, nodes, device, granularity)
+    todo = entries(model, gpus, nodes, device, granularity, stack, beyond)
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    cache_args = (cache, (COMMITTED_CACHE,)) if use_cache else None
+    _CACHE = SimCache(*cache_args) if cache_args else None
+    cached_before = len(_CACHE.entries) if _CACHE else 0
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as workdir:
         searched = [e for e in todo if not e.auto]
         searched.sort(key=lambda e: e.method not in ("ring", "usp", "usp-upipe", "fpdt"))  # slowest first
         jobs = [(e, granularity, max_seq_len, workdir) for e in searched]
-        pool = (ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
+        pool = (ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                    initargs=(cache_args,))
                 if workers > 1 else None)
         try:
             found = list(pool.map(_search_entry, jobs)) if pool else [_search_entry(j) for j in jobs]
@@ -386,6 +528,9 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
             e.step_time_s, e.time_source = measured, "measured"
         else:
             e.step_time_s, e.time_source = modelled_time(e, device, common), "model"
+    pareto = pareto_front(ok)
+    baseline = ok[0] if ok and ok[0] is done[0] else None  # UPipe's paper setup (the first entry)
+    pick = recommend(ok, baseline)
     at_longest = [e for e in ok if e.max_context == longest]
     fastest_longest = min(at_longest, key=lambda e: modelled_time(e, device, longest) or math.inf, default=None)
     fastest_common = min((e for e in ok if e.step_time_s), key=lambda e: e.step_time_s, default=None)
@@ -397,6 +542,10 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "host_note": f" and {host_usable / GiB:.0f} GiB of host memory for offloads" if host_usable else "",
         "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
+        "stack": stack, "pareto": pareto, "baseline": baseline, "pick": pick,
+        "cache": (f"{len(_CACHE.entries) - cached_before} new simulations, "
+                  f"{cached_before} cached ({COMMITTED_CACHE.relative_to(RESULTS_DIR.parent)}"
+                  f"{f', {cache}' if cache else ''})") if _CACHE else "no cache (--no-cache)",
     }
     result["text"] = render(result)
     if out_dir:
@@ -408,8 +557,8 @@ def render(res: dict[str, Any]) -> str:
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
         f"{res['usable_gib']:.1f} GiB usable per GPU{res['host_note']}; "
-        f"paper record setup (FSDP2, AC offloaded to host, "
-        f"tiled MLP/norm, chunked loss, bf16, batch 1)",
+        f"{res['stack']} stack (bench.measure.stack); paper record setup (FSDP2, AC offloaded to host, "
+        f"tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)",
         f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
         + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
@@ -420,13 +569,17 @@ def render(res: dict[str, Any]) -> str:
         f"matmul / {FITTED.eff_attention:.2f} attention, collectives through the link model with "
         f"{FITTED.latency_s * 1e6:.0f} us per call, host copies over PCIe 5 x16)",
         "",
-        f"{'configuration':26} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
+        f"simulations: {res['cache']}; rel = step time / {res['baseline'].label if res['baseline'] else '-'}'s "
+        f"(UPipe's paper setup); P = on the Pareto front of max context vs step time",
+        "",
+        f"{'configuration':44} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
         f"{'source':8} note",
     ]
-    fastest = res["fastest_common"]
+    fastest = res["baseline"] or res["fastest_common"]
+    front = {id(e) for e in res["pareto"]}
     for e in res["entries"]:
         if e.skipped:
-            lines.append(f"{e.label:26} {'-':>8} {'-':>9} {'-':>9} {'-':>8} {'-':>6} {'':8} skipped: {e.skipped}")
+            lines.append(f"{e.label:44} {'-':>8} {'-':>9} {'-':>9} {'-':>8} {'-':>6} {'':8} skipped: {e.skipped}")
             continue
         limit = ">=" if e.max_context >= res["max_seq_len"] - res["granularity"] + 1 and e.max_context else ""
         rel = e.step_time_s / fastest.step_time_s if fastest and e.step_time_s else None
@@ -437,10 +590,13 @@ def render(res: dict[str, Any]) -> str:
             note.append(f"error: {e.error}")
         if e.points and not e.auto:
             note.append(f"{e.points} sims, {e.seconds:.0f}s")
+        if rel and rel > MAX_COST:
+            note.append(f"over {MAX_COST:g}x the paper setup's step time: reported, not recommended")
         peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
         host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
+        label = ("P " if id(e) in front else "  ") + e.label
         lines.append(
-            f"{e.label:26} {limit + (human(e.max_context) if e.max_context else '0'):>8} {peak} {host} "
+            f"{label:44} {limit + (human(e.max_context) if e.max_context else '0'):>8} {peak} {host} "
             f"{(f'{e.step_time_s:8.2f}' if e.step_time_s else f'{chr(45):>8}')} "
             f"{(f'{rel:6.2f}' if rel else f'{chr(45):>6}')} {e.time_source:8} {'; '.join(note)}")
     fl = res["fastest_longest"]
@@ -450,9 +606,16 @@ def render(res: dict[str, Any]) -> str:
         fits = [e.label for e in res["entries"] if not e.skipped and e.max_context == res["longest"]]
         lines.append("")
         lines.append(
-            f"recommendation: longest context: {human(res['longest'])} with {', '.join(fits)}; "
+            f"longest context: {human(res['longest'])} with {', '.join(fits)}; "
             f"fastest at that length: {fl.label} (model); fastest at {human(res['common'])}: "
             f"{res['fastest_common'].label} ({res['fastest_common'].time_source})")
+        pick, base = res["pick"], res["baseline"]
+        if pick is not None:
+            cost = (f", {pick.step_time_s / base.step_time_s:.2f}x the step time of UPipe's paper setup "
+                    f"({base.label}, {human(base.max_context)}) at {human(res['common'])}"
+                    if base is not None and base.step_time_s else "")
+            lines.append(f"recommendation: {pick.label}: {human(pick.max_context)} tokens{cost}; "
+                         f"configurations over {MAX_COST:g}x are not recommended")
     lines.append(f"[plan took {res['seconds']:.1f}s]")
     return "\n".join(lines)
 
