@@ -5,7 +5,9 @@ single-device step (loss and every gradient), and its memory effect under simula
 * ``fsdp_offload``: FSDP2's ``CPUOffloadPolicy`` (sharded fp32 masters, gradients and AdamW
   state on the host, optimizer step on the host);
 * ``fused_attn_norm``: the attention's RMSNorm run inside the method, tile by tile, so that its
-  output (a full-length tensor the attention would save) never exists.
+  output (a full-length tensor the attention would save) never exists;
+* ``ac_group``: two-level checkpointing (``bench.training.nested``): the host holds the group
+  inputs and one group's re-created block inputs instead of every block's input.
 """
 from __future__ import annotations
 
@@ -244,16 +246,16 @@ def test_ac_group_host_peak_is_group_inputs_plus_one_group(tmp_path):
                            step=StepConfig(ac_group=k, offload_keep=keep))
         return measure_simulated(trial)
 
+    small = 4096  # besides the checkpoints, a few bytes of index tensors made on the host (test_step's)
     base = run(1)
-    assert base["host_peak_bytes"] // ckpt == 8
-    small = base["host_peak_bytes"] - 8 * ckpt  # index tensors made on the host (test_step's)
+    assert 0 <= base["host_peak_bytes"] - 8 * ckpt < small
     for k, count in ((2, 4 + 2), (3, 5)):  # groups [2,2,2,2]: 4 + 2; [3,3,2]: max(2 + 3, 3 + 2)
         r = run(k)
-        assert r["host_peak_bytes"] - small == count * ckpt, k
+        assert 0 <= r["host_peak_bytes"] - count * ckpt < small, k
         assert r["peak_bytes"] <= base["peak_bytes"] + ckpt, k
     # offload_keep applies to the group inputs: first and last group stay on the device
     r = run(2, "first_last")
-    assert r["host_peak_bytes"] - small == (2 + 2) * ckpt
+    assert 0 <= r["host_peak_bytes"] - (2 + 2) * ckpt < small
 
 
 def test_ac_group_refusals_and_cli():
