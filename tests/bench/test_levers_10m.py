@@ -275,3 +275,9 @@ def test_ac_group_refusals_and_cli():
                                       "--seq-len", "8K", "--ac-group", "3"])
     assert _trial(args, args.seq_len).step.ac_group == 3
     assert "ac_group" in STEP_KEYS
+    from bench.cli import UsageError, execute
+
+    grouped = Trial.make("upipe", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g",
+                         step=StepConfig(ac_group=2))
+    with pytest.raises(UsageError, match="--extrapolate-layers extrapolates linearly"):
+        execute(grouped, None, False, in_process=True, extrapolate=True)
