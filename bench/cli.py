@@ -106,6 +106,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-keep", choices=list(OFFLOAD_KEEPS), default="first_last",
                    help="with checkpoint offload, the blocks whose checkpoint stays on the device: first_last, "
                    "first, or none (every block's on the host); the paper stack turns first_last into first")
+    p.add_argument("--ac-group", type=positive_int, default=1, metavar="K",
+                   help="two-level checkpointing (Chen et al. 2016): blocks in groups of K under an outer "
+                   "checkpoint, so the host holds about n/K + K block inputs instead of n; up to one more "
+                   "forward per block (1: one checkpoint per block)")
     p.add_argument("--fsdp-offload", action="store_true",
                    help="FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients and AdamW state on the host, "
                    "optimizer step on the host")
@@ -223,7 +227,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
             tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
             allocator_model=args.allocator_model, offload_keep=args.offload_keep,
             fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
-            **levers,
+            ac_group=args.ac_group, **levers,
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
                           device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,
@@ -309,6 +313,9 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
         trial.validate()
     except ValueError as err:
         raise UsageError(f"python -m bench {what}: error: {err}") from None
+    if extrapolate and trial.step.ac_group > 1:
+        raise UsageError(f"python -m bench {what}: error: --extrapolate-layers extrapolates linearly in the layers, "
+                         f"and --ac-group's host peak (about n/K + K checkpoints) is not; drop one of them")
     if extrapolate and trial.mode != "simulated":
         raise UsageError(f"python -m bench {what}: error: --extrapolate-layers extrapolates simulations; "
                          f"it cannot stand in for a {trial.mode} run: drop it or use --mode simulated")

@@ -221,6 +221,9 @@ class Trial:
                 f"({torch.cuda.device_count()} found); launch with torchrun/submitit across nodes, "
                 f"or use --mode emulated/simulated"
             )
+        if self.step.ac_group > cfg.n_layers:
+            raise ValueError(f"ac_group={self.step.ac_group} blocks per outer checkpoint, but {cfg.name} has "
+                             f"{cfg.n_layers} layers; use --ac-group 1..{cfg.n_layers}")
         if self.step.fused_attn_norm and not getattr(self.method_cls(), "accepts_input_norm", False):
             raise ValueError(f"fused_attn_norm: method {self.method!r} cannot run the block's RMSNorm inside its "
                              f"projections (only upipe can); drop fused_attn_norm")

@@ -382,8 +382,9 @@ class Decoder(nn.Module):
     token counts per rank, averaging gradients over ranks, as FSDP does, gives the
     gradient of the global mean).
 
-    ``layer_wrapper`` (set by ``bench.training.step``) runs each block, e.g. under activation
-    checkpointing; by default a block is called directly.
+    ``bench.training.step`` may replace each block by a wrapper (activation checkpointing) and
+    may run them in groups (``set_layer_groups``, two-level checkpointing); by default each
+    block is called directly.
     """
 
     def __init__(self, cfg: ModelConfig, method: str, group=None, **method_options) -> None:
@@ -455,9 +456,15 @@ class Decoder(nn.Module):
             table = rope_table(seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=device)
         self.register_buffer("rope_table", table, persistent=False)
 
+    def set_layer_groups(self, groups: list[nn.Module] | None) -> None:
+        """Run these instead of ``self.layers``: callables like a block (``x, positions, *rope_table``)
+        that together run every block once, in order (``bench.training.nested``). Held in a plain
+        list, not registered: the blocks' parameters stay where they are (``self.layers``)."""
+        self.__dict__["layer_groups"] = list(groups) if groups else None
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         table = getattr(self, "rope_table", None)
-        for layer in self.layers:
+        for layer in self.__dict__.get("layer_groups") or self.layers:
             x = layer(x, positions) if table is None else layer(x, positions, table)
         return self.head(x, labels)

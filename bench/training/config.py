@@ -51,7 +51,7 @@ OFFLOAD_KEEPS = ("first_last", "first", "none")
 
 # fields added after rows were committed: a row records them only away from their default
 LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
-               "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table")
+               "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table", "ac_group")
 # simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
 # away from its default such a setting is refused outside simulated mode (Trial.validate)
 SIMULATION_ONLY = (
@@ -92,6 +92,7 @@ class StepConfig:
     sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
     allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
     rope_table: str = "auto"  # auto (the stack decides) | none | checkpointed (TorchTitan's table, a block argument)
+    ac_group: int = 1  # blocks per outer checkpoint (bench.training.nested); 1: one checkpoint per block
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -111,6 +112,10 @@ class StepConfig:
                              "so FSDP2's CPU offload would not leave it; drop sim_device='cpu'")
         if self.ac_offload and not self.ac:
             raise ValueError("ac_offload offloads activation checkpoints: it needs ac=True")
+        if not isinstance(self.ac_group, int) or self.ac_group < 1:
+            raise ValueError(f"ac_group must be an integer >= 1 (blocks per outer checkpoint), got {self.ac_group!r}")
+        if self.ac_group > 1 and not self.ac:
+            raise ValueError(f"ac_group={self.ac_group} groups activation checkpoints: it needs ac=True")
         if self.kernel_workspace not in KERNEL_WORKSPACES:
             raise ValueError(f"kernel_workspace must be one of {list(KERNEL_WORKSPACES)}, "
                              f"got {self.kernel_workspace!r}")

@@ -22,6 +22,10 @@
   every block (``"none"``: no block input stays on the device; the first block's input, the
   embedding output, is then on the host from the forward until the very end of backward).
   A tensor already on the host stays where it is, so the lever does nothing on a CPU device.
+* ``ac_group``: two-level checkpointing (``bench.training.nested``, Chen et al. 2016's
+  sqrt(n) scheme): groups of ``ac_group`` blocks under an outer checkpoint, so the forward
+  keeps only the group inputs (``offload_keep`` then applies to groups) and backward re-creates
+  one group's block inputs at a time, on the host; costs up to one more forward per block.
 * ``tiled_mlp``: RMSNorm + SwiGLU run over sequence tiles, recomputed in backward
   (``mlp_tiles=0``: the paper's ``ceil(local tokens / dim)`` tiles). ``tiled_norm``: the
   attention's RMSNorm and the final one tiled the same way (the paper's tiled RMSNorm).
@@ -65,6 +69,7 @@ from methods.core import comm
 from ..model.config import ModelConfig
 from ..model.decoder import Decoder
 from .config import StepConfig
+from .nested import CheckpointedGroup, group_bounds
 
 # --------------------------------------------------------------------------- offload
 
@@ -171,14 +176,19 @@ def build_model(
     if step.ac:
         offload = HostOffload(host, pin=step.offload_pin and device.type == "cuda") if step.ac_offload else None
         n = len(model.layers)
-        kept = {"first": {0}, "first_last": {0, n - 1}, "none": set()}[step.offload_keep]
-        for i in range(n):
-            # the paper's checkpoint wrapper exempts the first and the last block; its scripts'
-            # full-checkpointing path passes no "last layer" flag, so only the first stays there
-            # (offload_keep="first"; docs/paper.md, "Training stack"); "none" exempts no block
-            exempt = n > 2 and i in kept
-            use = offload if (offload is not None and not exempt) else None
-            model.layers[i] = CheckpointedBlock(model.layers[i], use)
+        if step.ac_group == 1:
+            for i in range(n):
+                use = offload if not kept_on_device(i, n, step.offload_keep) else None
+                model.layers[i] = CheckpointedBlock(model.layers[i], use)
+        else:  # bench.training.nested: the block inputs are saved to their group's checkpoint
+            for i in range(n):
+                model.layers[i] = CheckpointedBlock(model.layers[i], None)
+            bounds = group_bounds(n, step.ac_group)
+            # offload_keep applies to the group inputs as it does to the block inputs at ac_group=1
+            model.set_layer_groups([
+                CheckpointedGroup(tuple(model.layers[i] for i in r), inner=offload,
+                                  outer=offload if not kept_on_device(j, len(bounds), step.offload_keep) else None)
+                for j, r in enumerate(bounds)])
     if step.fsdp:
         if group is None:
             raise ValueError("fsdp=True needs a process group (use fsdp=False on one device)")
@@ -196,6 +206,17 @@ def build_model(
     # foreach: what torch picks by default on CUDA (one fused op per step over all tensors)
     opt = torch.optim.AdamW(model.parameters(), lr=step.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     return model, opt
+
+
+def kept_on_device(i: int, n: int, keep: str) -> bool:
+    """Whether checkpoint ``i`` of ``n`` keeps its input on the device under ``offload_keep``.
+
+    The paper's checkpoint wrapper exempts the first and the last block; its scripts'
+    full-checkpointing path passes no "last layer" flag, so only the first stays there
+    (``"first"``; docs/paper.md, "Training stack"); ``"none"`` exempts none. With two
+    checkpoints or fewer nothing is exempt."""
+    kept = {"first": {0}, "first_last": {0, n - 1}, "none": set()}[keep]
+    return n > 2 and i in kept
 
 
 def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

@@ -5,7 +5,9 @@ single-device step (loss and every gradient), and its memory effect under simula
 * ``fsdp_offload``: FSDP2's ``CPUOffloadPolicy`` (sharded fp32 masters, gradients and AdamW
   state on the host, optimizer step on the host);
 * ``fused_attn_norm``: the attention's RMSNorm run inside the method, tile by tile, so that its
-  output (a full-length tensor the attention would save) never exists.
+  output (a full-length tensor the attention would save) never exists;
+* ``ac_group``: two-level checkpointing (``bench.training.nested``): the host holds the group
+  inputs and one group's re-created block inputs instead of every block's input.
 """
 from __future__ import annotations
 
@@ -144,3 +146,138 @@ def test_cli_and_sweep_specs_set_the_levers():
     step = _trial(args, args.seq_len).step
     assert (step.offload_keep, step.fsdp_offload, step.fused_attn_norm) == ("none", True, True)
     assert {"offload_keep", "fsdp_offload", "fused_attn_norm"} <= STEP_KEYS
+
+
+# ----------------------------------------------------------------------------- ac_group (two-level checkpointing)
+
+
+@pytest.mark.parametrize("group", [2, 3], ids=["K2-even", "K3-of-4-uneven"])
+def test_ac_group_step_equals_plain_single_device_step(pool, group):
+    """Groups of 2 and of 3 (+1) over tiny-llama's 4 blocks, with checkpoint offload and the RoPE
+    table as an argument of both checkpoint levels."""
+    got = pool.run(cp_step, "upipe", {**ALL_ON, "ac_group": group, "rope_table": "checkpointed"},
+                   world_size=2)[0]
+    _close(got, _ref("upipe"))
+
+
+def test_ac_group_recomputes_through_the_offload_hooks():
+    """On a CPU device the offload is a no-op, so the step above never moves a tensor: here an
+    offload that really copies (and counts live copies) shows the group inputs stored in forward
+    (n/K), the K re-created block inputs offloaded in backward, and unchanged gradients."""
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from bench.training.nested import CheckpointedGroup, group_bounds
+    from bench.training.step import CheckpointedBlock, HostOffload
+
+    live: dict[int, int] = {}
+
+    class Copying(HostOffload):
+        def pack(self, t):
+            c = t.detach().clone()
+            live[id(c)] = 1
+            weakref.finalize(c, live.pop, id(c), None)
+            return (t.device, c)
+
+        def unpack(self, packed):
+            return packed[1].clone()
+
+    class Lin(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)) / 3)
+
+        def forward(self, x, positions):
+            return torch.tanh(x @ self.w) + x
+
+    n, k = 8, 3
+    blocks = [Lin(i) for i in range(n)]
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(99), requires_grad=True)
+    pos = torch.arange(5)
+    y = x
+    for b in blocks:
+        y = b(y, pos)
+    y.square().sum().backward()
+    want = [b.w.grad.clone() for b in blocks] + [x.grad.clone()]
+    for p in [*(b.w for b in blocks), x]:
+        p.grad = None
+    off = Copying()
+    wrapped = [CheckpointedBlock(b, None) for b in blocks]
+    groups = [CheckpointedGroup(tuple(wrapped[i] for i in r), outer=off, inner=off) for r in group_bounds(n, k)]
+    y = x
+    for g in groups:
+        y = g(y, pos)
+    # forward: each group's input and positions, nothing of the blocks inside
+    assert len(live) == 2 * len(groups)
+    peak = []
+    for b in blocks:
+        b.w.register_hook(lambda g: peak.append(len(live)) or g)
+    y.square().sum().backward()
+    # while a group's blocks run backward: its own and the earlier groups' inputs + its re-created ones
+    assert max(peak) <= 2 * (len(groups) + k)
+    assert max(peak) > 2 * len(groups)  # the re-created block inputs did go through the offload
+    for got, w in zip([b.w.grad for b in blocks] + [x.grad], want):
+        torch.testing.assert_close(got, w)
+    assert not live
+
+
+def _mid(tmp_path, n_layers: int = 8) -> str:
+    import json
+
+    path = tmp_path / "mid8.json"
+    path.write_text(json.dumps(dict(name="mid8", dim=512, n_layers=n_layers, n_heads=8, n_kv_heads=4, head_dim=64,
+                                    ffn_dim=1536, vocab_size=8192)))
+    return str(path)
+
+
+def test_ac_group_host_peak_is_group_inputs_plus_one_group(tmp_path):
+    """8 blocks, every checkpoint offloaded: the host peak is max over groups j of (inputs of
+    groups 0..j) + (the K_j inputs that group j re-creates), each one block input and its
+    positions (the group's own input is re-created too, so it counts twice while its group runs);
+    the device peak stays that of one checkpoint per block, give or take one block input."""
+    seq, ws = 32768, 4
+    ckpt = seq // ws * 512 * 2 + seq // ws * 8  # hidden [1, S/C, dim] bf16 + positions int64
+    cfg = _mid(tmp_path)
+
+    def run(k: int, keep: str = "none") -> dict:
+        trial = Trial.make("upipe", cfg, seq, ws, mode="simulated", device="h100-80g",
+                           step=StepConfig(ac_group=k, offload_keep=keep))
+        return measure_simulated(trial)
+
+    small = 4096  # besides the checkpoints, a few bytes of index tensors made on the host (test_step's)
+    base = run(1)
+    assert 0 <= base["host_peak_bytes"] - 8 * ckpt < small
+    for k, count in ((2, 4 + 2), (3, 5)):  # groups [2,2,2,2]: 4 + 2; [3,3,2]: max(2 + 3, 3 + 2)
+        r = run(k)
+        assert 0 <= r["host_peak_bytes"] - count * ckpt < small, k
+        assert r["peak_bytes"] <= base["peak_bytes"] + ckpt, k
+    # offload_keep applies to the group inputs: first and last group stay on the device
+    r = run(2, "first_last")
+    assert 0 <= r["host_peak_bytes"] - (2 + 2) * ckpt < small
+
+
+def test_ac_group_refusals_and_cli():
+    from bench.cli import _trial, build_parser
+    from sweeps.spec import STEP_KEYS
+
+    with pytest.raises(ValueError, match="ac_group must be an integer >= 1"):
+        StepConfig(ac_group=0)
+    with pytest.raises(ValueError, match="needs ac=True"):
+        StepConfig(ac=False, ac_offload=False, ac_group=2)
+    trial = Trial.make("upipe", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g",
+                       step=StepConfig(ac_group=5))
+    with pytest.raises(ValueError, match="has 4 layers; use --ac-group 1..4"):
+        trial.validate()
+    assert "ac_group" not in StepConfig().levers() and StepConfig(ac_group=4).levers()["ac_group"] == 4
+    args = build_parser().parse_args(["run", "--method", "upipe", "--model", "tiny-llama", "--world-size", "2",
+                                      "--seq-len", "8K", "--ac-group", "3"])
+    assert _trial(args, args.seq_len).step.ac_group == 3
+    assert "ac_group" in STEP_KEYS
+    from bench.cli import UsageError, execute
+
+    grouped = Trial.make("upipe", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g",
+                         step=StepConfig(ac_group=2))
+    with pytest.raises(UsageError, match="--extrapolate-layers extrapolates linearly"):
+        execute(grouped, None, False, in_process=True, extrapolate=True)
