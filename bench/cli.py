@@ -187,7 +187,7 @@ def build_parser() -> Parser:
     pl.add_argument("--device", default="h100-80g", help="device preset")
     pl.add_argument("--nodes", type=positive_int, default=1, help="nodes (usp/usp-upipe across them when > 1)")
     pl.add_argument("--max-seq-len", type=parse_size, default=32 << 20, help="search limit (default 32M)")
-    pl.add_argument("--granularity", type=parse_size, default=512 << 10, help="answer exact to this (default 512K)")
+    pl.add_argument("--granularity", type=parse_size, default=1 << 20, help="answer exact to this (default 1M)")
     pl.add_argument("--out-dir", default=None,
                     help="where plan_<model>_<gpus>x<device>.md/.png go (default runs/plans)")
     pl.add_argument("--no-figs", action="store_true", help="print only")

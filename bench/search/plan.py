@@ -8,7 +8,7 @@ For each of the suite's own methods and its main options (upipe with U = C and U
 ulysses, ring, fpdt, offload; with ``--nodes K > 1`` also usp and usp-upipe with
 ulysses_degree = gpus/nodes) it finds the simulated maximum context under the paper's
 record setup (``StepConfig()`` defaults: FSDP2, AC offloaded to host, tiled MLP/norm,
-chunked loss) at a coarse granularity (default 512K), and a step time at a common length.
+chunked loss) at a coarse granularity (default 1M), and a step time at a common length.
 
 Layer extrapolation (exact for identical layers): a full-model simulation of a 32-64 layer
 model takes tens of seconds per trial, so every trial here simulates the model with 3 and
@@ -192,7 +192,9 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     cache = {} if cache is None else cache
     cfg = trial.config()
     trial = dataclasses.replace(trial, mode="simulated")
-    if cfg.n_layers <= LOW + 1:
+    if cfg.n_layers <= LOW + 1 or trial.step.ac_group > 1:
+        # two-level checkpoints (ac_group): the host holds group inputs plus one group's block
+        # inputs, not linear in the layers, so the whole model is simulated (cached: SimCache)
         rows, exact = [_sim(trial, cfg.n_layers, workdir, cache)], True
         result = rows[0]
     else:
@@ -451,6 +453,10 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
 COMMITTED_CACHE = RESULTS_DIR / "plan" / "sims.jsonl"
 
 
+def _lines(path: Path | None) -> int:
+    return sum(1 for _ in path.open()) if path is not None and path.exists() else 0
+
+
 def pareto_front(entries_: list[Entry]) -> list[Entry]:
     """Entries no other beats on both counts: a longer (or equal) context at a shorter (or equal)
     modelled step time at the common length, one of them strictly."""
@@ -472,7 +478,7 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
 
 
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
-         granularity: int = 512 << 10, out_dir: str | None = None, workers: int | None = None,
+         granularity: int = 1 << 20, out_dir: str | None = None, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
          cache: Path | None = None, use_cache: bool = True) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
@@ -488,6 +494,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     cache_args = (cache, (COMMITTED_CACHE,)) if use_cache else None
     _CACHE = SimCache(*cache_args) if cache_args else None
     cached_before = len(_CACHE.entries) if _CACHE else 0
+    lines_before = _lines(cache) if _CACHE else 0
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as workdir:
         searched = [e for e in todo if not e.auto]
         searched.sort(key=lambda e: e.method not in ("ring", "usp", "usp-upipe", "fpdt"))  # slowest first
@@ -543,7 +550,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
         "stack": stack, "pareto": pareto, "baseline": baseline, "pick": pick,
-        "cache": (f"{len(_CACHE.entries) - cached_before} new simulations, "
+        "cache": (f"{_lines(cache) - lines_before} new simulations, "
                   f"{cached_before} cached ({COMMITTED_CACHE.relative_to(RESULTS_DIR.parent)}"
                   f"{f', {cache}' if cache else ''})") if _CACHE else "no cache (--no-cache)",
     }
