@@ -90,8 +90,8 @@ class StepTimeConstants:
 # fitted by `python -m bench steptime` on FIT_CELLS (10 cells) from results/fidelity/steptime.jsonl; a latency
 # of ~0.97 ms per collective call is far above NCCL's own (~10-50 us): it absorbs what else each call
 # costs (stream synchronisation, the idle gap around a blocking exchange): a fitted, not a measured, figure
-FITTED = StepTimeConstants(eff_matmul=0.438019, eff_attention=0.629354, eff_attention_fa2=0.313298,
-                           latency_s=965.778e-6)
+FITTED = StepTimeConstants(eff_matmul=0.451165, eff_attention=0.628859, eff_attention_fa2=0.313501,
+                           latency_s=977.693e-6)
 FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): every Table 3 method there
 
 
