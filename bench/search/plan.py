@@ -1,33 +1,50 @@
-"""``python -m bench plan``: which method, and how long a context, for a model on N GPUs.
+"""``python -m bench plan``: which configuration, and how long a context, for a model on N GPUs.
 
     python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
     python -m bench plan --model qwen3-32b --gpus 16 --device h100-80g --nodes 2
     python -m bench plan --model my_model.yaml --gpus 8 --device h200-141g [--max-seq-len 32M]
 
-For each of the suite's own methods and its main options (upipe with U = C and U = auto,
-ulysses, ring, fpdt, offload; with ``--nodes K > 1`` also usp and usp-upipe with
-ulysses_degree = gpus/nodes) it finds the simulated maximum context under the paper's
-record setup (``StepConfig()`` defaults: FSDP2, AC offloaded to host, tiled MLP/norm,
-chunked loss) at a coarse granularity (default 1M), and a step time at a common length.
+Configurations: the suite's own methods in the paper's record setup (``StepConfig()``
+defaults: FSDP2, AC offloaded to host, tiled MLP/norm, chunked loss): upipe with U = C and
+U = auto, ulysses, ring, fpdt, offload; with ``--nodes K > 1`` also usp and usp-upipe with
+ulysses_degree = gpus/nodes. Then, beyond the paper (``LADDER``, off with ``--paper-only``),
+the paper's UPipe setup with levers added one at a time, each rung keeping the ones before:
+our RoPE instead of TorchTitan's table of the whole sequence, every block's checkpoint on
+the host, FSDP2's CPU offload of the sharded model state, the attention norm fused into
+UPipe's projections, two-level checkpoints of groups of 4 blocks (what each does:
+``bench/training/config.py``). For each, the simulated maximum context under the **paper
+stack** (``--stack``; ``bench.measure.stack``: the allocator's reserved peak against the
+device less the CUDA context, offloads against the preset's host memory per GPU) at a coarse
+granularity (default 1M), and a modelled step time at a common length.
+
+Result: a table with each configuration's max context, peaks, step time and its ratio to
+UPipe's paper setup; ``P`` marks the Pareto front of max context against step time; the
+recommendation is the longest context among the configurations at most ``MAX_COST`` (2x)
+UPipe's paper setup's step time (a slower one is reported, not recommended).
+
+Simulations are cached (``SimCache``): the committed ``results/plan/sims.jsonl`` holds the
+simulations behind the committed plans (``paper_figs/plan_*.md``), so re-running those plans
+takes seconds; a user's new simulations go to ``runs/plan/sims.jsonl`` (``--cache``,
+``--no-cache``). A plan of an uncached model simulates every probe: minutes to an hour on
+2 cores (the paper stack's DeepSpeed TiledMLP and allocator replay are the slow parts;
+progress is printed).
 
 Layer extrapolation (exact for identical layers): a full-model simulation of a 32-64 layer
-model takes tens of seconds per trial, so every trial here simulates the model with 3 and
-4 layers and extrapolates rank 0's peak (and host peak and modelled communication time)
-linearly, ``peak(L) = p3 + (p4 - p3) * (L - 3)``: layers are identical, the first and last
-keep their checkpoints on the device (with 3 or more layers) and each further layer adds the
-same parameter, gradient, optimizer and host-checkpoint bytes. Inside the search, a length
-may reuse the per-layer increment measured at another length (one 3-layer simulation);
-the longest fitting length is always simulated with both, and the shortest failing one
-too unless the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py`` checks it
-against a full simulation. Models with 4 layers or fewer are simulated whole.
-
-A length fits when rank 0's peak is within the preset's usable device bytes and its
-offloads within the preset's usable host bytes per GPU (``DevicePreset.host_usable``).
+model takes minutes per trial, so every trial here simulates the model with 3 and 4 layers
+and extrapolates (``bench.search.extrapolate.extrapolate``: peaks, host peak, categories,
+counts; the reserved peak keeps the 4-layer run's slack over the allocated one), then judges
+the result as a row is judged (``bench.measure.run.build_row``). Inside the search, a length
+may reuse the per-layer increments measured at another length (one 3-layer simulation); the
+longest fitting length is always simulated with both, and the shortest failing one too unless
+the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py``
+checks it against a full simulation. Models with 4 layers or fewer, and two-level
+checkpoints (``ac_group``: the host then holds group inputs plus one group's block inputs,
+not linear in the layers), are simulated whole.
 
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
-the peak (which grows smoothly with the length) proposes the next multiple inside the
-bracket [longest fit, shortest failure]; it ends when the two are one step apart, so the
-answer is exact to one step as in ``bench.search.maxctx``.
+the load (the binding budget's fill, which grows smoothly with the length) proposes the next
+multiple inside the bracket [longest fit, shortest failure]; it ends when the two are one
+step apart, so the answer is exact to one step as in ``bench.search.maxctx``.
 
 Step time: a measured row from ``results/`` (mode real, same method/options/model/world
 size/device/length) when one exists; else ``bench.measure.steptime``'s model (its fitted
@@ -503,7 +520,14 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
                                     initargs=(cache_args,))
                 if workers > 1 else None)
         try:
-            found = list(pool.map(_search_entry, jobs)) if pool else [_search_entry(j) for j in jobs]
+            found = []
+            print(f"[plan] {len(jobs)} searches on {workers} worker(s); a line as each finishes "
+                  "(in order)", file=progress, flush=True)
+            for e in (pool.map(_search_entry, jobs) if pool else map(_search_entry, jobs)):
+                found.append(e)
+                what = e.skipped or e.error or f"max context {human(e.max_context)}"
+                print(f"[plan] {e.label}: {what} ({e.points} simulations, {e.seconds:.0f}s)",
+                      file=progress, flush=True)
             by_trial = {e.trial: e for e in found}
             done = []
             for e in todo:

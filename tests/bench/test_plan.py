@@ -1,4 +1,5 @@
 """python -m bench plan (bench.search.plan): layer extrapolation is exact; a tiny plan finishes."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import pytest
 from bench import cli
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
-from bench.search.plan import extrapolated, search_max
+from bench.search.plan import Entry, SimCache, extrapolated, pareto_front, recommend, search_max
 
 TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 384,
         "vocab_size": 1024, "rope_theta": 500000.0}
@@ -48,14 +49,62 @@ def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
 
 
 def test_plan_on_a_config_file(tiny_file, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench", "plan", "--model", tiny_file, "--gpus", "4",
-                          "--device", "h100-80g", "--max-seq-len", "1M", "--granularity", "256K",
-                          "--out-dir", str(tmp_path / "figs")], capture_output=True, text=True, timeout=600)
+    cache = tmp_path / "sims.jsonl"
+    argv = [sys.executable, "-m", "bench", "plan", "--model", tiny_file, "--gpus", "4", "--device", "h100-80g",
+            "--max-seq-len", "1M", "--granularity", "256K", "--stack", "lean", "--cache", str(cache),
+            "--out-dir", str(tmp_path / "figs")]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "recommendation: longest context:" in out.stdout
-    assert "layer extrapolation" in out.stdout
+    text = out.stdout
+    assert "longest context:" in text and "recommendation: " in text and "lean stack" in text
+    assert "layer extrapolation" in text
+    # the beyond-the-paper rungs, each keeping the levers before it, and the Pareto marks
+    assert "upipe U=4 +our RoPE" in text and "upipe U=4 +2-level AC" in text
+    assert any(line.startswith("P ") for line in text.splitlines())
     assert (tmp_path / "figs" / "plan_tiny6_4xh100-80g.md").exists()
     assert (tmp_path / "figs" / "plan_tiny6_4xh100-80g.png").exists()
+    simulated = len(cache.read_text().splitlines())
+    assert simulated > 0 and f"{simulated} new simulations" in text
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "0 new simulations" in again.stdout and len(cache.read_text().splitlines()) == simulated
+    assert [ln for ln in again.stdout.splitlines() if ln.startswith("recommendation")] == \
+        [ln for ln in text.splitlines() if ln.startswith("recommendation")]
+    assert not (tmp_path / "results").exists()  # a user's plan writes no committed data
+
+
+def _entry(label, max_context, step_time):
+    e = Entry(label, Trial.make("upipe", "tiny-llama", 1 << 20, 2))
+    e.max_context, e.step_time_s = max_context, step_time
+    return e
+
+
+def test_pareto_front_and_recommendation():
+    base = _entry("paper", 4 << 20, 10.0)
+    longer = _entry("longer", 8 << 20, 12.0)
+    dominated = _entry("dominated", 6 << 20, 13.0)
+    too_slow = _entry("too slow", 16 << 20, 25.0)
+    faster = _entry("faster", 2 << 20, 5.0)
+    front = pareto_front([base, longer, dominated, too_slow, faster])
+    assert [e.label for e in front] == ["paper", "longer", "too slow", "faster"]
+    assert recommend([base, longer, dominated, too_slow, faster], base).label == "longer"  # 25 s > 2 x 10 s
+    assert recommend([base, too_slow], None).label == "too slow"
+
+
+def test_simulation_cache_reads_committed_and_writes_only_the_users(tmp_path):
+    committed, user = tmp_path / "committed.jsonl", tmp_path / "runs" / "sims.jsonl"
+    committed.write_text(json.dumps({"key": "a", "result": {"status": "ok", "peak_bytes": 1}}) + "\n")
+    cache = SimCache(user, (committed,))
+    assert cache.get("a") == {"status": "ok", "peak_bytes": 1} and cache.get("b") is None
+    cache.put("b", {"status": "ok", "peak_bytes": 2})
+    cache.put("c", {"status": "error", "message": "x"})  # errors are not kept across runs
+    assert len(committed.read_text().splitlines()) == 1
+    assert [json.loads(line)["key"] for line in user.read_text().splitlines()] == ["b"]
+    assert SimCache(user, (committed,)).get("b") == {"status": "ok", "peak_bytes": 2}
+    trial = Trial.make("upipe", "tiny-llama", 1 << 20, 2)
+    assert SimCache.key(trial, "tiny-llama", 3) == SimCache.key(
+        dataclasses.replace(trial, model="tiny-llama"), "tiny-llama", 3)
+    assert SimCache.key(trial, "tiny-llama", 3) != SimCache.key(trial, "tiny-llama", 4)
 
 
 @pytest.mark.parametrize("argv", [
