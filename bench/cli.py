@@ -196,8 +196,8 @@ def build_parser() -> Parser:
     pl.add_argument("--paper-only", action="store_true",
                     help="only the methods in the paper's setup, not the levers beyond it (+...)")
     pl.add_argument("--cache", default=None,
-                    help="simulation cache to read and append to (default runs/plan/sims.jsonl; the committed "
-                    "results/plan/sims.jsonl is read too)")
+                    help="simulation cache to read and append to (default runs/plan/sims.ndjson; the committed "
+                    "results/plan/sims.ndjson is read too)")
     pl.add_argument("--no-cache", action="store_true", help="simulate everything, read and write no cache")
     fi = sub.add_parser("fidelity", help="the paper's memory anchors and fits/OOM boundaries, simulated under the "
                         "paper and lean stacks (bench.fidelity)")
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if out_dir is not None:
                     check_dir(out_dir, "--out-dir")
-                default_cache = runs_dir() / "plan" / "sims.jsonl"
+                default_cache = runs_dir() / "plan" / "sims.ndjson"
                 cache = None if args.no_cache else Path(args.cache) if args.cache else default_cache
                 if cache is not None:
                     check_file(cache, "--cache")

@@ -22,9 +22,9 @@ UPipe's paper setup; ``P`` marks the Pareto front of max context against step ti
 recommendation is the longest context among the configurations at most ``MAX_COST`` (2x)
 UPipe's paper setup's step time (a slower one is reported, not recommended).
 
-Simulations are cached (``SimCache``): the committed ``results/plan/sims.jsonl`` holds the
+Simulations are cached (``SimCache``): the committed ``results/plan/sims.ndjson`` holds the
 simulations behind the committed plans (``paper_figs/plan_*.md``), so re-running those plans
-takes seconds; a user's new simulations go to ``runs/plan/sims.jsonl`` (``--cache``,
+takes seconds; a user's new simulations go to ``runs/plan/sims.ndjson`` (``--cache``,
 ``--no-cache``). A plan of an uncached model simulates every probe: minutes to an hour on
 2 cores (the paper stack's DeepSpeed TiledMLP and allocator replay are the slow parts;
 progress is printed).
@@ -108,9 +108,11 @@ class SimCache:
     """Simulations the planner has run, kept across runs: ``(trial, layers) -> measure_simulated``'s
     result. A plan re-run (or another plan that shares trials) then simulates only what is new.
 
-    Read from the committed reference (``results/plan/sims.jsonl``: the simulations behind the
-    committed plans) and from the user's cache (``runs/plan/sims.jsonl`` under the working
-    directory, or ``path``); new results are appended to the user's file only, so a user's plan
+    Read from the committed reference (``results/plan/sims.ndjson``: the simulations behind the
+    committed plans) and from the user's cache (``runs/plan/sims.ndjson`` under the working
+    directory, or ``path``; JSON lines named ``.ndjson``, not ``.jsonl``, so that nothing reading
+    result rows under ``results/`` takes them for rows); new results are appended to the user's
+    file only, so a user's plan
     never touches committed data. A line is ``{"key": ..., "result": ...}``; the key is the
     trial's JSON (``Trial.to_json``) with the model named by its config name and layer count,
     so it does not depend on where the layer variant's file lives. Results depend on the code:
@@ -467,7 +469,7 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
 # --------------------------------------------------------------------------- the plan
 
 
-COMMITTED_CACHE = RESULTS_DIR / "plan" / "sims.jsonl"
+COMMITTED_CACHE = RESULTS_DIR / "plan" / "sims.ndjson"
 
 
 def _lines(path: Path | None) -> int:

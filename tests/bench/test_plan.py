@@ -49,7 +49,7 @@ def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
 
 
 def test_plan_on_a_config_file(tiny_file, tmp_path):
-    cache = tmp_path / "sims.jsonl"
+    cache = tmp_path / "sims.ndjson"
     argv = [sys.executable, "-m", "bench", "plan", "--model", tiny_file, "--gpus", "4", "--device", "h100-80g",
             "--max-seq-len", "1M", "--granularity", "256K", "--stack", "lean", "--cache", str(cache),
             "--out-dir", str(tmp_path / "figs")]
@@ -92,7 +92,7 @@ def test_pareto_front_and_recommendation():
 
 
 def test_simulation_cache_reads_committed_and_writes_only_the_users(tmp_path):
-    committed, user = tmp_path / "committed.jsonl", tmp_path / "runs" / "sims.jsonl"
+    committed, user = tmp_path / "committed.jsonl", tmp_path / "runs" / "sims.ndjson"
     committed.write_text(json.dumps({"key": "a", "result": {"status": "ok", "peak_bytes": 1}}) + "\n")
     cache = SimCache(user, (committed,))
     assert cache.get("a") == {"status": "ok", "peak_bytes": 1} and cache.get("b") is None
