@@ -43,6 +43,16 @@ OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
     ("[fidelity.md](fidelity.md), [fidelity.png](fidelity.png)",
      "the paper's memory anchors (128K, Fig. 1's ladder, Fig. 5) and Table 3's fits/OOM boundaries against "
      "the simulation, paper and lean stacks", f"`{FIDELITY_COMMAND}` (writes these two and its rows)"),
+    ("[table3_model.md](table3_model.md), [table3_model.csv](table3_model.csv)",
+     "Table 3 with the modelled step time (bench.measure.steptime) beside the paper's tokens/s, per cell: "
+     "residual and whether the cell was used to fit",
+     "`python -m bench steptime --figs paper_figs` (from the committed counts results/fidelity/steptime.jsonl)"),
+    ("[plan_llama3-8b_8xh100-80g.md](plan_llama3-8b_8xh100-80g.md), "
+     "[plan_llama3-8b_8xh100-80g.png](plan_llama3-8b_8xh100-80g.png)",
+     "the planner's answer for Llama3-8B on 8 x H100: max context and modelled step time of the paper's setups "
+     "and of the levers beyond it, Pareto front, recommendation (paper stack)",
+     "`python -m bench plan --model llama3-8b --gpus 8 --device h100-80g --cache results/plan/sims.ndjson "
+     "--out-dir paper_figs` (results/plan/README.md)"),
 )
 
 ARTEFACTS: tuple[Artefact, ...] = (
