@@ -77,6 +77,7 @@ import torch
 from analysis.plan_figure import draw_plan
 from records import GiB, human, read_rows, requested_options
 
+from ..measure import stack as paper_stack
 from ..measure.hardware import get_device
 from ..measure.run import build_row, guarded, measure_simulated
 from ..measure.steptime import FITTED, STEPTIME_VERSION, attention_kernel, scale_counts, step_time
@@ -571,14 +572,14 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     result = {
         "model": cfg.name, "gpus": gpus, "nodes": nodes, "device": device, "granularity": granularity,
         "max_seq_len": max_seq_len, "entries": done, "longest": longest, "common": common,
-        "usable_gib": preset.usable() / GiB,
+        "usable_gib": paper_stack.usable_bytes(preset, stack) / GiB,
         "host_note": f" and {host_usable / GiB:.0f} GiB of host memory for offloads" if host_usable else "",
         "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
         "stack": stack, "pareto": pareto, "baseline": baseline, "pick": pick,
         "cache": (f"{_lines(cache) - lines_before} new simulations, "
                   f"{cached_before} cached ({COMMITTED_CACHE.relative_to(RESULTS_DIR.parent)}"
-                  f"{f', {cache}' if cache else ''})") if _CACHE else "no cache (--no-cache)",
+                  f"{f', {cache}' if cache and Path(cache).resolve() != COMMITTED_CACHE else ''})")  # noqa: E501 if _CACHE else "no cache (--no-cache)",
     }
     result["text"] = render(result)
     if out_dir:
