@@ -67,7 +67,8 @@ class Impl:
 
 
 # Fig. 1's ladder (docs/paper.md, "Fig. 1: memory breakdown", after the paper's Fig. 1:
-# Default -> FSDP -> +Ulysses -> +AC -> +AO -> ALST (+tiled MLP/loss) -> UPipe): the levers each bar of results/paper/fig1_memory_breakdown.csv has, by its ``config``.
+# Default -> FSDP -> +Ulysses -> +AC -> +AO -> ALST (+tiled MLP/loss) -> UPipe): the levers each
+# bar of results/paper/fig1_memory_breakdown.csv has, by its ``config``.
 # Every bar shards the model with FSDP; "fsdp" splits no sequence (``no-cp``: all 3M tokens on
 # each GPU); the Ulysses bars run the paper's Ulysses (yunchang's USP at Ulysses degree 8, as
 # Table 3's). "default" (no FSDP) has no rung: the paper's 119 GiB is bf16 weights and gradients
