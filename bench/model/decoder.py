@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import methods
 from methods.core.rope import rope_table
+from methods.core.tiling import tile_bounds, tiles_to_run
 
 from .config import ModelConfig
 
@@ -47,30 +48,6 @@ def norm_mlp_fn(x, norm_w, w1, w2, w3, eps):
 def is_fake(t: torch.Tensor) -> bool:
     """True for a FakeTensor (simulation), where values do not exist and only shapes matter."""
     return isinstance(t, FakeTensor)
-
-
-def tiles_to_run(sizes: list[int], fake: bool) -> list[int]:
-    """Indices of the tiles/chunks a loop must process.
-
-    Real tensors: all. Fake tensors (simulation): the first tile creates the gradient
-    accumulators, and from the second on every tile of the same size allocates and frees
-    exactly the same bytes next to them, so the first two tiles and the last (when its size
-    differs) give the same peak as all of them, for a fraction of the simulation time.
-    """
-    if not fake or len(sizes) <= 3:
-        return list(range(len(sizes)))
-    return [0, 1] if sizes[-1] == sizes[1] else [0, 1, len(sizes) - 1]
-
-
-def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of ``tiles`` near-equal tiles of ``n`` (``tensor_split``'s sizes)."""
-    base, extra = divmod(n, tiles)
-    out, start = [], 0
-    for i in range(tiles):
-        length = base + (1 if i < extra else 0)
-        out.append((start, length))
-        start += length
-    return out
 
 
 class _Tiled(torch.autograd.Function):

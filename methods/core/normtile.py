@@ -11,8 +11,7 @@ cheap next to the GEMMs) is recomputed once per projection.
 
 Tiles follow the paper's (ALST) tiled-MLP rule, ``ceil(local tokens / D)`` tiles of about D
 tokens. Under simulation (fake tensors) only the first two tiles and a shorter last one run:
-every other tile allocates and frees the same bytes (``bench.model.decoder.tiles_to_run``'s
-argument, restated here because methods do not import the bench).
+every other tile allocates and frees the same bytes (``methods.core.tiling.tiles_to_run``).
 """
 from __future__ import annotations
 
@@ -22,18 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .tiling import tile_bounds, tiles_to_run
+
 
 def _bounds(n: int, dim: int, fake: bool) -> list[tuple[int, int]]:
-    tiles = max(1, math.ceil(n / dim))
-    base, extra = divmod(n, tiles)
-    out, start = [], 0
-    for i in range(tiles):
-        length = base + (1 if i < extra else 0)
-        out.append((start, length))
-        start += length
-    if fake and len(out) > 3:
-        out = out[:2] + ([out[-1]] if out[-1][1] != out[1][1] else [])
-    return out
+    bounds = tile_bounds(n, max(1, math.ceil(n / dim)))
+    return [bounds[i] for i in tiles_to_run([length for _, length in bounds], fake)]
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
