@@ -301,6 +301,14 @@ def _load_figures(f: Figures, result: dict[str, Any]) -> list[str]:
     return notes
 
 
+def budgeted_peak(trial: Trial, f: Figures) -> tuple[bool, int | None]:
+    """(judged on the paper stack, the peak judged against the device budget): under the paper
+    stack the modelled allocator's reserved peak (never below the allocated one), else the
+    allocated peak."""
+    paper = trial.mode == "simulated" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
+    return paper, (max(f.peak_reserved_bytes, f.peak_bytes) if paper else f.peak_bytes)
+
+
 def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: str | None = None) -> Row:
     cfg = trial.config()
     preset = trial.preset()
@@ -343,10 +351,9 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.tokens_per_s_per_device = f.tokens_per_device / f.step_time_s  # (simulated: the model's)
         f.tflops_per_device = f.flops_per_device / f.step_time_s / 1e12
     # memory budget: simulation has no OOM to catch, nor does a CPU
-    paper = trial.mode == "simulated" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
-    # paper stack: the reserved peak, which the allocator model caps at what it may map; a replay
-    # that ran out (even after releasing its cache) is an OOM whatever the peak it reached
-    compared = max(f.peak_reserved_bytes, f.peak_bytes) if paper else f.peak_bytes
+    paper, compared = budgeted_peak(trial, f)
+    # paper stack: a replay that ran out (even after releasing its cache) is an OOM whatever the
+    # peak it reached
     allocator_oom = paper and (result.get("allocator") or {}).get("oom")
     if status == "ok" and paper and allocator_oom:
         status = "oom"

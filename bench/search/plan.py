@@ -79,7 +79,7 @@ from records import GiB, human, read_rows, requested_options
 
 from ..measure import stack as paper_stack
 from ..measure.hardware import get_device
-from ..measure.run import build_row, guarded, measure_simulated
+from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
 from ..measure.steptime import FITTED, STEPTIME_VERSION, attention_kernel, scale_counts, step_time
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
@@ -233,8 +233,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         return p
     row = build_row(trial, {**result, "status": "ok"}, 0.0)
     f = row.figures
-    paper = trial.step.stack == "paper" and f.peak_reserved_bytes is not None
-    compared = max(f.peak_reserved_bytes, f.peak_bytes) if paper else f.peak_bytes
+    _, compared = budgeted_peak(trial, f)
     host_usable = f.host_usable_bytes
     # the binding budget: device memory, or the preset's host memory per GPU for offloads
     load = max(compared / f.usable_bytes, (f.host_peak_bytes or 0) / host_usable if host_usable else 0.0)
