@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable
 from records import GiB, Row, append_rows, human
 
 from .measure import stack as paper_stack
+from .measure.run import HOST_OOM
 from .measure.trial import Trial
 from .search.extrapolate import layer_extrapolated_runner
 from .training.config import StepConfig
@@ -253,7 +254,6 @@ def memory_gib(row: Row, stack: str) -> float | None:
     return None if value is None else value / GiB
 
 
-HOST_OOM = "host memory:"  # the start of bench.measure.run's message for offloads over the host budget
 
 
 def host_only_oom(row: Row) -> bool:

@@ -301,6 +301,9 @@ def _load_figures(f: Figures, result: dict[str, Any]) -> list[str]:
     return notes
 
 
+HOST_OOM = "host memory:"  # how the message of an OOM on the host budget alone starts (bench.fidelity reads it)
+
+
 def budgeted_peak(trial: Trial, f: Figures) -> tuple[bool, int | None]:
     """(judged on the paper stack, the peak judged against the device budget): under the paper
     stack the modelled allocator's reserved peak (never below the allocated one), else the
@@ -371,7 +374,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         f.host_usable_bytes = preset.host_usable()
         if status == "ok" and f.host_usable_bytes and (f.host_peak_bytes or 0) > f.host_usable_bytes:
             status = "oom"
-            message = (f"host memory: offloads of {f.host_peak_bytes / GiB:.2f} GiB per rank exceed the usable "
+            message = (f"{HOST_OOM} offloads of {f.host_peak_bytes / GiB:.2f} GiB per rank exceed the usable "
                        f"{f.host_usable_bytes / GiB:.2f} GiB of host memory per GPU ({preset.name})")
     if trial.step.ac_offload and trial.step.scope == "model" and (
             preset.kind == "cpu" and trial.mode != "simulated"):
