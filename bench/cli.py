@@ -43,7 +43,7 @@ from .search.autochunk import run
 from .search.extrapolate import layer_extrapolated_runner
 from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
-from .training.config import OFFLOAD_KEEPS, ROPE_TABLES, StepConfig
+from .training.config import ALLOCATOR_POOLS, OFFLOAD_KEEPS, ROPE_TABLES, StepConfig
 from .training.presets import expand
 
 QUICK_ANCHOR = "128k-llama3-8b-upipe-x8"
@@ -141,6 +141,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="simulated mode: replay the step's allocations through a model of the CUDA caching "
                    "allocator (bench.measure.allocator) and record its reserved peak; expandable: as with "
                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the paper's setting")
+    p.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="shared",
+                   help="simulated mode, with an allocator model: shared = one pool for every stream; "
+                   "per-stream = a pool per CUDA stream, as the caching allocator keys its blocks (FSDP2's "
+                   "all-gather buffers then never serve the compute stream)")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=MIN_TIMED_STEPS,
                    help=f"timed steps (real/emulated; at least {MIN_TIMED_STEPS} unless --smoke): the row records "
@@ -209,6 +213,9 @@ def build_parser() -> Parser:
     fi.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
                     help="trials in parallel (a process pool; default: the CPUs, at most 4; the full run is about "
                     "16 CPU-minutes, so 2 idle cores finish it in about 8 minutes)")
+    fi.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="shared",
+                    help="the paper stack's allocator pools: shared (one pool for every stream) or per-stream "
+                    "(a pool per CUDA stream, as the caching allocator keeps them)")
     fi.add_argument("--out", default=None, help="directory for fidelity.jsonl (default runs/fidelity)")
     fi.add_argument("--figs-dir", default=None, help="directory for fidelity.{md,png} (default: --out)")
     return parser
@@ -225,7 +232,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
             loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, sim_device=args.sim_device,
             stack=args.stack or ("paper" if args.mode == "simulated" else "lean"),
             tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
-            allocator_model=args.allocator_model, offload_keep=args.offload_keep,
+            allocator_model=args.allocator_model, allocator_pools=args.allocator_pools, offload_keep=args.offload_keep,
             fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
             ac_group=args.ac_group, **levers,
         )
@@ -375,7 +382,7 @@ def _fidelity(args) -> int:
         check_dir(figs, "--figs-dir")
     except OutputError as err:
         raise UsageError(f"python -m bench fidelity: error: {err}") from None
-    results = fidelity.run_anchors(chosen, jobs=args.jobs)
+    results = fidelity.run_anchors(chosen, jobs=args.jobs, pools=args.allocator_pools)
     print(fidelity.text_table(results))
     for path in fidelity.write_outputs(results, out, figs):
         print(f"wrote {path}", file=sys.stderr)

@@ -139,9 +139,12 @@ class Anchor:
             return f"{self.paper_gib:.2f} GiB"
         return self.expect if self.paper_need_gib is None else f"{self.expect} ({self.paper_need_gib:g} GiB)"
 
-    def trial(self, stack: str) -> Trial:
+    def trial(self, stack: str, pools: str = "shared") -> Trial:
+        """The anchor's trial under ``stack``; ``pools``: the paper stack's allocator pools
+        (``StepConfig.allocator_pools``; the lean stack has no allocator model)."""
+        extra = {"allocator_pools": pools} if stack == "paper" and pools != "shared" else {}
         return Trial.make(self.impl.method, self.model, self.seq_len, self.gpus, dict(self.impl.options),
-                          mode="simulated", device=DEVICE, step=StepConfig(stack=stack, **self.impl.levers))
+                          mode="simulated", device=DEVICE, step=StepConfig(stack=stack, **self.impl.levers, **extra))
 
 
 def fig1_slug(config: str) -> str:
@@ -331,15 +334,16 @@ def run_one(trial: Trial) -> Row:
 
 
 def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None] | None = None,
-                runner: Callable[[Trial], Row] | None = None) -> list[Result]:
+                runner: Callable[[Trial], Row] | None = None, pools: str = "shared") -> list[Result]:
     """Run every anchor under both stacks (a trial shared by anchors runs once); ``jobs`` > 1:
-    a process pool. ``log`` gets one progress line per trial."""
+    a process pool. ``log`` gets one progress line per trial; ``pools``: the paper stack's
+    allocator pools (``Anchor.trial``)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     runner = runner or run_one
     todo: dict[tuple, tuple[Trial, list[str]]] = {}
     for a in anchors:
         for stack in STACKS:
-            trial = a.trial(stack)
+            trial = a.trial(stack, pools)
             trial.validate(here=False)
             todo.setdefault(trial.key(), (trial, []))[1].append(a.name)
     # a pool gets the costliest trials first so that none starts last and runs alone (serial: as listed)
@@ -367,7 +371,7 @@ def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None]
                 done(i, pending[fut], row, row.figures.wall_s or time.perf_counter() - t0)
     log(f"{len(keys)} trials in {time.perf_counter() - t0:.0f} s wall, {cpu_seconds() - cpu0:.0f} s CPU "
         f"(this process and its finished workers; jobs={jobs})")
-    return [Result(a, {stack: rows[a.trial(stack).key()] for stack in STACKS}) for a in anchors]
+    return [Result(a, {stack: rows[a.trial(stack, pools).key()] for stack in STACKS}) for a in anchors]
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -394,6 +398,13 @@ def text_table(results: list[Result]) -> str:
                               f"stack.FITTED = {paper_stack.FITTED} bytes"])
 
 
+def pools_of(results: list[Result]) -> str:
+    """The paper stack's allocator pools the results were simulated with (``shared`` for rows without the lever)."""
+    paper = [r.rows["paper"] for r in results if r.rows.get("paper") is not None]
+    found = {(row.levers or {}).get("allocator_pools", "shared") for row in paper}
+    return ", ".join(sorted(found)) or "shared"
+
+
 def markdown(results: list[Result]) -> str:
     passed = sum(r.passes() for r in results)
     lines = [
@@ -402,7 +413,9 @@ def markdown(results: list[Result]) -> str:
         f"preset `{DEVICE}`, once under the paper stack and once under the lean stack "
         "(`bench.measure.stack`), each model's step extrapolated over its layers from 3- and 4-layer "
         "simulations (`bench.search.extrapolate`). Memory compared: the modelled allocator's reserved "
-        "peak under the paper stack, the allocated peak under lean; GiB = 2^30 bytes.", "",
+        "peak under the paper stack, the allocated peak under lean; GiB = 2^30 bytes. Allocator pools "
+        f"(`--allocator-pools`): **{pools_of(results)}** (`shared`: one pool for every stream; `per-stream`: a "
+        "pool per CUDA stream, as the caching allocator keeps them).", "",
         f"Fitted constant of the paper stack: `bench.measure.stack.FITTED` = {paper_stack.FITTED} bytes "
         f"({paper_stack.FITTED / GiB:.2f} GiB).", "",
         f"Targets: memory anchors within {REL_TOL:.0%} of the paper (Fig. 5's, read by eye: within "

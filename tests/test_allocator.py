@@ -334,3 +334,86 @@ def test_simulated_mode_records_the_reserved_peak_without_changing_the_fit():
     with pytest.raises(ValueError, match="in emulated mode the real allocator"):
         Trial.make("ulysses", "tiny-llama", 1024, 2, mode="emulated", device="cpu",
                    step=StepConfig(allocator_model="classic")).validate()
+
+
+# ------------------------------------------------------------------ streams
+
+
+@pytest.mark.parametrize("expandable", MODES)
+def test_a_block_cached_by_one_stream_is_not_reused_by_another(expandable):
+    a = model(expandable)
+    b = a.malloc(50 * MiB, stream=1)
+    a.free(b, 50 * MiB)
+    reserved = a.reserved
+    again = a.malloc(50 * MiB, stream=1)  # the same stream takes its cached block back
+    assert a.reserved == reserved
+    a.free(again, 50 * MiB)
+    a.malloc(50 * MiB, stream=0)  # another stream cannot: its pool grows
+    assert a.reserved >= reserved + 50 * MiB
+
+
+
+def test_replay_shares_one_pool_unless_per_stream():
+    size = 50 * MiB
+    events = [Event(ALLOC, 0, size, "cuda:0", 1), Event(FREE, 0, size, "cuda:0", 1),
+              Event(ALLOC, 1, size, "cuda:0", 0), Event(FREE, 1, size, "cuda:0", 0)]
+    shared = replay(Trace(events), "cuda:0", per_stream=False)
+    per_stream = replay(Trace(events), "cuda:0", per_stream=True)
+    assert per_stream.peak_reserved >= shared.peak_reserved + size
+
+
+def test_recorder_tags_device_storage_with_the_simulated_current_stream():
+    from bench.measure import simcuda
+    from bench.measure.simulate import fake_tensors
+
+    simcuda.require()
+    with simcuda.runtime(), fake_tensors(torch.float32, meta_host=False):
+        side = torch.cuda.Stream()
+        other = torch.cuda.Stream()
+
+        def step():
+            x = torch.empty(1024, device="cuda")
+            with torch.cuda.stream(side):
+                y = torch.empty(2048, device="cuda")
+                assert torch.cuda.current_stream() is side
+                with torch.cuda.stream(other):
+                    z = torch.empty(4096, device="cuda")
+                w = torch.empty(8192, device="cuda")
+            h = torch.empty(16, device="cpu")
+            del x, y, z, w, h
+
+        _, trace = record_step(step)
+    streams = {(e.action, e.nbytes, e.device): e.stream for e in trace.events}
+    assert streams[(ALLOC, 4096, "cuda:0")] == 0
+    assert streams[(ALLOC, 8192, "cuda:0")] == streams[(ALLOC, 32768, "cuda:0")] == 1  # back on side
+    assert streams[(ALLOC, 16384, "cuda:0")] == 2
+    assert streams[(ALLOC, 64, "cpu")] == 0
+    assert all(e.stream == streams[(ALLOC, e.nbytes, e.device)] for e in trace.events if e.action == FREE)
+    assert simcuda.stream_id() == 0  # the runtime's streams are gone with it
+
+
+def test_fsdp2_all_gather_buffers_are_made_on_its_copy_in_stream():
+    """A simulated model step: FSDP2's all-gather outputs (the unsharded parameters, flat)
+    come from a side stream, so the replay keeps them in a pool of their own."""
+    from bench.measure import run
+    from bench.measure.trial import Trial
+    from bench.training.config import StepConfig
+
+    seen = {}
+    real = run.replay
+
+    def keep(trace, device, **kw):
+        seen["events"] = [e for e in trace.events[trace.step_start:] if e.device == device]
+        return real(trace, device, **kw)
+
+    trial = Trial.make("ulysses", "tiny-llama", 1024, 2, mode="simulated", device="h100-80g",
+                       step=StepConfig(scope="model", allocator_model="expandable"))
+    run.replay = keep
+    try:
+        out = run.measure_simulated(trial)
+    finally:
+        run.replay = real
+    side = [e for e in seen["events"] if e.action == ALLOC and e.stream != 0]
+    assert side, "no allocation on a side stream"
+    assert {e.op for e in side} >= {"empty.memory_format"}
+    assert out["peak_reserved_bytes"] >= out["allocator"]["peak_allocated_bytes"]

@@ -58,10 +58,18 @@ expandable segments arrived in 2.1). Mechanisms modelled, each with where it liv
   in ``release_block``/``unmap_block``; their peaks are what ``max_memory_allocated`` and
   ``max_memory_reserved`` return.
 
+Streams: each allocation is recorded with the stream current when it was made
+(``bench.measure.simcuda.stream_id``: the simulated runtime tracks ``torch.cuda.stream(...)``
+contexts; FSDP2 makes its all-gather inputs and outputs on its copy-in stream and its
+reduce-scatter outputs on its reduce-scatter stream, a method's store its chunks on its copy
+stream), and the replay keeps a pool per stream, so a block cached by one stream is not
+reused by another (``BlockPool`` lookups compare ``stream``; ``Block::stream``). A replay with
+``per_stream=False`` (``StepConfig.allocator_pools="shared"``) puts every allocation in one
+stream's pools instead: the model as it was before streams were tracked.
+
 Not modelled: cross-stream use (``recordStream``, ``stream_uses`` and the CUDA events that
 defer a free until other streams are done, ``insert_events``/``process_events``): every
-free here completes at once, on the stream it was allocated on (the recorder cannot tell
-streams under FakeTensorMode, so everything is stream 0). Nor the ``max_split_size_mb``,
+free here completes at once, on the stream it was allocated on. Nor the ``max_split_size_mb``,
 ``roundup_power2_divisions`` and ``garbage_collection_threshold`` options, the memory
 fraction (``set_fraction``), the free-memory callbacks, CUDA graph private pools, IPC,
 memory the allocator does not manage (CUDA context, NCCL and cuBLAS workspaces), and
@@ -80,6 +88,7 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 from torch.distributed._tools.mem_tracker import _UpdateType
 
+from .simcuda import stream_id
 from .simulate import MemoryPeak, PeakTracker, peaks_by_device
 
 # constants of c10/cuda/CUDACachingAllocator.cpp
@@ -167,7 +176,8 @@ class TraceRecorder(PeakTracker):
     Tensors given to ``track_external`` (before entering) are the trace's initial
     allocations. Works on fake and real tensors alike.
 
-    ``stream`` is recorded as 0: fake tensors carry no stream.
+    ``stream``: the simulated runtime's current stream for device storage
+    (``simcuda.stream_id``; 0 outside a simulation and for host storage).
     """
 
     def __init__(self) -> None:
@@ -186,13 +196,14 @@ class TraceRecorder(PeakTracker):
 
     def _log_alloc(self, winfo, nbytes: int) -> None:
         eid = next(self._ids)
-        winfo._trace_event = (eid, nbytes)
-        self.trace.events.append(Event(ALLOC, eid, nbytes, self._device_name(winfo.device), 0, self._op))
+        stream = stream_id() if winfo.device.type == "cuda" else 0
+        winfo._trace_event = (eid, nbytes, stream)
+        self.trace.events.append(Event(ALLOC, eid, nbytes, self._device_name(winfo.device), stream, self._op))
 
-    def _log_free(self, winfo, live: tuple[int, int] | None) -> None:
+    def _log_free(self, winfo, live: tuple[int, int, int] | None) -> None:
         if live is not None:
-            eid, nbytes = live
-            self.trace.events.append(Event(FREE, eid, nbytes, self._device_name(winfo.device), 0, self._op))
+            eid, nbytes, stream = live
+            self.trace.events.append(Event(FREE, eid, nbytes, self._device_name(winfo.device), stream, self._op))
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
@@ -389,9 +400,10 @@ class CachingAllocatorModel:
                 if is_small == small:
                     self._release_blocks(pool)
 
-    def replay(self, events: Iterable[Event], device: str | None = None) -> ReplayResult:
+    def replay(self, events: Iterable[Event], device: str | None = None, per_stream: bool = True) -> ReplayResult:
         """Replay ``events`` (those of ``device`` if given) and return the peaks. An
-        allocation that fails ends the replay with ``oom`` set."""
+        allocation that fails ends the replay with ``oom`` set. ``per_stream=False`` puts every
+        allocation in the default stream's pools (one shared pool, as if on one stream)."""
         live: dict[int, _Block] = {}
         count = 0
         oom = None
@@ -401,7 +413,7 @@ class CachingAllocatorModel:
             count += 1
             if e.action == ALLOC:
                 try:
-                    live[e.id] = self.malloc(e.nbytes, e.stream)
+                    live[e.id] = self.malloc(e.nbytes, e.stream if per_stream else 0)
                 except AllocatorOOM as err:
                     oom = str(err)
                     break
@@ -623,9 +635,9 @@ def record_step(step: Callable[[], None], *external) -> tuple[dict[str, MemoryPe
 
 
 def replay(trace: Trace, device: str, expandable_segments: bool = True,
-           capacity: int | None = None) -> ReplayResult:
+           capacity: int | None = None, per_stream: bool = True) -> ReplayResult:
     """``trace``'s events on ``device`` through a fresh ``CachingAllocatorModel``."""
-    return CachingAllocatorModel(expandable_segments, capacity).replay(trace.events, device)
+    return CachingAllocatorModel(expandable_segments, capacity).replay(trace.events, device, per_stream)
 
 
 def allocator_peaks(step: Callable[[], None], *external, device: str, expandable_segments: bool = True,

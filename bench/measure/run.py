@@ -166,9 +166,11 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         t0 = time.perf_counter()
         # the allocator may map what the device has less what lives outside it (the CUDA context)
         replayed = replay(trace, device_key, expandable_segments=allocator == "expandable",
-                          capacity=stack.usable_bytes(trial.preset(), "paper"))
+                          capacity=stack.usable_bytes(trial.preset(), "paper"),
+                          per_stream=trial.step.allocator_pools == "per-stream")
         extra = {"peak_reserved_bytes": replayed.peak_reserved,
-                 "allocator": {"model": allocator, "peak_allocated_bytes": replayed.peak_allocated,
+                 "allocator": {"model": allocator, "pools": trial.step.allocator_pools,
+                               "peak_allocated_bytes": replayed.peak_allocated,
                                "events": replayed.events, "replay_s": time.perf_counter() - t0,
                                "cache_releases": replayed.cache_releases, "oom": replayed.oom}}
     return {
@@ -390,7 +392,8 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if trial.mode == "simulated" and allocator:
         notes.append(
             f"peak_reserved_bytes: the step's {allocator['events']} device allocations and frees replayed through "
-            f"a model of the CUDA caching allocator ({allocator['model']} segments, bench.measure.allocator; "
+            f"a model of the CUDA caching allocator ({allocator['model']} segments, "
+            f"{allocator.get('pools', 'shared')} pools, bench.measure.allocator; "
             f"its allocated peak {allocator['peak_allocated_bytes'] / GiB:.2f} GiB, "
             f"{allocator['cache_releases']} cache releases, replay {allocator['replay_s']:.2f} s)")
         if allocator["oom"]:

@@ -20,7 +20,14 @@ step before it runs, or in the budget by :func:`usable_bytes`:
    PyTorch's CUDA caching allocator with ``expandable_segments:True``
    (``bench.measure.allocator``). Source: the authors' scripts set
    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (docs/paper.md, "Training stack");
-   the allocator's rules from ``c10/cuda/CUDACachingAllocator.cpp``.
+   the allocator's rules from ``c10/cuda/CUDACachingAllocator.cpp``. Its pools
+   (``StepConfig.allocator_pools``): ``shared`` by default, one pool for every stream;
+   ``per-stream`` keeps a pool per CUDA stream as the real allocator does, so FSDP2's
+   all-gather buffers (made on its copy-in stream) and reduce-scatter outputs never serve
+   the compute stream. ``per-stream`` is the truer mechanism; it is not yet the default
+   because the committed plans and max-context rows were simulated with ``shared`` and
+   have not been regenerated (its fidelity table: ``results/fidelity/per-stream-pools/``,
+   docs/paper.md "Simulation").
 2. ``kernel_scratch``: the attention backward's scratch buffers. Methods that call flash-attn
    through a library (yunchang, ring-flash-attn, DeepSpeed) get them from
    ``bench.measure.fake_flash_attn`` (flash-attn's ``mha_bwd``); our own methods get the FA3

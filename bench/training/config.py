@@ -29,6 +29,10 @@ KERNEL_WORKSPACES = ("none", "fa2", "fa3")
 # simulation only: replay the step's allocations through a model of the CUDA caching allocator
 # (bench.measure.allocator) to add its reserved peak; classic segments or expandable_segments:True
 ALLOCATOR_MODELS = ("none", "classic", "expandable")
+# the allocator model's pools: "shared": one pool for every stream (the model before streams were
+# tracked); "per-stream": a pool per stream, as CUDA's caching allocator keys its blocks
+# (bench.measure.allocator, "Streams")
+ALLOCATOR_POOLS = ("shared", "per-stream")
 # whose implementation runs the tiled MLP / chunked loss (DeepSpeed's: runtime.sequence_parallel.ulysses_sp)
 IMPLS = ("ours", "deepspeed")
 # simulation only: which fake device runs the step (bench.measure.simcuda). "auto": the device
@@ -51,7 +55,8 @@ OFFLOAD_KEEPS = ("first_last", "first", "none")
 
 # fields added after rows were committed: a row records them only away from their default
 LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
-               "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table", "ac_group")
+               "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table", "ac_group",
+               "allocator_pools")
 # simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
 # away from its default such a setting is refused outside simulated mode (Trial.validate)
 SIMULATION_ONLY = (
@@ -62,6 +67,8 @@ SIMULATION_ONLY = (
     ("sim_device", "picks the fake device of a simulation", "the trial runs on its real device", "drop it"),
     ("allocator_model", "models the CUDA caching allocator under simulation",
      "the real allocator reports its own reserved peak", "drop it"),
+    ("allocator_pools", "picks the pools of the simulated caching allocator",
+     "the real allocator keeps its own per-stream pools", "drop it"),
 )
 
 
@@ -93,6 +100,7 @@ class StepConfig:
     allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
     rope_table: str = "auto"  # auto (the stack decides) | none | checkpointed (TorchTitan's table, a block argument)
     ac_group: int = 1  # blocks per outer checkpoint (bench.training.nested); 1: one checkpoint per block
+    allocator_pools: str = "shared"  # simulation only, with allocator_model: shared | per-stream (ALLOCATOR_POOLS)
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -127,6 +135,8 @@ class StepConfig:
             raise ValueError(f"offload_keep must be one of {list(OFFLOAD_KEEPS)}, got {self.offload_keep!r}")
         if self.sim_device not in SIM_DEVICES:
             raise ValueError(f"sim_device must be one of {list(SIM_DEVICES)}, got {self.sim_device!r}")
+        if self.allocator_pools not in ALLOCATOR_POOLS:
+            raise ValueError(f"allocator_pools must be one of {list(ALLOCATOR_POOLS)}, got {self.allocator_pools!r}")
         if self.allocator_model not in ALLOCATOR_MODELS:
             raise ValueError(f"allocator_model must be one of {list(ALLOCATOR_MODELS)}, "
                              f"got {self.allocator_model!r}")

@@ -19,12 +19,18 @@ What cannot exist without a GPU runtime, and how simulation stands in for it
 (``runtime()``, entered only around a simulated step):
 
 * **Streams** (``torch.cuda.Stream``, ``current_stream``, ``stream(...)``): generic
-  ``torch.Stream`` objects of the shim's device; every stream is the one default stream and
-  completes at once. Code that orders work across streams (FSDP2's all-gather and
-  reduce-scatter streams, a method's copy stream) runs its normal branch; memory that a real
-  run would hold until another stream catches up is freed when Python drops it, i.e. the
-  simulation assumes the streams keep up (FSDP2 itself keeps its buffers referenced until
-  the consuming event, so its prefetch overlap is still seen).
+  ``torch.Stream`` objects of the shim's device that complete at once. Code that orders work
+  across streams (FSDP2's all-gather and reduce-scatter streams, a method's copy stream) runs
+  its normal branch; memory that a real run would hold until another stream catches up is
+  freed when Python drops it, i.e. the simulation assumes the streams keep up (FSDP2 itself
+  keeps its buffers referenced until the consuming event, so its prefetch overlap is still
+  seen). Which stream is *current* is tracked, though (``stream(s)`` enters ``s``,
+  ``current_stream()`` returns it, ``stream_id()`` numbers it: 0 for the default stream, 1, 2
+  ... for the streams made here in order of creation), because the CUDA caching allocator
+  keys its cached blocks by the stream current at allocation (``Block::stream``; a free
+  block is reused only by an allocation on the same stream), so the allocator model
+  (``bench.measure.allocator``) needs each allocation's stream to keep FSDP2's all-gather
+  buffers, made on its copy-in stream, out of the compute stream's pool, as on a GPU.
 * **Events** (``torch.cuda.Event``): generic ``torch.Event`` objects, always complete;
   ``elapsed_time`` is not available (no timing in simulation).
 * **record_stream** (``Tensor.record_stream``: the allocator defers reusing a block until the
@@ -175,6 +181,22 @@ def _register_record_stream() -> None:
     _LIBRARIES.append(lib)
 
 
+_STREAMS: list = []  # the streams made under runtime(), in order of creation (kept alive: ids stay unique)
+_ACTIVE: list = []  # the stack of streams entered with torch.cuda.stream(...)
+
+
+def stream_id() -> int:
+    """The current simulated stream as the allocator model keys it: 0 for the default stream,
+    ``n`` for the n-th stream made under ``runtime()``. Always 0 outside ``runtime()``."""
+    if not _ACTIVE:
+        return 0
+    current = _ACTIVE[-1]
+    for i, made in enumerate(_STREAMS):
+        if made is current:
+            return i + 1
+    return 0  # a stream not made here (the default stream entered explicitly)
+
+
 @contextlib.contextmanager
 def runtime() -> Iterator[None]:
     """Stand-ins for the Python-level CUDA runtime during a simulated step (see the module
@@ -186,14 +208,23 @@ def runtime() -> Iterator[None]:
         return
 
     def current_stream(device=None):
-        return torch.accelerator.current_stream()
+        return _ACTIVE[-1] if _ACTIVE else torch.accelerator.current_stream()
 
     @contextlib.contextmanager
     def stream(s=None):
-        yield s
+        if s is None:
+            yield s
+            return
+        _ACTIVE.append(s)
+        try:
+            yield s
+        finally:
+            _ACTIVE.pop()
 
     def new_stream(device=None, priority: int = 0, **_):
-        return torch.Stream("cuda", priority=priority)
+        made = torch.Stream("cuda", priority=priority)
+        _STREAMS.append(made)
+        return made
 
     def new_event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         return torch.Event("cuda", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
@@ -213,8 +244,12 @@ def runtime() -> Iterator[None]:
     saved = {name: getattr(torch.cuda, name) for name in stand_ins}
     for name, fn in stand_ins.items():
         setattr(torch.cuda, name, fn)
+    _STREAMS.clear()
+    _ACTIVE.clear()
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
+        _STREAMS.clear()
+        _ACTIVE.clear()
