@@ -7,18 +7,38 @@ and fa3) are in tests/bench/test_simulated_flash_attn.py.
 """
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+import warnings
+
 import pytest
 import torch
 
 from methods.core import yc_fa3
 
-yunchang = pytest.importorskip("yunchang")
-from yunchang import kernels  # noqa: E402 - after the skip
-from yunchang.kernels import AttnType, attention, select_flash_attn_impl  # noqa: E402
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("yunchang") is None, reason="yunchang is not installed")
+
+
+@pytest.fixture(scope="module")
+def yc():
+    """yunchang, imported in this process only while these tests run: later tests
+    (tests/test_fake_flash_attn.py) check what a process that never imported it sees."""
+    before = set(sys.modules)
+    with warnings.catch_warnings():  # yunchang's modules call torch.jit.script (deprecated) at import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from yunchang import kernels
+        from yunchang.kernels import attention
+
+    yield types.SimpleNamespace(kernels=kernels, attention=attention, FA3=kernels.AttnType.FA3,
+                                select=kernels.select_flash_attn_impl)
+    for name in set(sys.modules) - before:
+        if name == "yunchang" or name.startswith("yunchang."):
+            del sys.modules[name]
 
 
 @pytest.fixture
-def fa3(monkeypatch):
+def fa3(monkeypatch, yc):
     """Recorders in place of the flash-attn 3 functions yunchang bound at import: the calls' keywords."""
     calls = []
 
@@ -29,40 +49,40 @@ def fa3(monkeypatch):
     def backward(dout, q, k, v, out, lse, **kwargs):
         calls.append(("bwd", kwargs))
 
-    monkeypatch.setattr(attention, "HAS_FLASH_ATTN_HOPPER", True)  # yunchang's own stages assert it
-    monkeypatch.setattr(attention, "flash_attn_forward_hopper", forward)
-    monkeypatch.setattr(attention, "flash_attn_func_hopper_backward", backward)
+    monkeypatch.setattr(yc.attention, "HAS_FLASH_ATTN_HOPPER", True)  # yunchang's own stages assert it
+    monkeypatch.setattr(yc.attention, "flash_attn_forward_hopper", forward)
+    monkeypatch.setattr(yc.attention, "flash_attn_func_hopper_backward", backward)
     return calls
 
 
-def stage_call(stage: str, causal: bool):
+def stage_call(yc, stage: str, causal: bool):
     q = torch.zeros(1, 8, 2, 4)
+    fn = yc.select(yc.FA3, stage=stage)
     if stage == "fwd-only":
-        return select_flash_attn_impl(AttnType.FA3, stage=stage)(q, q, q, 0.0, 0.5, causal=causal,
-                                                                  window_size=(-1, -1), softcap=0.0,
-                                                                  alibi_slopes=None, return_softmax=False)
+        return fn(q, q, q, 0.0, 0.5, causal=causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  return_softmax=False)
     lse = torch.zeros(1, 2, 8)
-    return select_flash_attn_impl(AttnType.FA3, stage=stage)(q, q, q, q, q, lse, q.clone(), q.clone(), q.clone(),
-                                                              0.0, 0.5, causal, (-1, -1), 0.0, None, False, None)
+    return fn(q, q, q, q, q, lse, q.clone(), q.clone(), q.clone(), 0.0, 0.5, causal, (-1, -1), 0.0, None, False, None)
 
 
-def test_yunchang_0_6_4_drops_causal_and_the_binding_passes_it(fa3):
+def test_yunchang_0_6_4_drops_causal_and_the_binding_passes_it(yc, fa3):
     """Without the binding yunchang's stages tell flash-attn 3 causal=False (what this module is
     for; if a yunchang passes it, this test says so); bound, the caller's flag arrives; afterwards
     yunchang's own functions are back."""
+    kernels = yc.kernels
     own = (kernels.flash_attn3_func_forward, kernels.flash_attn3_func_backward)
-    stage_call("fwd-only", True), stage_call("bwd-only", True)
+    stage_call(yc, "fwd-only", True), stage_call(yc, "bwd-only", True)
     assert [kw["causal"] for _, kw in fa3] == [False, False]
     del fa3[:]
     with yc_fa3.fa3_causal():
         assert yc_fa3.is_bound()
         for causal in (True, False):
-            stage_call("fwd-only", causal), stage_call("bwd-only", causal)
+            stage_call(yc, "fwd-only", causal), stage_call(yc, "bwd-only", causal)
     assert [(kind, kw["causal"]) for kind, kw in fa3] == [("fwd", True), ("bwd", True), ("fwd", False),
                                                           ("bwd", False)]
     assert not yc_fa3.is_bound()
     assert (kernels.flash_attn3_func_forward, kernels.flash_attn3_func_backward) == own
-    assert select_flash_attn_impl(AttnType.FA3, stage="fwd-only") is own[0]
+    assert yc.select(yc.FA3, stage="fwd-only") is own[0]
 
 
 class _Probe(torch.autograd.Function):
@@ -81,7 +101,7 @@ class _Probe(torch.autograd.Function):
         return grad, grad, grad
 
 
-def test_run_binds_for_the_forward_and_for_its_backward():
+def test_run_binds_for_the_forward_and_for_its_backward(yc):
     """Two layers: each forward runs bound, nothing is bound between them or before backward, each
     backward runs bound (autograd runs them later), and nothing is bound at the end."""
     _Probe.seen = []
@@ -99,7 +119,8 @@ def test_run_binds_for_the_forward_and_for_its_backward():
     assert not yc_fa3.is_bound()
 
 
-def test_changed_yunchang_internals_are_refused_in_one_line(monkeypatch):
+def test_changed_yunchang_internals_are_refused_in_one_line(monkeypatch, yc):
+    kernels = yc.kernels
     monkeypatch.setattr(kernels, "flash_attn3_func_forward", lambda q, k, v, causal=False: None)
     with pytest.raises(RuntimeError, match=r"^yunchang 0\.6\.4's FA3 ring stages are not as methods/core/yc_fa3\.py "
                        r"expects .*flash_attn3_func_forward takes") as err:
@@ -110,7 +131,7 @@ def test_changed_yunchang_internals_are_refused_in_one_line(monkeypatch):
             pass
     assert not yc_fa3.is_bound()
     monkeypatch.delattr(kernels, "flash_attn3_func_backward")
-    monkeypatch.setattr(kernels, "flash_attn3_func_forward", attention.flash_attn3_func_forward)
+    monkeypatch.setattr(kernels, "flash_attn3_func_forward", yc.attention.flash_attn3_func_forward)
     with pytest.raises(RuntimeError, match="flash_attn3_func_backward is missing"):
         yc_fa3.check()
 
