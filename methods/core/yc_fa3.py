@@ -6,7 +6,7 @@ by ``yc-usp``'s ``LongContextAttention``) computes each block with the function
 ``causal=True`` on the diagonal block (ring step 0), ``False`` on the others. For ``AttnType.FA3``
 those functions are ``flash_attn3_func_forward`` and ``flash_attn3_func_backward`` of
 ``yunchang/kernels/attention.py`` (yunchang 0.6.4: defined at lines 253 and 296), which call
-flash-attn 3's ``_flash_attn_forward`` / ``_flash_attn_backward`` with ``causal=False`` (lines 279
+flash-attn 3's ``_flash_attn_forward`` / ``_flash_attn_backward`` with ``causal=False`` (lines 283
 and 320) whatever they are given. So the diagonal blocks run unmasked: on a GPU each query also
 attends to the later keys of its own chunks (wrong outputs and gradients), and the ring computes
 1/R more attention than a causal one (R the ring degree). flash-attn 2 (``AttnType.FA``) and FA3's
@@ -30,8 +30,8 @@ again while its backward runs, which autograd runs later (``loss.backward()``, p
 own thread): an identity autograd node on the output binds when the output's gradient arrives
 (before yunchang's backward nodes) and one on the inputs unbinds once all of their gradients
 are computed (after them). Scopes nest (a count under a lock), so several layers' forwards and
-backwards interleave safely in one process; a backward that raises midway leaves the binding in
-place (it is the correct function), and the next completed scope restores nothing early.
+backwards interleave safely in one process; a backward that raises midway leaves the count
+raised, so the binding stays for the rest of the process (harmless: it is the correct function).
 
 Refusal. ``check()`` (called when a wrapper is built with ``attn_type="fa3"``, before any
 communication) raises one line when yunchang's internals do not have the shape this was written
