@@ -18,6 +18,11 @@ the function yunchang's ``attn_type`` selects for training: the ring's backward 
 send of dK/dV to the next rank, itself, which gloo refuses. fp32: see
 ``yc_ulysses.compute_dtype`` (refused on CUDA, fp64 through the ring on CPU).
 
+``attn_type="fa3"``: pip yunchang 0.6.4's FA3 ring stages call flash-attn 3 with ``causal=False``
+whatever the ring asks (its diagonal blocks would run unmasked); the ring runs with
+``methods.core.yc_fa3`` bound, which passes ``causal`` as the paper's vendored yunchang did, and
+the rows say so (``run_notes``).
+
 On CPU the tests run it on the flash-attn stand-in (communication, layout, autograd vs the
 reference); real kernels and timings only on CUDA. yunchang is imported lazily.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .core import yc_fa3
 from .core.base import ZigzagLayoutMethod
 from .core.kernels import get_kernel
 from .core.registry import register
@@ -57,12 +63,17 @@ class YunchangRing(ZigzagLayoutMethod):
     def seq_multiple(cls, world_size: int, options: YunchangOptions) -> int:
         return 2 * world_size
 
+    @classmethod
+    def run_notes(cls, options: YunchangOptions, world_size: int) -> list[str]:
+        return [yc_fa3.NOTE] if options.attn_type == "fa3" and world_size > 1 else []
+
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec, group, **options)
         require_group(group, "yc-ring", "yunchang's zigzag ring")
         self.kernel = get_kernel("flash-attn")
         _, self.attn_type = load_yunchang("yc-ring", self.options.attn_type)
-
+        if self.options.attn_type == "fa3":
+            yc_fa3.check()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
@@ -73,11 +84,17 @@ class YunchangRing(ZigzagLayoutMethod):
 
 
 def ring_or_single(q, k, v, scale: float, attn_type, group, ring_size: int) -> torch.Tensor:
-    """yunchang's causal zigzag ring over ``group``; one rank: the single causal flash-attn call."""
-    from yunchang.kernels import select_flash_attn_impl
+    """yunchang's causal zigzag ring over ``group``; one rank: the single causal flash-attn call.
+    With ``AttnType.FA3`` the ring's blocks get their causal flag (``methods.core.yc_fa3``)."""
+    from yunchang.kernels import AttnType, select_flash_attn_impl
     from yunchang.ring import zigzag_ring_flash_attn_func
 
     if ring_size == 1:
         out = select_flash_attn_impl(attn_type, stage="fwd-bwd")(q, k, v, softmax_scale=scale, causal=True)
         return out[0] if isinstance(out, tuple) else out
-    return zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=True, group=group, attn_type=attn_type)
+
+    def ring(q, k, v):
+        return zigzag_ring_flash_attn_func(q, k, v, softmax_scale=scale, causal=True, group=group,
+                                           attn_type=attn_type)
+
+    return yc_fa3.run(ring, q, k, v) if attn_type == AttnType.FA3 else ring(q, k, v)

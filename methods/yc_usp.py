@@ -24,8 +24,10 @@ Constraints (``validate``): causal only (its zigzag ring asserts ``causal=True``
 USP: ``usp``); ``ulysses_degree`` divides C, H and G (yunchang does not replicate KV heads;
 unset: the largest such degree); ``kernel`` unset or ``"flash-attn"``; ``attn_type`` ``"fa"``
 or ``"fa3"``; a process group. fp32: refused on CUDA; on CPU run in fp64 through the ring
-(see ``yc_ulysses.compute_dtype``). On CPU the tests run it on the flash-attn stand-in; real
-kernels and timings only on CUDA. yunchang is imported lazily.
+(see ``yc_ulysses.compute_dtype``). ``attn_type="fa3"`` with a ring (degree > 1): the ring's
+blocks get their causal flag through ``methods.core.yc_fa3`` (pip yunchang 0.6.4 drops it; the
+paper's vendored copy passes it), and the rows say so (``run_notes``). On CPU the tests run it
+on the flash-attn stand-in; real kernels and timings only on CUDA. yunchang is imported lazily.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .core import yc_fa3
 from .core.base import AttentionMethod
 from .core.kernels import get_kernel
 from .core.registry import register
@@ -78,6 +81,11 @@ class YunchangUSP(USP):
             )
         check_heads("yc-usp", spec, u, "ulysses_degree")
 
+    @classmethod
+    def run_notes(cls, options: YunchangUSPOptions, world_size: int) -> list[str]:
+        ring = options.ulysses_degree is None or world_size // options.ulysses_degree > 1
+        return [yc_fa3.NOTE] if options.attn_type == "fa3" and ring and world_size > 1 else []
+
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         AttentionMethod.__init__(self, spec, group, **options)
         require_group(group, "yc-usp", "yunchang's LongContextAttention")
@@ -86,6 +94,9 @@ class YunchangUSP(USP):
         self.options = dataclasses.replace(self.options, ulysses_degree=u)
         self.ulysses_degree, self.ring_degree = u, r
         yunchang, self.attn_type = load_yunchang("yc-usp", self.options.attn_type)
+        self.fa3_ring = self.options.attn_type == "fa3" and r > 1
+        if self.fa3_ring:
+            yc_fa3.check()
         self.yc_attn = None
         if r == 1:
             self.yc_attn = yunchang.UlyssesAttention(group, scatter_idx=2, gather_idx=1, attn_type=self.attn_type)
@@ -107,6 +118,8 @@ class YunchangUSP(USP):
         q, k, v = (t.to(dt) for t in self.project_qkv(x, cos, sin))  # K/V with their G heads
         if self.yc_attn is None:  # Ulysses degree 1: the zigzag ring over the whole group
             out = ring_or_single(q, k, v, self.scale, self.attn_type, self.group, self.ring_degree)
+        elif self.fa3_ring:
+            out = yc_fa3.run(lambda q, k, v: self.yc_attn(q, k, v, softmax_scale=self.scale, causal=True), q, k, v)
         else:
             out = self.yc_attn(q, k, v, softmax_scale=self.scale, causal=True)
         return self.wo(out.to(x.dtype).flatten(2))

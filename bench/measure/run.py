@@ -381,6 +381,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if trial.step.ac_offload and trial.step.scope == "model" and (
             preset.kind == "cpu" and trial.mode != "simulated"):
         notes.append("ac_offload has no effect on a CPU device (the checkpoints are already in host memory)")
+    notes.extend(trial.method_cls().run_notes(trial.options, trial.world_size))
     if trial.mode == "simulated" and trial.method_cls().simulated_cpu_path_reason and preset.kind != "cpu":
         notes.append(trial.method_cls().simulated_cpu_path_reason)
     if trial.mode == "simulated" and trial.step.kernel_workspace != "none":

@@ -88,10 +88,10 @@ class StepTimeConstants:
 
 
 # fitted by `python -m bench steptime` on FIT_CELLS (10 cells) from results/fidelity/steptime.jsonl; a latency
-# of ~0.97 ms per collective call is far above NCCL's own (~10-50 us): it absorbs what else each call
+# of ~0.93 ms per collective call is far above NCCL's own (~10-50 us): it absorbs what else each call
 # costs (stream synchronisation, the idle gap around a blocking exchange): a fitted, not a measured, figure
-FITTED = StepTimeConstants(eff_matmul=0.451165, eff_attention=0.628859, eff_attention_fa2=0.313501,
-                           latency_s=977.693e-6)
+FITTED = StepTimeConstants(eff_matmul=0.426829, eff_attention=0.614063, eff_attention_fa2=0.315194,
+                           latency_s=929.395e-6)
 FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): every Table 3 method there
 
 

@@ -208,6 +208,12 @@ class AttentionMethod(AttentionParams):
             get_kernel(options.kernel)
 
     @classmethod
+    def run_notes(cls, options: MethodOptions, world_size: int) -> list[str]:
+        """What a result row of this method should say about how it ran with these options (a
+        wrapped library patched for the run, say); none by default."""
+        return []
+
+    @classmethod
     def seq_multiple(cls, world_size: int, options: MethodOptions) -> int:
         """The global sequence length must be a multiple of this (the layout's granularity)."""
         return world_size

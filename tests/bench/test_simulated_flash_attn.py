@@ -65,3 +65,68 @@ def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(tmp_path):
     s, h = 512 << 10, 32 // 8  # rank-local sequence and query heads during attention
     scratch = s * h * 128 * 4 + 2 * s * h * 128 * 2
     assert 0.75 * scratch <= yc - plain <= 1.1 * scratch, (yc, plain, scratch)
+
+
+# One fresh process: the simulated flash-attn with recorders around its FA3 entry points (before
+# yunchang binds them), then one attention block (forward + backward) of each case on rank 0.
+FA3_PROBE = """
+import bench  # noqa: F401 - first: the simulated CUDA device before torch
+import json
+import os
+import sys
+
+from bench.measure import fake_flash_attn as ffa
+from bench.measure.run import guarded, measure_simulated
+from bench.measure.trial import Trial
+from bench.training.config import StepConfig
+
+ffa.install()
+iface = sys.modules["flash_attn_interface"]
+calls = []
+
+
+def recorder(kind, fn):
+    def wrapped(*args, **kwargs):
+        calls.append([kind, bool(kwargs.get("causal"))])
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+iface._flash_attn_forward = recorder("fwd", ffa.fa3_forward)
+iface._flash_attn_backward = recorder("bwd", ffa.fa3_backward)
+out = {}
+for name, method, options in json.loads(sys.argv[1]):
+    del calls[:]
+    trial = Trial.make(method, "tiny-llama", 4096, 4, options, mode="simulated", device="h100-80g",
+                       step=StepConfig(scope="attention"))
+    r = guarded(measure_simulated, trial)
+    out[name] = {"status": r["status"], "message": r.get("message"), "calls": list(calls),
+                 "flops": r.get("step_counts", {}).get("flops.attention")}
+print(json.dumps(out), flush=True)
+os._exit(0)  # the interpreter's teardown sometimes aborts after several fake process groups (seen without yc_fa3 too)
+"""
+
+
+def test_yunchang_fa3_ring_blocks_get_their_causal_flag():
+    """pip yunchang 0.6.4 hands flash-attn 3 causal=False on every zigzag-ring block (see
+    methods.core.yc_fa3); the wrappers pass the ring's flag on, as the paper's vendored copy did.
+    Rank 0 of a ring of R computes its diagonal block first, causal, then R-1 unmasked ones, in
+    forward and in backward: so the FA3 stand-in receives exactly that, and yc-ring's counted
+    attention FLOPs equal those of its flash-attn 2 path (which always passed the flag)."""
+    if not libraries_present("yc-usp"):
+        pytest.skip(methods.get_info("yc-usp").status)
+    cases = [("ring-fa", "yc-ring", {"attn_type": "fa"}), ("ring-fa3", "yc-ring", {"attn_type": "fa3"}),
+             ("usp-fa3", "yc-usp", {"attn_type": "fa3", "ulysses_degree": 2})]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", FA3_PROBE, json.dumps(cases)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r["status"] == "ok" for r in got.values()), got
+    for name, ring in (("ring-fa3", 4), ("usp-fa3", 2)):  # yc-usp 2x2: a ring of 2
+        flags = [False] * ring
+        flags[0] = True
+        assert got[name]["calls"] == [["fwd", f] for f in flags] + [["bwd", f] for f in flags], name
+    assert got["ring-fa"]["calls"] == []  # flash-attn 2's path
+    assert got["ring-fa3"]["flops"] == got["ring-fa"]["flops"] > 0
+    assert got["usp-fa3"]["flops"] == got["ring-fa"]["flops"]  # the same causal work per rank
