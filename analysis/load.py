@@ -88,12 +88,16 @@ def method_label(method: str, options: str | dict | None) -> str:
     return (f"{method}[{opts}]" if opts else method) + (f" ({lib})" if lib else "")
 
 
-def mode_label(mode: str, device: str, device_name: str | None = None, stack: str | None = None) -> str:
+def mode_label(mode: str, device: str, device_name: str | None = None, stack: str | None = None,
+               pools: str | None = None) -> str:
     """How a row was produced, for legends and table rows: ``real, NVIDIA H100 80GB HBM3``,
     ``emulated, NVIDIA H100 (link nvlink-h100)``, ``simulated, h100-80g, paper stack``,
-    ``simulated, h100-80g, lean stack`` (``bench.measure.stack``; rows without a stack are lean)."""
+    ``simulated, h100-80g, lean stack`` (``bench.measure.stack``; rows without a stack are lean);
+    a simulation whose allocator model kept a pool per stream (``allocator_pools``) is its own
+    series: ``simulated, h100-80g, paper stack, per-stream pools``."""
     if mode == "simulated":
-        return f"simulated, {device}, {'paper' if stack == 'paper' else 'lean'} stack"
+        label = f"simulated, {device}, {'paper' if stack == 'paper' else 'lean'} stack"
+        return label + (f", {pools} pools" if pools and pools != "shared" else "")
     name = (device_name or device or "").strip()
     if len(name) > 40:
         name = name[:38] + "…"
@@ -214,8 +218,11 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
                                          else "")
                    for m, o, w, s in zip(df["method"], df["options"], scratch, stacks)]
     origins = df["origin"] if "origin" in df else ["committed"] * len(df)
-    df["mode_label"] = [mode_label(m, d, n, s if isinstance(s, str) else None) + (", yours" if o == "yours" else "")
-                        for m, d, n, s, o in zip(df["mode"], df["device"], df["env.device_name"], stacks, origins)]
+    pools = df["lever.allocator_pools"] if "lever.allocator_pools" in df else [None] * len(df)
+    df["mode_label"] = [mode_label(m, d, n, s if isinstance(s, str) else None, p if isinstance(p, str) else None)
+                        + (", yours" if o == "yours" else "")
+                        for m, d, n, s, p, o in zip(df["mode"], df["device"], df["env.device_name"], stacks, pools,
+                                                    origins)]
     df["seq"] = [human_size(s) if s else "" for s in df["seq_len"]]
     df["time"] = pd.to_datetime(df["env.time"], utc=True, errors="coerce")
     return df
