@@ -25,9 +25,11 @@ from bench.measure.trial import Trial
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bench_argv(trial: Trial, rows_path: Path) -> list[str]:
-    """The ``python -m bench`` command line of a trial: the trial itself, as JSON."""
-    return ["trial", trial.to_json(), "--out", str(rows_path), "--json"]
+def bench_argv(trial: Trial, rows_path: Path, extrapolate_layers: bool = False) -> list[str]:
+    """The ``python -m bench`` command line of a trial: the trial itself, as JSON (and, for a
+    simulated search the spec extrapolates over layers, ``--extrapolate-layers``)."""
+    return ["trial", trial.to_json(), "--out", str(rows_path), "--json"] + (
+        ["--extrapolate-layers"] if extrapolate_layers else [])
 
 
 def _distributed_env(tasks: int) -> dict[str, str]:
@@ -45,12 +47,13 @@ def _distributed_env(tasks: int) -> dict[str, str]:
 class BenchJob(submitit.helpers.Checkpointable):
     """A submitit callable running one trial; requeued as-is on preemption (trials are atomic)."""
 
-    def __call__(self, trial: Trial, rows_path: str, tasks: int, timeout_s: float | None = None) -> dict[str, Any]:
+    def __call__(self, trial: Trial, rows_path: str, tasks: int, timeout_s: float | None = None,
+                 extrapolate_layers: bool = False) -> dict[str, Any]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **_distributed_env(tasks))
         if tasks <= 1:  # one task runs every rank itself: hide the job so bench spawns its own ranks
             env = {k: v for k, v in env.items() if not k.startswith(("SUBMITIT_", "SLURM_"))}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "-m", "bench", *bench_argv(trial, Path(rows_path))]
+        cmd = [sys.executable, "-m", "bench", *bench_argv(trial, Path(rows_path), extrapolate_layers)]
         print("trial:", trial.label, "\ncommand:", " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout_s)
         sys.stdout.write(proc.stdout)
