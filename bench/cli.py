@@ -6,7 +6,7 @@
     python -m bench max-context ... [--granularity 128K] [--max-seq-len 16M] [--start 128K]
     python -m bench list            # methods, models, devices, links
     python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
-    python -m bench trial '<Trial JSON>' --out FILE   # what a sweep's job runs
+    python -m bench trial '<Trial JSON>' --out FILE [--extrapolate-layers]   # what a sweep's job runs
     python -m bench fidelity [--only memory|boundaries|all] [--anchors NAME...] [--quick] [--jobs N] \\
         [--out DIR] [--figs-dir DIR]   # the simulation against the paper's numbers (bench.fidelity)
 
@@ -185,6 +185,9 @@ def build_parser() -> Parser:
     tr.add_argument("--no-save", action="store_true", help="do not append rows to any file")
     tr.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
     tr.add_argument("--in-process", action="store_true", help="a search's simulated probes in this process")
+    tr.add_argument("--extrapolate-layers", action="store_true",
+                    help="a simulated search: each probe from 3- and 4-layer simulations extrapolated over the "
+                    "model's layers (as max-context --extrapolate-layers; what a spec's max_context.layers sets)")
     pl = sub.add_parser("plan", help="max context and step time per method for a model on N GPUs (bench.search.plan)")
     pl.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
     pl.add_argument("--gpus", type=positive_int, required=True, help="context-parallel ranks C")
@@ -345,8 +348,13 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
             print(json.dumps(row.to_dict(), sort_keys=True), flush=True)
 
     try:
-        runner = (layer_extrapolated_runner() if extrapolate
-                  else default_runner if in_process else isolated_runner)
+        if extrapolate:  # chunk_heads=auto resolved first, as the other runners do (autochunk.run)
+            extrapolated = layer_extrapolated_runner()
+
+            def runner(probe: Trial) -> Row:
+                return run(probe, runner=extrapolated)
+        else:
+            runner = default_runner if in_process else isolated_runner
         final = search(trial, runner=runner, on_row=on_row)
     except ValueError as err:
         raise UsageError(f"python -m bench max-context: error: {err}") from None
@@ -423,7 +431,11 @@ def main(argv: list[str] | None = None) -> int:
                 trial = Trial.from_json(args.trial)
             except ValueError as err:
                 raise UsageError(f"python -m bench trial: error: {err}") from None
-            return execute(trial, _out_path(args, trial.mode), args.json, args.in_process)
+            if args.extrapolate_layers and trial.kind != Kind.MAX_CONTEXT:
+                raise UsageError("python -m bench trial: error: --extrapolate-layers is for a max-context "
+                                 "search, not a single trial")
+            return execute(trial, _out_path(args, trial.mode), args.json, args.in_process,
+                           args.extrapolate_layers)
         out = _out_path(args, args.mode)
         if args.command == "run":
             return execute(_trial(args, args.seq_len), out, args.json)

@@ -39,11 +39,11 @@ MAXCTX_ORDER = ("ring", "ulysses", "fpdt", "upipe", "offload")
 PAPER_MAX_CONTEXT = {"ring": "3M", "ulysses": "3M", "fpdt": "4M", "upipe": "5M", "offload": "not in paper"}
 # Where our simulated search and the paper's measurement differ, and why (docs/paper.md).
 WHY_DIFFERENT = {
-    "ring": "ours: own zigzag ring, lean accounting (live tensors; no allocator reserve, CUDA context or NCCL "
-            "buffers); paper: yunchang's ring, measured peak reserved",
-    "ulysses": "ours: own Ulysses, lean accounting; paper: yunchang's Ulysses, measured (OOM at 4M)",
+    "ring": "ours: own zigzag ring, simulated under the paper stack (modelled allocator reserve and CUDA context; "
+            "NCCL buffers not modelled); paper: yunchang's ring, measured peak reserved",
+    "ulysses": "ours: own Ulysses, simulated under the paper stack; paper: yunchang's Ulysses, measured (OOM at 4M)",
     "fpdt": "ours: own FPDT-style method, capped by the preset's host memory per GPU; paper: DeepSpeed's FPDT",
-    "upipe": "paper's 5M is the longest it ran (a lower bound); ours: lean accounting",
+    "upipe": "paper's 5M is the longest it ran (a lower bound); ours: simulated under the paper stack",
     "offload": "Ulysses with every saved activation offloaded: not a method of the paper",
 }
 
@@ -67,7 +67,7 @@ def summary() -> None:
     rows = [r for r in read_rows(OUT / "demo-maxctx-llama3-8b.jsonl", on_error="warn") if r.kind == "max_context"]
     steps = sorted({(r.search or {}).get("step") for r in rows} - {None})
     print(f"[simulated, Llama3-8B, 8 x h100-80g, paper's levers] max context: ours (paper); search step "
-          f"{', '.join(human(s) for s in steps) or '—'} (the committed searches use 128K)")
+          f"{', '.join(human(s) for s in steps) or '—'} (the committed paper-stack searches use 256K)")
     newest = {r.method: r for r in sorted(rows, key=lambda r: r.env.time)}
     for method in sorted(newest, key=lambda m: (MAXCTX_ORDER.index(m) if m in MAXCTX_ORDER else 99, m)):
         r = newest[method]

@@ -168,7 +168,8 @@ def run_sweep(
           f"{len(todo)} to run ({executor})", file=stream)
     if dry_run:
         for t in todo:
-            print("  python -m bench " + " ".join(shlex.quote(a) for a in bench_argv(t, spec.rows_path)),
+            print("  python -m bench " + " ".join(shlex.quote(a) for a in bench_argv(t, spec.rows_path,
+                                                                                     spec.extrapolates(t))),
                   file=stream)
         return SweepSummary(len(trials), skipped, 0, 0, 0)
     spec.rows_path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,8 @@ def run_sweep(
         while pending and len(running) < limit:
             trial = pending.pop(0)
             ex, tasks = make_executor(spec, executor, folder, trial)
-            job = ex.submit(BenchJob(), trial, str(spec.rows_path.resolve()), tasks)
+            job = ex.submit(BenchJob(), trial, str(spec.rows_path.resolve()), tasks,
+                            extrapolate_layers=spec.extrapolates(trial))
             jobs_state[trial_id(trial)] = {"job_id": str(job.job_id), "executor": executor, "alive_hint": True,
                                            "label": trial.label}
             _save_jobs(spec, jobs_state)

@@ -17,8 +17,16 @@ what is allowed. Example::
       - upipe                       # a bare name: default options
       - {name: upipe, options: {chunk_heads: 16}}
     step: {ac: true, ac_offload: true, tiled_mlp: true}        # training-step levers (StepConfig), warmup, iters, smoke
-    max_context: {granularity: 256K, max_seq_len: 16M}         # kind: max_context only (Search)
+    max_context: {granularity: 256K, max_seq_len: 16M}         # kind: max_context only (Search, and layers:)
     slurm: {partition: gpu, account: null, time_min: 60, gpus_per_node: 8, constraint: h100}
+
+``max_context.layers`` says how a simulated search's probes of a model deeper than 4 layers
+are simulated: ``extrapolate`` (the default) from 3- and 4-layer simulations extrapolated over
+the layers (``bench.search.extrapolate``, as ``python -m bench max-context
+--extrapolate-layers``: several times faster, exact in the live bytes, and the rows say so in
+their notes), or ``full`` (the whole model, each probe in its own process). The default falls
+back to ``full`` where the rule does not hold (two-level checkpoints, ``ac_group`` > 1) and
+does nothing outside simulated mode; ``layers: extrapolate`` written there is an error.
 """
 from __future__ import annotations
 
@@ -49,6 +57,8 @@ SLURM_KEYS = {
 TRIAL_KEYS = {"warmup", "iters", "smoke"}  # per-trial settings a spec's `step:` may also set
 STEP_KEYS = {f.name for f in dataclasses.fields(StepConfig)} - {"scope", "dtype"} | TRIAL_KEYS
 OLD_KINDS = {"run": Kind.TRIAL, "max-context": Kind.MAX_CONTEXT}
+LAYERS = ("extrapolate", "full")  # max_context.layers: how a simulated search simulates a deep model
+DEEP = 4  # models deeper than this are extrapolated (bench.search.extrapolate simulates 3 and 4 layers)
 
 
 class SpecError(ValueError):
@@ -91,6 +101,7 @@ class SweepSpec:
     slurm: dict[str, Any] = field(default_factory=dict)
     out: str | None = None
     source: str = ""
+    layers: str | None = None  # max_context.layers as written (None: the default, extrapolate where exact)
 
     @property
     def rows_path(self) -> Path:
@@ -98,6 +109,12 @@ class SweepSpec:
         under the working directory (``records.outputs.runs_dir``): a user's sweep never writes
         into the committed ``results/`` unless asked."""
         return Path(self.out) if self.out else runs_dir() / "sweeps" / f"{self.name}.jsonl"
+
+    def extrapolates(self, trial: Trial) -> bool:
+        """Whether this search's probes are extrapolated over layers (``max_context.layers``):
+        simulated, a model deeper than 4 layers, one checkpoint per block, and not ``layers: full``."""
+        return (trial.kind == Kind.MAX_CONTEXT and trial.mode == "simulated" and self.layers != "full"
+                and trial.step.ac_group == 1 and trial.config().n_layers > DEEP)
 
     def problems(self) -> list[str]:
         """Every reason a trial of this spec would be refused, one line each, found before anything
@@ -212,7 +229,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
     seq_lens = [parse_size(s, "seq_lens") for s in raw.get("seq_lens") or []]
     if kind == Kind.TRIAL and not seq_lens:
         raise SpecError("seq_lens: missing (kind: trial needs at least one sequence length)")
-    maxctx_keys = {f.name for f in dataclasses.fields(Search)}
+    maxctx_keys = {f.name for f in dataclasses.fields(Search)} | {"layers"}
     for key, allowed in (("slurm", SLURM_KEYS), ("max_context", maxctx_keys)):
         sub = raw.get(key) or {}
         if not isinstance(sub, dict):
@@ -220,7 +237,11 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
         bad = sorted(set(sub) - allowed)
         if bad:
             raise SpecError(f"{key}: unknown key(s) {bad}; allowed: {sorted(allowed)}")
-    max_context = {k: parse_size(v, f"max_context.{k}") for k, v in (raw.get("max_context") or {}).items()}
+    max_context = {k: parse_size(v, f"max_context.{k}") for k, v in (raw.get("max_context") or {}).items()
+                   if k != "layers"}
+    layers = (raw.get("max_context") or {}).get("layers")
+    if layers is not None and layers not in LAYERS:
+        raise SpecError(f"max_context.layers: {layers!r} is not allowed; choose one of {list(LAYERS)}")
     step = raw.get("step") or {}
     if not isinstance(step, dict):
         raise SpecError(f"step: expected a mapping of training-step levers, got {step!r}")
@@ -236,12 +257,19 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
         dtype=_choice(raw, "dtype", DType.values(), DType.BF16.value), device=str(raw.get("device", "cpu")),
         models=models, seq_lens=seq_lens, world_sizes=world_sizes, methods=entries, step=step,
         max_context=max_context, slurm=dict(raw.get("slurm") or {}), out=raw.get("out"), source=source,
+        layers=layers,
     )
+    if layers == "extrapolate" and spec.mode != "simulated":
+        raise SpecError(f"max_context.layers: extrapolate extrapolates simulations, and this spec's mode is "
+                        f"{spec.mode}: drop it or use mode: simulated")
     for i, entry in enumerate(entries):  # typed options and levers: refused here, before anything runs
         try:
-            spec.trial(entry, models[0], world_sizes[0], seq_lens[0] if seq_lens else 1)
+            trial = spec.trial(entry, models[0], world_sizes[0], seq_lens[0] if seq_lens else 1)
         except (ValueError, TypeError) as err:
             raise SpecError(f"methods[{i}] ({entry.name}): {err}") from None
+        if layers == "extrapolate" and trial.step.ac_group > 1:
+            raise SpecError(f"methods[{i}] ({entry.name}): max_context.layers: extrapolate is linear in the "
+                            f"layers and ac_group {trial.step.ac_group}'s host peak is not; drop one of them")
     return spec
 
 

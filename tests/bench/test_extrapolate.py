@@ -75,3 +75,22 @@ def test_shallow_models_are_simulated_whole():
     row = layer_extrapolated_runner()(trial)
     assert row.status == "ok" and not any("extrapolated" in n for n in row.notes)
     assert dataclasses.asdict(row.figures)["peak_bytes"] == run_trial(trial).figures.peak_bytes
+
+
+def test_the_trial_command_takes_it_for_searches_only(capsys):
+    trial = Trial.make("ulysses", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g")
+    assert main(["trial", trial.to_json(), "--extrapolate-layers", "--no-save"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--extrapolate-layers is for a max-context search" in err and "\n" not in err
+
+
+def test_auto_chunk_is_resolved_before_extrapolating(capsys):
+    # as every other runner does (bench.search.autochunk.run): the probes run the chosen U
+    code = main(["max-context", "--method", "upipe", "--opt", "chunk_heads=auto", "--model", "tiny-llama",
+                 "--world-size", "2", "--mode", "simulated", "--device", "h100-80g", "--granularity", "8K",
+                 "--max-seq-len", "8K", "--extrapolate-layers", "--no-save", "--json"])
+    assert code == 0
+    *probes, final = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert probes and all(p["options"]["chunk_heads_requested"] == "auto" for p in probes)
+    assert all(isinstance(p["options"]["chunk_heads"], int) for p in probes)
+    assert final["options"] == {"chunk_heads": "auto"} and "chunk_heads=auto -> " in final["notes"][0]

@@ -1,11 +1,13 @@
 """Sweeps through the real Slurm brought up by scripts/slurm-up.sh (see conftest.py).
 
 A 2-task gloo trial (one task per rank, torch.distributed initialised from the Slurm job
-environment), a failing trial's error row, and cancel + resume.
+environment), a failing trial's error row, and cancel + resume (trials held back at a known
+point by ``$CPAB_SWEEP_HOLD``, so the cancel never races the trials).
 """
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +19,8 @@ import torch
 import yaml
 
 from records import read_rows
+from sweeps.jobs import HOLD_ENV, hold_path
+from sweeps.spec import load_spec
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
@@ -87,24 +91,57 @@ def test_failing_trial_on_slurm_is_an_error_row(tmp_path, cancel_after):
     assert Path(row.message.rsplit("log: ", 1)[1].strip()).is_file()
 
 
+def _wait_for(condition, what: str, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.5)
+
+
 def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after):
+    """The user stops a sweep (SIGINT) with one trial done, one in its job and one not yet
+    submitted, and cancels its jobs; the same command again submits only the two without a row.
+    The 512 and 1K trials are held back ($CPAB_SWEEP_HOLD, sweeps.jobs) until the stop, so it
+    always finds them unfinished, however fast the trials run."""
     name = f"slurm-cancel-{tmp_path.name[-12:]}"
     cancel_after(name)
     path = spec_file(tmp_path, name, seq_lens=["256", "512", "1K"])
-    rows_path = tmp_path / "rows.jsonl"
+    rows_path, jobs_path = tmp_path / "rows.jsonl", tmp_path / "rows.jobs.json"
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    first, *held = load_spec(path).trials()
+    for trial in held:
+        hold_path(hold, trial).touch()
     proc = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(path), "--executor", "slurm"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and not read_rows(rows_path, on_error="skip"):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)  # the user stops the sweep ...
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, **{HOLD_ENV: str(hold)}))
+
+    def first_done_second_held() -> bool:
+        if proc.poll() is not None:
+            return True  # it ended by itself: the assertions below say how
+        jobs = json.loads(jobs_path.read_text()) if jobs_path.exists() else {}  # written atomically
+        if not read_rows(rows_path, on_error="skip") or len(jobs) != 2:
+            return False
+        second = next(j["job_id"] for j in jobs.values() if j["label"] == held[0].label)
+        state = subprocess.run(["squeue", "-h", "-j", second, "-o", "%T"], capture_output=True, text=True)
+        return state.stdout.strip() == "RUNNING"  # started, and held: it cannot finish
+
+    try:
+        _wait_for(first_done_second_held, "the first trial's row and the second trial's job running")
+    finally:
+        proc.send_signal(signal.SIGINT)  # the user stops the sweep ...
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "run the same command again to resume" in out, out
     subprocess.run(["scancel", "-n", f"sweep-{name}"], check=True)  # ... and cancels its jobs
-    done = {r.seq_len for r in read_rows(rows_path, on_error="raise")}
-    assert 1 <= len(done) < 3
-    again = sweeps("run", str(path), "--executor", "slurm")
+    _wait_for(lambda: not subprocess.run(["squeue", "-h", "-n", f"sweep-{name}"], capture_output=True,
+                                         text=True).stdout.strip(), "the cancelled job to leave the queue", 60)
+    assert [r.seq_len for r in read_rows(rows_path, on_error="raise")] == [first.seq_len]
+    again = sweeps("run", str(path), "--executor", "slurm")  # nothing held now
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"{len(done)} skipped" in again.stdout
+    assert "1 skipped" in again.stdout
+    submitted = [line.split(" as job")[0].split("submitted ", 1)[1] for line in again.stderr.splitlines()
+                 if "submitted " in line]
+    assert submitted == [t.label for t in held], again.stderr
     rows = read_rows(rows_path, on_error="raise")
-    assert sorted(r.seq_len for r in rows) == [256, 512, 1024], [(r.seq_len, r.status) for r in rows]
+    assert sorted((r.seq_len, r.status) for r in rows) == [(256, "ok"), (512, "ok"), (1024, "ok")], \
+        [(r.seq_len, r.status, r.message) for r in rows]

@@ -88,3 +88,46 @@ def test_overrides_and_missing_file(tmp_path):
     path.write_text("name: [unclosed")
     with pytest.raises(SpecError, match="not valid YAML"):
         load_spec(path)
+
+
+MAXCTX = dict(BASE, kind="max_context", seq_lens=None, max_context={"granularity": "1M"})
+
+
+def _extrapolates(**changes) -> list[bool]:
+    spec = parse_spec({**MAXCTX, **changes})
+    return [spec.extrapolates(t) for t in spec.trials()]
+
+
+def test_simulated_searches_of_deep_models_are_extrapolated_over_layers_by_default():
+    assert _extrapolates() == [True]  # llama3-8b: 32 layers
+    assert _extrapolates(max_context={"granularity": "1M", "layers": "full"}) == [False]
+    assert _extrapolates(max_context={"granularity": "1M", "layers": "extrapolate"}) == [True]
+    assert _extrapolates(models=["tiny-llama"]) == [False]  # 4 layers: simulated whole, as before
+    assert _extrapolates(step={"ac_group": 2}) == [False]  # not linear in the layers: the whole model
+    assert _extrapolates(mode="emulated", device="cpu", models=["tiny-llama"]) == [False]
+    assert parse_spec(dict(BASE)).extrapolates(parse_spec(dict(BASE)).trials()[0]) is False  # kind: trial
+
+
+def test_the_flag_reaches_the_bench_command():
+    from sweeps.jobs import bench_argv
+    (trial,) = parse_spec(MAXCTX).trials()
+    assert bench_argv(trial, Path("r.jsonl"), True)[-1] == "--extrapolate-layers"
+    assert "--extrapolate-layers" not in bench_argv(trial, Path("r.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"max_context": {"layers": "some"}}, r"max_context.layers: 'some' is not allowed; choose one of "
+                                              r"\['extrapolate', 'full'\]"),
+        ({"max_context": {"layers": "extrapolate"}, "mode": "emulated"},
+         r"max_context.layers: extrapolate extrapolates simulations, and this spec's mode is emulated"),
+        ({"max_context": {"layers": "extrapolate"}, "step": {"ac_group": 2}},
+         r"methods\[0\] \(upipe\): max_context.layers: extrapolate is linear in the layers and ac_group 2"),
+        ({"max_context": {"granulrity": "1M"}}, r"max_context: unknown key\(s\) \['granulrity'\]; allowed: .*layers"),
+    ],
+)
+def test_bad_max_context_options_are_one_line_errors(change, match):
+    with pytest.raises(SpecError, match=match) as err:
+        parse_spec({**MAXCTX, **change})
+    assert "\n" not in str(err.value)
