@@ -43,6 +43,12 @@ OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
     ("[fidelity.md](fidelity.md), [fidelity.png](fidelity.png)",
      "the paper's memory anchors (128K, Fig. 1's ladder, Fig. 5) and Table 3's fits/OOM boundaries against "
      "the simulation, paper and lean stacks", f"`{FIDELITY_COMMAND}` (writes these two and its rows)"),
+    ("[../results/fidelity/per-stream-pools/fidelity.md](../results/fidelity/per-stream-pools/fidelity.md), "
+     "[fidelity.png](../results/fidelity/per-stream-pools/fidelity.png)",
+     "the same anchors with the paper stack's allocator keeping a pool per CUDA stream (docs/paper.md, "
+     "\"The allocator's pools per stream\"); its rows: the paper stack only",
+     "`python -m bench fidelity --allocator-pools per-stream --out results/fidelity/per-stream-pools` "
+     "(then its lean rows, the same trials as results/fidelity's, dropped)"),
     ("[table3_model.md](table3_model.md), [table3_model.csv](table3_model.csv)",
      "Table 3 with the modelled step time (bench.measure.steptime) beside the paper's tokens/s, per cell: "
      "residual and whether the cell was used to fit",
