@@ -12,10 +12,12 @@ the paper's UPipe setup with levers added one at a time, each rung keeping the o
 our RoPE instead of TorchTitan's table of the whole sequence, every block's checkpoint on
 the host, FSDP2's CPU offload of the sharded model state, the attention norm fused into
 UPipe's projections, two-level checkpoints of groups of 4 blocks (what each does:
-``bench/training/config.py``). For each, the simulated maximum context under the **paper
-stack** (``--stack``; ``bench.measure.stack``: the allocator's reserved peak against the
-device less the CUDA context, offloads against the preset's host memory per GPU) at a coarse
-granularity (default 1M), and a modelled step time at a common length.
+``bench/training/config.py``); a lever the method refuses (across nodes, usp-upipe has no
+fused attention norm) is reported skipped and not carried to the later rungs (``ladder``).
+For each, the simulated maximum context under the **paper stack** (``--stack``;
+``bench.measure.stack``: the allocator's reserved peak against the device less the CUDA
+context, offloads against the preset's host memory per GPU) at a coarse granularity
+(default 1M), and a modelled step time at a common length.
 
 Result: a table with each configuration's max context, peaks, step time and its ratio to
 UPipe's paper setup; ``P`` marks the Pareto front of max context against step time; the
@@ -380,14 +382,20 @@ LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
 MAX_COST = 2.0  # a configuration slower than this x UPipe's paper setup is reported, not recommended
 
 
-def ladder() -> list[tuple[str, dict[str, Any]]]:
-    """The cumulative rungs whose levers this code has (a lever not yet in StepConfig is left out)."""
+def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
+    """The cumulative rungs whose levers this code has (a lever not yet in StepConfig is left out).
+    ``accepts(levers)``: whether the method runs with them; a rung it refuses is listed (the plan
+    reports it skipped, saying why) but its lever is not carried up, so the later rungs keep the
+    levers that run (across nodes: usp-upipe has no fused attention norm, and its two-level
+    checkpoint rung goes on without it)."""
     known = {f.name for f in dataclasses.fields(StepConfig)}
     out, levers = [], {}
     for label, lever in LADDER:
         if set(lever) <= known:
-            levers = {**levers, **lever}
-            out.append((label, dict(levers)))
+            rung = {**levers, **lever}
+            out.append((label, rung))
+            if accepts is None or accepts(rung):
+                levers = rung
     return out
 
 
@@ -408,8 +416,18 @@ def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, st
     if beyond:  # the paper's UPipe (USP x UPipe across nodes) with the levers of LADDER added one by one
         base, opts = ("upipe", {}) if nodes == 1 else ("usp-upipe", {"ulysses_degree": gpus // nodes})
         name = out[0].label if nodes == 1 else f"usp-upipe u={gpus // nodes} U={gpus // nodes}"
-        out += [entry(f"{name} {label}", base, dict(opts), **levers) for label, levers in ladder()]
+        rungs = ladder(lambda levers: runs(entry("", base, dict(opts), **levers)))
+        out += [entry(f"{name} {label}", base, dict(opts), **levers) for label, levers in rungs]
     return out
+
+
+def runs(e: Entry) -> bool:
+    """Whether the entry's method accepts its step (``Trial.validate``, without a length)."""
+    try:
+        e.trial.validate(check_seq_len=False)
+    except ValueError:
+        return False
+    return True
 
 
 def _search_entry(args) -> Entry:

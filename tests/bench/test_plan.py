@@ -10,7 +10,17 @@ from bench import cli
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
 from bench.search.extrapolate import scheme
-from bench.search.plan import Entry, SimCache, extrapolated, pareto_front, recommend, search_max, sim_scheme
+from bench.search.plan import (
+    Entry,
+    SimCache,
+    entries,
+    extrapolated,
+    pareto_front,
+    recommend,
+    runs,
+    search_max,
+    sim_scheme,
+)
 from bench.training.config import StepConfig
 
 TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 384,
@@ -61,6 +71,18 @@ def test_group_extrapolation_falls_back_to_the_whole_model():
     assert scheme(8, 2, "first_last").whole and not scheme(8, 2, "none").whole  # 4 groups: too few for 3 and 4
     assert scheme(32, 4, "none").layers == (8, 12) and scheme(64, 4, "first_last").layers == (12, 16)
     assert scheme(32).layers == (3, 4) and scheme(4).whole
+
+
+def test_ladder_goes_on_past_a_lever_the_method_refuses():
+    """Across nodes the ladder is usp-upipe's, which has no fused attention norm: that rung is
+    listed (and reported skipped), the two-level checkpoint rung keeps the levers that run."""
+    rungs = {e.label: e for e in entries("llama3-8b", 16, 2, "h100-80g", 1 << 20)}
+    assert not runs(rungs["usp-upipe u=8 U=8 +fused norm"])
+    step = rungs["usp-upipe u=8 U=8 +2-level AC"].trial.step
+    assert runs(rungs["usp-upipe u=8 U=8 +2-level AC"])
+    assert step.ac_group == 4 and step.fsdp_offload and step.offload_keep == "none" and not step.fused_attn_norm
+    one = {e.label: e for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20)}
+    assert one["upipe U=8 +2-level AC"].trial.step.fused_attn_norm  # upipe runs every lever
 
 
 def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
