@@ -206,6 +206,8 @@ def build_parser() -> Parser:
                     help="simulation cache to read and append to (default runs/plan/sims.ndjson; the committed "
                     "results/plan/sims.ndjson is read too)")
     pl.add_argument("--no-cache", action="store_true", help="simulate everything, read and write no cache")
+    pl.add_argument("--jobs", type=positive_int, default=None,
+                    help="searches run at once, one process each (default: one per core, at most one per search)")
     fi = sub.add_parser("fidelity", help="the paper's memory anchors and fits/OOM boundaries, simulated under the "
                         "paper and lean stacks (bench.fidelity)")
     fi.add_argument("--only", choices=["memory", "boundaries", "all"], default="all")
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                     check_file(cache, "--cache")
                 res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
                            out_dir, stack=args.stack, beyond=not args.paper_only, cache=cache,
-                           use_cache=not args.no_cache)
+                           workers=args.jobs, use_cache=not args.no_cache)
             except ValueError as err:
                 raise UsageError(f"python -m bench plan: error: {err}") from None
             print(res["text"])

@@ -19,6 +19,30 @@ taken from the 4-layer simulation and added to the extrapolated peak,
 ``reserved(L) = peak(L) + (reserved(4) - peak(4))``. The same rule as ``bench.search.plan``
 (``tests/bench/test_extrapolate.py`` checks it against a full simulation). A row made this way
 says so in its notes.
+
+Group extrapolation (two-level checkpoints, ``StepConfig.ac_group = K > 1``;
+``bench.training.nested``): the rule above does not hold over layers, because the forward
+stores one input per *group* and the backward re-creates one group's ``K`` block inputs on the
+host: adding a layer changes the group structure (a new group, or a longer last one). But when
+``K`` divides ``L`` the model is ``n = L / K`` identical groups, and adding a group adds a
+constant: its ``K`` layers' sharded state (device, or host under ``fsdp_offload``), its stored
+group input (host), its ``K`` blocks' FLOPs, collectives and host copies; the ``K``
+re-created block inputs are held for one group at a time, a constant. ``offload_keep``
+applies to the group inputs as it does to block inputs at ``K = 1``
+(``bench.training.step.kept_on_device``): under ``"first_last"`` and ``"first"`` groups 0 and
+``n - 1`` (resp. 0) keep their inputs on the device only once ``n > 2``, so ``n >= 3`` is one
+regime (``n = 2 -> 3`` moves a group input from the host to the device); under ``"none"``
+every group input is on the host at any ``n``, and ``n >= 2`` is one regime (one group is a
+case of its own: measured, the increment from 1 to 2 groups differs from the later ones).
+So, with ``g = GROUP_LOW[offload_keep]``,
+
+    figure(n) = figure(g) + (figure(g + 1) - figure(g)) * (n - g)
+
+from simulations of ``g * K`` and ``(g + 1) * K`` layers, for every figure the layer rule
+carries, the reserved peak again taking the larger simulation's slack (``scheme`` picks the
+rule; ``tests/bench/test_plan.py`` checks it against a full simulation). When ``K`` does not
+divide ``L`` (the last group is shorter: not identical groups) or the model has too few groups
+to gain anything (``n <= g + 1``), the model is simulated whole.
 """
 from __future__ import annotations
 
@@ -46,12 +70,65 @@ def layer_variant(cfg, n_layers: int, directory: str) -> str:
     return str(path)
 
 
+# group counts simulated under two-level checkpoints, by offload_keep: g and g + 1 groups (module docstring)
+GROUP_LOW = {"first_last": 3, "first": 3, "none": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """How a model is simulated: ``units`` identical units of ``size`` layers (a layer, or a
+    two-level checkpoint group), extrapolated from ``low`` and ``low + 1`` units; ``whole``:
+    simulated whole, for the reason ``why``."""
+    size: int = 1
+    low: int = LOW
+    units: int = 0
+    why: str = ""
+
+    @property
+    def whole(self) -> bool:
+        return bool(self.why)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The layer counts simulated."""
+        return self.low * self.size, (self.low + 1) * self.size
+
+    def describe(self) -> str:
+        if self.whole:
+            return f"whole model simulated: {self.why}"
+        if self.size == 1:
+            return f"from {self.layers[0]}- and {self.layers[1]}-layer simulations"
+        return (f"from {self.low} and {self.low + 1} groups of {self.size} ({self.layers[0]} and {self.layers[1]} "
+                f"layers) to {self.units} groups")
+
+
+def scheme(n_layers: int, ac_group: int = 1, offload_keep: str = "first_last") -> Scheme:
+    """The extrapolation rule for a model of ``n_layers`` under ``ac_group`` and ``offload_keep``
+    (module docstring: over layers at ``ac_group = 1``, over groups when ``ac_group`` divides
+    the layers, else the whole model)."""
+    if ac_group <= 1:
+        if n_layers <= LOW + 1:
+            return Scheme(units=n_layers, why=f"{n_layers} layers, no more than the {LOW + 1} it would simulate")
+        return Scheme(units=n_layers)
+    if n_layers % ac_group:
+        return Scheme(ac_group, units=n_layers, why=(
+            f"{n_layers} layers are not a multiple of ac_group={ac_group} (a shorter last group: "
+            "the groups are not identical)"))
+    low, groups = GROUP_LOW[offload_keep], n_layers // ac_group
+    if groups <= low + 1:
+        return Scheme(ac_group, low, groups, f"{groups} groups of {ac_group}, no more than the {low + 1} "
+                      "it would simulate")
+    return Scheme(ac_group, low, groups)
+
+
 LINEAR = ("peak_bytes", "host_peak_bytes", "comm_bytes", "comm_time_s")
 
 
-def extrapolate(r3: dict[str, Any], r4: dict[str, Any], layers: int) -> dict[str, Any]:
-    """The full model's simulated result from the 3- and 4-layer ones (``layers`` > 4)."""
-    n = layers - LOW
+def extrapolate(r3: dict[str, Any], r4: dict[str, Any], layers: int, low: int = LOW) -> dict[str, Any]:
+    """The full model's simulated result from the ``low``- and ``low + 1``-unit ones: by default
+    the 3- and 4-layer ones for ``layers`` > 4 layers; for two-level checkpoints, ``layers``
+    and ``low`` count groups (``scheme``)."""
+    n = layers - low
     out = dict(r4)
     for key in LINEAR:
         if r3.get(key) is not None and r4.get(key) is not None:

@@ -12,10 +12,12 @@ the paper's UPipe setup with levers added one at a time, each rung keeping the o
 our RoPE instead of TorchTitan's table of the whole sequence, every block's checkpoint on
 the host, FSDP2's CPU offload of the sharded model state, the attention norm fused into
 UPipe's projections, two-level checkpoints of groups of 4 blocks (what each does:
-``bench/training/config.py``). For each, the simulated maximum context under the **paper
-stack** (``--stack``; ``bench.measure.stack``: the allocator's reserved peak against the
-device less the CUDA context, offloads against the preset's host memory per GPU) at a coarse
-granularity (default 1M), and a modelled step time at a common length.
+``bench/training/config.py``); a lever the method refuses (across nodes, usp-upipe has no
+fused attention norm) is reported skipped and not carried to the later rungs (``ladder``).
+For each, the simulated maximum context under the **paper stack** (``--stack``;
+``bench.measure.stack``: the allocator's reserved peak against the device less the CUDA
+context, offloads against the preset's host memory per GPU) at a coarse granularity
+(default 1M), and a modelled step time at a common length.
 
 Result: a table with each configuration's max context, peaks, step time and its ratio to
 UPipe's paper setup; ``P`` marks the Pareto front of max context against step time; the
@@ -37,9 +39,17 @@ the result as a row is judged (``bench.measure.run.build_row``). Inside the sear
 may reuse the per-layer increments measured at another length (one 3-layer simulation); the
 longest fitting length is always simulated with both, and the shortest failing one too unless
 the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py``
-checks it against a full simulation. Models with 4 layers or fewer, and two-level
-checkpoints (``ac_group``: the host then holds group inputs plus one group's block inputs,
-not linear in the layers), are simulated whole.
+checks it against a full simulation. Models with 4 layers or fewer are simulated whole.
+
+Group extrapolation (two-level checkpoints, ``ac_group = K``; exact for identical groups): the
+figures are not linear in the layers (the host holds one input per group plus one group's
+``K`` re-created block inputs), but when ``K`` divides the layers they are linear in the
+number of groups once there are enough for ``offload_keep`` to treat the first and last group
+as it does at any larger count (3 groups; 2 under ``offload_keep="none"``), so such a trial simulates
+``g`` and ``g + 1`` groups (8 and 12 layers at ``K = 4`` under ``"none"``) and extrapolates to
+the model's groups the same way (``bench.search.extrapolate.scheme``, where the argument is;
+``tests/bench/test_plan.py`` checks it against a full simulation). Layers that ``K`` does not
+divide, or too few groups, are simulated whole; the row's note says which.
 
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
 the load (the binding budget's fill, which grows smoothly with the length) proposes the next
@@ -85,7 +95,7 @@ from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
-from .extrapolate import LINEAR, LOW, extrapolate, layer_variant
+from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
@@ -173,7 +183,7 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
 
 
 def _slope(r3: dict, r4: dict) -> dict:
-    """Per-layer increments of everything ``bench.search.extrapolate.extrapolate`` carries."""
+    """Per-unit (layer or group) increments of everything ``bench.search.extrapolate.extrapolate`` carries."""
     cats = set(r3.get("peak_by_category") or {}) | set(r4.get("peak_by_category") or {})
     c3, c4 = r3.get("step_counts") or {}, r4.get("step_counts") or {}
     out = {k: (r4.get(k) or 0) - (r3.get(k) or 0) for k in LINEAR}
@@ -186,7 +196,8 @@ def _slope(r3: dict, r4: dict) -> dict:
 
 
 def _estimated_r4(r3: dict, slope: dict) -> dict:
-    """A 4-layer result from the 3-layer one and increments measured at another length."""
+    """The larger simulation's result (4 layers, or ``g + 1`` groups) from the smaller one and
+    increments measured at another length."""
     r4 = {**r3}
     for k in LINEAR:
         if r3.get(k) is not None:
@@ -202,30 +213,37 @@ def _estimated_r4(r3: dict, slope: dict) -> dict:
     return r4
 
 
+def sim_scheme(trial) -> Scheme:
+    """How ``trial``'s model is simulated (``bench.search.extrapolate.scheme``): over layers,
+    over two-level checkpoint groups, or whole."""
+    return scheme(trial.config().n_layers, trial.step.ac_group, trial.step.offload_keep)
+
+
 def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | None = None) -> Point:
     """Rank 0's figures for ``trial`` from 3- and 4-layer simulations extrapolated to the model's
-    layers (``bench.search.extrapolate.extrapolate``), judged as a row is (``build_row``: the
-    paper stack's reserved peak against the device less the CUDA context, the lean stack's
-    allocated peak against 90%, offloads against the preset's host memory). ``slope`` (per-layer
-    increments measured at another length) saves the 4-layer simulation: an approximation that
-    ``search_max`` re-checks exactly at its answer."""
+    layers (``bench.search.extrapolate.extrapolate``; under two-level checkpoints, from ``g``
+    and ``g + 1`` groups to the model's groups: ``sim_scheme``), judged as a row is
+    (``build_row``: the paper stack's reserved peak against the device less the CUDA context,
+    the lean stack's allocated peak against 90%, offloads against the preset's host memory).
+    ``slope`` (per-unit increments measured at another length) saves the larger simulation: an
+    approximation that ``search_max`` re-checks exactly at its answer."""
     cache = {} if cache is None else cache
     cfg = trial.config()
     trial = dataclasses.replace(trial, mode="simulated")
-    if cfg.n_layers <= LOW + 1 or trial.step.ac_group > 1:
-        # two-level checkpoints (ac_group): the host holds group inputs plus one group's block
-        # inputs, not linear in the layers, so the whole model is simulated (cached: SimCache)
+    how = sim_scheme(trial)
+    if how.whole:  # too few layers or groups, or groups that are not identical (cached: SimCache)
         rows, exact = [_sim(trial, cfg.n_layers, workdir, cache)], True
         result = rows[0]
-    else:
-        r3 = _sim(trial, LOW, workdir, cache)
-        if slope is None or (trial.seq_len, LOW + 1) in cache:
-            r4 = _sim(trial, LOW + 1, workdir, cache)
+    else:  # over layers, or over two-level checkpoint groups (bench.search.extrapolate.scheme)
+        low, high = how.layers
+        r3 = _sim(trial, low, workdir, cache)
+        if slope is None or (trial.seq_len, high) in cache:
+            r4 = _sim(trial, high, workdir, cache)
             slope = _slope(r3, r4) if r4["status"] == "ok" else {}
             rows, exact = [r3, r4], True
         else:
             r4, rows, exact = _estimated_r4(r3, slope), [r3], False
-        result = r4 if any(r["status"] == "error" for r in rows) else extrapolate(r3, r4, cfg.n_layers)
+        result = r4 if any(r["status"] == "error" for r in rows) else extrapolate(r3, r4, how.units, how.low)
     bad = [r for r in rows if r["status"] == "error"]
     if bad:
         p = Point(trial.seq_len, "error", 0, 0, 0.0, 0, bad[0].get("message", ""))
@@ -364,14 +382,20 @@ LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
 MAX_COST = 2.0  # a configuration slower than this x UPipe's paper setup is reported, not recommended
 
 
-def ladder() -> list[tuple[str, dict[str, Any]]]:
-    """The cumulative rungs whose levers this code has (a lever not yet in StepConfig is left out)."""
+def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
+    """The cumulative rungs whose levers this code has (a lever not yet in StepConfig is left out).
+    ``accepts(levers)``: whether the method runs with them; a rung it refuses is listed (the plan
+    reports it skipped, saying why) but its lever is not carried up, so the later rungs keep the
+    levers that run (across nodes: usp-upipe has no fused attention norm, and its two-level
+    checkpoint rung goes on without it)."""
     known = {f.name for f in dataclasses.fields(StepConfig)}
     out, levers = [], {}
     for label, lever in LADDER:
         if set(lever) <= known:
-            levers = {**levers, **lever}
-            out.append((label, dict(levers)))
+            rung = {**levers, **lever}
+            out.append((label, rung))
+            if accepts is None or accepts(rung):
+                levers = rung
     return out
 
 
@@ -392,8 +416,18 @@ def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, st
     if beyond:  # the paper's UPipe (USP x UPipe across nodes) with the levers of LADDER added one by one
         base, opts = ("upipe", {}) if nodes == 1 else ("usp-upipe", {"ulysses_degree": gpus // nodes})
         name = out[0].label if nodes == 1 else f"usp-upipe u={gpus // nodes} U={gpus // nodes}"
-        out += [entry(f"{name} {label}", base, dict(opts), **levers) for label, levers in ladder()]
+        rungs = ladder(lambda levers: runs(entry("", base, dict(opts), **levers)))
+        out += [entry(f"{name} {label}", base, dict(opts), **levers) for label, levers in rungs]
     return out
+
+
+def runs(e: Entry) -> bool:
+    """Whether the entry's method accepts its step (``Trial.validate``, without a length)."""
+    try:
+        e.trial.validate(check_seq_len=False)
+    except ValueError:
+        return False
+    return True
 
 
 def _search_entry(args) -> Entry:
@@ -406,6 +440,9 @@ def _search_entry(args) -> Entry:
         entry.skipped = str(e).splitlines()[0][:160]
         return entry
     entry.max_context, entry.points = found, n
+    how = sim_scheme(entry.trial)
+    if how.whole or how.size > 1:  # the plain layer extrapolation is the header's
+        entry.extra["sims"] = how.describe()
     if best is not None:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
@@ -595,6 +632,7 @@ def render(res: dict[str, Any]) -> str:
         f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
         + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
+           "; two-level checkpoints (2-level AC) by group extrapolation or whole, as the row says"
            if res["layers"] > 4 else ""),
         f"step time at the common length {human(res['common']) if res['common'] else '-'} "
         f"(longest that every method fits); source per row: measured = results/ real rows, "
@@ -621,6 +659,8 @@ def render(res: dict[str, Any]) -> str:
             note.append(f"auto -> U={e.resolved_u} at {human(res['common'])}")
         if e.error:
             note.append(f"error: {e.error}")
+        if e.extra.get("sims") and not e.auto:
+            note.append(e.extra["sims"])
         if e.points and not e.auto:
             note.append(f"{e.points} sims, {e.seconds:.0f}s")
         if rel and rel > MAX_COST:

@@ -9,7 +9,19 @@ import pytest
 from bench import cli
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
-from bench.search.plan import Entry, SimCache, extrapolated, pareto_front, recommend, search_max
+from bench.search.extrapolate import scheme
+from bench.search.plan import (
+    Entry,
+    SimCache,
+    entries,
+    extrapolated,
+    pareto_front,
+    recommend,
+    runs,
+    search_max,
+    sim_scheme,
+)
+from bench.training.config import StepConfig
 
 TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 384,
         "vocab_size": 1024, "rope_theta": 500000.0}
@@ -33,6 +45,44 @@ def test_layer_extrapolation_matches_full_simulation(tiny_file, tmp_path, method
     # the step-time counts the plan's modelled step time uses are extrapolated exactly as well
     assert point.step_counts.keys() == full["step_counts"].keys()
     assert all(point.step_counts[k] == pytest.approx(v, rel=1e-9) for k, v in full["step_counts"].items())
+
+
+@pytest.mark.parametrize("keep", ["none", "first_last"])
+def test_group_extrapolation_matches_full_simulation(tmp_path, keep):
+    """Two-level checkpoints (ac_group=2) of a 10-layer model: 5 identical groups, extrapolated
+    from 2 and 3 groups (offload_keep none) or 3 and 4 (first_last: the first and last group
+    keep their inputs on the device from 3 groups on), equal to the whole model's simulation."""
+    path = tmp_path / "tiny10.json"
+    path.write_text(json.dumps({**TINY, "n_layers": 10}))
+    trial = Trial.make("upipe", str(path), 32768, 4, step=StepConfig(ac_group=2, offload_keep=keep))
+    how = sim_scheme(trial)
+    assert not how.whole and how.units == 5 and how.layers == ((4, 6) if keep == "none" else (6, 8))
+    full = measure_simulated(trial)
+    point = extrapolated(trial, str(tmp_path))
+    assert point.exact and point.status == "ok"
+    assert point.peak_bytes == full["peak_bytes"] and point.host_peak_bytes == full["host_peak_bytes"]
+    assert point.row.figures.peak_by_category == full["peak_by_category"]
+    assert point.step_counts.keys() == full["step_counts"].keys()
+    assert all(point.step_counts[k] == pytest.approx(v, rel=1e-9) for k, v in full["step_counts"].items())
+
+
+def test_group_extrapolation_falls_back_to_the_whole_model():
+    assert scheme(10, 4).whole and "not a multiple of ac_group=4" in scheme(10, 4).why  # a shorter last group
+    assert scheme(8, 2, "first_last").whole and not scheme(8, 2, "none").whole  # 4 groups: too few for 3 and 4
+    assert scheme(32, 4, "none").layers == (8, 12) and scheme(64, 4, "first_last").layers == (12, 16)
+    assert scheme(32).layers == (3, 4) and scheme(4).whole
+
+
+def test_ladder_goes_on_past_a_lever_the_method_refuses():
+    """Across nodes the ladder is usp-upipe's, which has no fused attention norm: that rung is
+    listed (and reported skipped), the two-level checkpoint rung keeps the levers that run."""
+    rungs = {e.label: e for e in entries("llama3-8b", 16, 2, "h100-80g", 1 << 20)}
+    assert not runs(rungs["usp-upipe u=8 U=8 +fused norm"])
+    step = rungs["usp-upipe u=8 U=8 +2-level AC"].trial.step
+    assert runs(rungs["usp-upipe u=8 U=8 +2-level AC"])
+    assert step.ac_group == 4 and step.fsdp_offload and step.offload_keep == "none" and not step.fused_attn_norm
+    one = {e.label: e for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20)}
+    assert one["upipe U=8 +2-level AC"].trial.step.fused_attn_norm  # upipe runs every lever
 
 
 def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
