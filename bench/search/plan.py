@@ -141,10 +141,17 @@ class SimCache:
                         self.entries[d["key"]] = d["result"]
         self.hits = self.misses = 0
 
+    # step fields added after the committed cache was written: keyed only away from their default,
+    # so that the committed keys (which lack them) still name the same simulations
+    LATE_STEP_FIELDS = {"allocator_pools": "shared"}
+
     @staticmethod
     def key(trial: Trial, name: str, n_layers: int) -> str:
         d = json.loads(trial.to_json())
         d["model"] = f"{name}:L{n_layers}"
+        for name_, default in SimCache.LATE_STEP_FIELDS.items():
+            if d["step"].get(name_) == default:
+                del d["step"][name_]
         return json.dumps(d, sort_keys=True)
 
     def get(self, key: str) -> dict | None:

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -155,6 +156,19 @@ def test_simulation_cache_reads_committed_and_writes_only_the_users(tmp_path):
     assert SimCache.key(trial, "tiny-llama", 3) == SimCache.key(
         dataclasses.replace(trial, model="tiny-llama"), "tiny-llama", 3)
     assert SimCache.key(trial, "tiny-llama", 3) != SimCache.key(trial, "tiny-llama", 4)
+
+
+def test_the_committed_plan_cache_still_answers_the_committed_plans_trials():
+    """A step field added later must not change the keys of the committed cache (every trial would miss,
+    and the committed plans would take an hour again): the 8-GPU plan's UPipe base trial at 3 layers, 4M,
+    is in it."""
+    committed = Path(__file__).resolve().parents[2] / "results" / "plan" / "sims.ndjson"
+    cache = SimCache(None, (committed,))
+    trial = Trial.make("upipe", "llama3-8b", 4 << 20, 8, device="h100-80g", mode="simulated",
+                       step=StepConfig(stack="paper"))
+    assert cache.get(SimCache.key(trial, "llama3-8b", 3)) is not None
+    per_stream = dataclasses.replace(trial, step=dataclasses.replace(trial.step, allocator_pools="per-stream"))
+    assert SimCache.key(per_stream, "llama3-8b", 3) != SimCache.key(trial, "llama3-8b", 3)
 
 
 @pytest.mark.parametrize("argv", [
