@@ -149,9 +149,9 @@ class SimCache:
     def key(trial: Trial, name: str, n_layers: int) -> str:
         d = json.loads(trial.to_json())
         d["model"] = f"{name}:L{n_layers}"
-        for name_, default in SimCache.LATE_STEP_FIELDS.items():
-            if d["step"].get(name_) == default:
-                del d["step"][name_]
+        for late, default in SimCache.LATE_STEP_FIELDS.items():
+            if d["step"].get(late) == default:
+                del d["step"][late]
         return json.dumps(d, sort_keys=True)
 
     def get(self, key: str) -> dict | None:
