@@ -98,6 +98,14 @@ def _wait_for(condition, what: str, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
+def _interruptible() -> None:
+    """In the sweep's process before it starts: SIGINT back to its default disposition. A test
+    run started as a background job of a non-interactive shell (how CI may run it) inherits
+    SIGINT *ignored*, Python then installs no KeyboardInterrupt handler, and the user's Ctrl-C
+    this test stands for would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after):
     """The user stops a sweep (SIGINT) with one trial done, one in its job and one not yet
     submitted, and cancels its jobs; the same command again submits only the two without a row.
@@ -114,7 +122,7 @@ def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after):
         hold_path(hold, trial).touch()
     proc = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(path), "--executor", "slurm"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, **{HOLD_ENV: str(hold)}))
+                            env=dict(os.environ, **{HOLD_ENV: str(hold)}), preexec_fn=_interruptible)
 
     def first_done_second_held() -> bool:
         if proc.poll() is not None:
