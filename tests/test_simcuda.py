@@ -70,6 +70,38 @@ def test_fake_cuda_runs_the_cuda_flash_ops(method):
     assert not any(name.endswith("_for_cpu") for name in ops.names)
 
 
+class BackwardArgs(TorchDispatchMode):
+    """Records the arguments of the CUDA flash backward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket) == "aten._scaled_dot_product_flash_attention_backward":
+            self.calls.append(args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_cuda_backward_takes_the_dense_path():
+    """The CUDA flash backward must get *undefined* cumulative sequence lengths (None): a defined
+    one, even empty, selects flash-attn's varlen backward, which refuses with "batch size must be
+    positive". That is what every real CUDA step did until it was run on an H100 (the fake's meta
+    function ignores these arguments, so only this check catches it here)."""
+    simcuda.require()
+    kernel = methods.core.kernels.get_kernel("torch")
+    with FakeTensorMode(), simcuda.runtime(), torch.device("cuda"):
+        q = torch.empty(1, 128, 8, 16, dtype=torch.bfloat16)
+        k = v = torch.empty(1, 128, 2, 16, dtype=torch.bfloat16)
+        out, lse = kernel.forward(q, k, v, True, 0.25)
+        recorded = BackwardArgs()
+        with recorded:
+            kernel.backward(torch.empty_like(out), q, k, v, out, lse, True, 0.25)
+    assert len(recorded.calls) == 1
+    cum_seq_q, cum_seq_k = recorded.calls[0][6:8]
+    assert cum_seq_q is None and cum_seq_k is None
+
+
 @pytest.mark.parametrize("method,model,scope", [("ulysses", "llama3-8b", "attention"),
                                                 ("upipe", "llama3-8b", "attention"),
                                                 ("upipe", "tiny-llama", "model")])

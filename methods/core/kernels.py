@@ -228,13 +228,15 @@ class TorchKernel:
                 dot, qt, kt, vt, ot, lse, 0.0, causal, scale=scale
             )
         else:
-            empty = torch.empty(0, dtype=torch.int32, device=q.device)
+            # no cumulative sequence lengths: None reaches the op as an undefined tensor, which
+            # selects the dense backward (a defined one, even empty, selects flash-attn's varlen
+            # backward, which then refuses "batch size must be positive": seen on an H100)
             seed = torch.zeros((), dtype=torch.int64, device=q.device)
             # the kernel needs a unit stride on head_dim only (flash-attn's mha_bwd checks
             # dout.stride(-1) == 1); a BSHD tensor viewed as BHSD has it, so no copy is made
             dot = dot if dot.stride(-1) == 1 else dot.contiguous()
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, empty, empty,
+                dot, qt, kt, vt, ot, lse, None, None,
                 q.shape[1], k.shape[1], 0.0, causal, seed, seed, scale=scale,
             )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
