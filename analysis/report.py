@@ -49,6 +49,12 @@ OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
      "\"The allocator's pools per stream\"); its rows: the paper stack only",
      "`python -m bench fidelity --allocator-pools per-stream --out results/fidelity/per-stream-pools` "
      "(then its lean rows, the same trials as results/fidelity's, dropped)"),
+    ("[../results/gpu/h100-ws1/compare.md](../results/gpu/h100-ws1/compare.md), "
+     "[../results/gpu/h100-ws1/segments.md](../results/gpu/h100-ws1/segments.md)",
+     "**real** NVIDIA H100 (world size 1, 4 blocks of Llama3-8B, 64K-256K): allocated and reserved peaks, "
+     "step times and kernel rates against the simulation of the same trials (shared and per-stream pools)",
+     "`bash scripts/gpu/validate.sh OUT PHASE...` on the GPU, then `python scripts/gpu/compare.py "
+     "results/gpu/h100-ws1` (results/gpu/README.md)"),
     ("[table3_model.md](table3_model.md), [table3_model.csv](table3_model.csv)",
      "Table 3 with the modelled step time (bench.measure.steptime) beside the paper's tokens/s, per cell: "
      "residual and whether the cell was used to fit",

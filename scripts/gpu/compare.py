@@ -1,0 +1,172 @@
+"""Set the real-GPU rows of scripts/gpu/validate.sh beside the simulation of the same trials.
+
+For every distinct real trial in ``DIR/real.jsonl`` (method, sequence length, levers) this
+simulates the same trial (``python -m bench run --mode simulated``, world size 1, the 4-block
+Llama3-8B, the ``h100-80g`` preset, the GPU code path) with the allocator model as the real run
+set it (expandable segments) and the kernel the real run called (torch's SDPA flash, so the
+FA2 backward scratch model), once with one pool for every stream and once with a pool per
+stream, and writes
+
+* ``DIR/simulated.jsonl``: the simulated rows;
+* ``compare.md`` in DIR: per trial, real against simulated allocated and reserved peaks, and the
+  real step time (median, min, max of its timed steps) against the step-time model evaluated
+  on the simulation's counts with the kernel that ran (``fa2``), plus the kernel rates of
+  ``DIR/kernels.ndjson`` against the model's fitted efficiencies;
+* ``segments.md`` in DIR: the caching allocator's segments per stream after the timed step
+  (``DIR/segments.ndjson``), real.
+
+Usage: ``python scripts/gpu/compare.py results/gpu/h100-ws1`` (about 3 minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from bench.measure.hardware import get_device, get_link  # noqa: E402
+from bench.measure.steptime import FITTED, step_time  # noqa: E402
+
+GiB = 2**30
+POOLS = ("shared", "per-stream")
+
+
+def trial_key(row: dict) -> tuple:
+    return row["method"], row["seq_len"]
+
+
+def simulate(row: dict, pools: str) -> dict:
+    """The simulated twin of a real row (same method, model file, length, levers)."""
+    argv = row["env"]["argv"]
+    model = argv[argv.index("--model") + 1]
+    cmd = [sys.executable, "-m", "bench", "run", "--mode", "simulated", "--device", "h100-80g",
+           "--world-size", "1", "--model", model, "--method", row["method"], "--seq-len", str(row["seq_len"]),
+           "--stack", "lean", "--allocator-model", "expandable", "--allocator-pools", pools,
+           "--kernel-workspace", "fa2", "--no-save", "--json"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def modelled_step_s(sim: dict) -> float:
+    counts = sim["figures"]["step_time_model"]["counts"]
+    return step_time(counts, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, "fa2")["step_time_s"]
+
+
+def pct(ours: float, real: float) -> str:
+    return f"{100 * (ours - real) / real:+.1f}%"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path)
+    args = parser.parse_args()
+    real_rows = [json.loads(line) for line in (args.dir / "real.jsonl").open()]
+    by_trial: dict[tuple, list[dict]] = defaultdict(list)
+    for row in real_rows:
+        if row["status"] == "ok":
+            by_trial[trial_key(row)].append(row)
+    sims: dict[tuple, dict[str, dict]] = {}
+    with (args.dir / "simulated.jsonl").open("w") as f:
+        for n, (key, rows) in enumerate(sorted(by_trial.items()), 1):
+            sims[key] = {}
+            for pools in POOLS:
+                print(f"[{n}/{len(by_trial)}] simulating {key[0]} at {key[1]} tokens, {pools} pools", flush=True)
+                sims[key][pools] = sim = simulate(rows[0], pools)
+                f.write(json.dumps(sim) + "\n")
+    lines = [
+        "# Real H100 against the simulation: world size 1, Llama3-8B shapes with 4 blocks",
+        "",
+        f"Real: `bash scripts/gpu/validate.sh OUT ...` on {real_rows[0]['env']['device_name']} "
+        f"(torch {real_rows[0]['env']['torch']}), `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
+        "the default levers of `python -m bench run` (FSDP2, checkpoints offloaded but the first and last "
+        "block's, tiled MLP and norms, chunked loss), torch's SDPA flash kernel. Memory is the step after "
+        "the first (peaks reset between); a trial measured twice gave the same bytes both times. "
+        "Simulated: `python scripts/gpu/compare.py` (fake tensors on the GPU code path, torch "
+        f"{sims[next(iter(sims))]['shared']['env']['torch']}, lean stack + expandable-segments allocator "
+        "model + FA2 backward scratch), with one pool for all streams and with a pool per stream. "
+        "Modelled step time: `bench.measure.steptime` with the fitted constants on the simulation's "
+        "counts, attention at the FA2 efficiency (the kernel that ran).",
+        "",
+        "| method | tokens | allocated real | sim | Δ | reserved real | sim shared | Δ | sim per-stream | Δ "
+        "| step real (min-max) s | modelled s | Δ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, rows in sorted(by_trial.items(), key=lambda kv: (kv[0][0] != "ulysses", kv[0])):
+        real = rows[0]["figures"]
+        shared, per = sims[key]["shared"]["figures"], sims[key]["per-stream"]["figures"]
+        times = [t for r in rows for t in r["figures"]["step_times_s"]]
+        med = sorted(times)[len(times) // 2]
+        model_s = modelled_step_s(sims[key]["shared"])
+        rr, ra = real["peak_reserved_bytes"], real["peak_bytes"]
+        lines.append(
+            f"| {key[0]} | {key[1] // 1024}K | {ra / GiB:.2f} | {shared['peak_bytes'] / GiB:.2f} "
+            f"| {pct(shared['peak_bytes'], ra)} | {rr / GiB:.2f} "
+            f"| {shared['peak_reserved_bytes'] / GiB:.2f} | {pct(shared['peak_reserved_bytes'], rr)} "
+            f"| {per['peak_reserved_bytes'] / GiB:.2f} | {pct(per['peak_reserved_bytes'], rr)} "
+            f"| {med:.2f} ({min(times):.2f}-{max(times):.2f}, n={len(times)}) | {model_s:.2f} | {pct(model_s, med)} |")
+    kernels = [json.loads(line) for line in (args.dir / "kernels.ndjson").open()] \
+        if (args.dir / "kernels.ndjson").exists() else []
+    if kernels:
+        peak = get_device("h100-80g").peak_bf16_flops
+        header = "| kernel | shape | TFLOP/s | fraction of peak | fitted efficiency |"
+        fa2 = f"eff_attention_fa2 {FITTED.eff_attention_fa2:.3f}"
+        lines += ["", "## Kernel rates (real) against the model's fitted efficiencies", "",
+                  f"Fraction of the preset's dense bf16 peak ({peak / 1e12:.0f} TFLOP/s); CUDA events, median "
+                  "of 5-10 calls after warm-up. Fitted: `bench.measure.steptime.FITTED`, fitted on Table 3 cells "
+                  "(they absorb whatever else the step spends, so they are not kernel rates).", "",
+                  header, "|---|---|---|---|---|"]
+        for k in kernels:
+            if k["kind"] == "check":
+                errs = ", ".join(f"{n} {e:.1e}" for n, e in k["rel_err"].items())
+                verdict = "ok" if k["ok"] else "FAIL"
+                lines.insert(lines.index(header) - 1,
+                             f"The CUDA kernel against the fp32 math kernel (bf16, causal, GQA {k['heads']}/"
+                             f"{k['kv_heads']}, {k['seq']} tokens): relative error {errs} ({verdict}).\n")
+            elif k["kind"] == "matmul":
+                lines.append(f"| bf16 matmul ({k['name']}) | {k['m']}x{k['k']} @ {k['k']}x{k['n']} | {k['tflops']:.0f} "
+                             f"| {k['tflops'] * 1e12 / peak:.2f} | eff_matmul {FITTED.eff_matmul:.3f} |")
+            elif k["kind"] == "attention":
+                shape = f"S={k['seq'] // 1024}K, {k['heads']}/{k['kv_heads']} heads, d={k['head_dim']}, causal"
+                for part in ("fwd", "bwd"):
+                    lines.append(f"| SDPA flash (FA2) {part} | {shape} | {k[part]['tflops']:.0f} "
+                                 f"| {k[part]['tflops'] * 1e12 / peak:.2f} | {fa2} |")
+    (args.dir / "compare.md").write_text("\n".join(lines) + "\n")
+    segments_md(args.dir)
+    print("\n".join(lines))
+
+
+def segments_md(folder: Path) -> None:
+    path = folder / "segments.ndjson"
+    if not path.exists():
+        return
+    lines = ["# The caching allocator's segments per stream (real H100)", "",
+             "`torch.cuda.memory_snapshot()` after the timed step, just before the trial's `empty_cache` "
+             "(scripts/gpu/snap/sitecustomize.py). With expandable segments a stream's segment stays mapped "
+             "at its largest size until `empty_cache`, so the mapped sizes are what each stream's pool "
+             "reserved at the step's peak; their sum is `max_memory_reserved`.", "",
+             "| method | tokens | stream | segments | mapped GiB | allocated at the end GiB |",
+             "|---|---|---|---|---|---|"]
+    for line in path.open():
+        d = json.loads(line)
+        by: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for s in d["segments"]:
+            b = by[s["stream"]]
+            b[0] += 1
+            b[1] += s["total_size"]
+            b[2] += s["allocated_size"]
+        for stream, (n, mapped, alloc) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+            name = "default" if stream == 0 else f"side {stream:#x}"
+            lines.append(f"| {d['method']} | {d['seq_len']} | {name} | {n} | {mapped / GiB:.2f} | {alloc / GiB:.2f} |")
+        stats = d["stats"]
+        reserved, allocated = stats["reserved_bytes.all.peak"] / GiB, stats["allocated_bytes.all.peak"] / GiB
+        lines.append(f"| {d['method']} | {d['seq_len']} | **all** (peak reserved / allocated) | "
+                     f"| **{reserved:.2f}** | {allocated:.2f} |")
+    (folder / "segments.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
+#   bash scripts/gpu/validate.sh OUT_DIR PHASE...
+# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments (any order, several at once).
+# Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
+# (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set; rows go
+# to OUT_DIR/real.jsonl, each trial's output to OUT_DIR/log.txt. A trial that fails is logged
+# and the next one runs. scripts/gpu/compare.py sets the same trials beside their simulation.
+set -u
+out=${1:?usage: validate.sh OUT_DIR PHASE...}; shift
+mkdir -p "$out"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+model=scripts/gpu/llama3-8b-4l.yaml
+
+trial() {  # trial TIMEOUT_S ARGS...: one real trial, its output appended to the log
+  local limit=$1; shift
+  echo "=== $(date +%T) $*" | tee -a "$out/log.txt"
+  timeout "$limit" $py -m bench run --mode real --device h100-80g --world-size 1 --model $model \
+      --json --out "$out/real.jsonl" "$@" >>"$out/log.txt" 2>&1
+  echo "--- rc=$? $(date +%T)" | tee -a "$out/log.txt"
+  tail -n 1 "$out/real.jsonl" 2>/dev/null | $py -c '
+import json, sys
+r = json.loads(sys.stdin.read() or "{}"); f = r.get("figures") or {}
+gib = lambda b: "%.2f" % ((b or 0) / 2**30)
+print("   last row:", r.get("method"), r.get("seq_len"), r.get("status"), "allocated", gib(f.get("peak_bytes")),
+      "reserved", gib(f.get("peak_reserved_bytes")), "GiB; step", f.get("step_time_s"), (r.get("message") or "")[:300])'
+}
+
+for phase in "$@"; do
+  case $phase in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/log.txt"
+      $py -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())' \
+        | tee -a "$out/log.txt" ;;
+    kernels)
+      timeout 240 $py scripts/gpu/kernels.py --out "$out/kernels.ndjson" 2>&1 | tee -a "$out/log.txt" ;;
+    mem128)  # memory: one steady-state step after the first (reset_peak_memory_stats in between)
+      for m in ulysses upipe; do trial 200 --method $m --seq-len 128K --warmup 1 --iters 1 --smoke; done ;;
+    time64)  # step time with spread: 5 timed steps after 2 untimed
+      for m in ulysses upipe; do trial 200 --method $m --seq-len 64K --warmup 2 --iters 5; done ;;
+    mem256)
+      for m in ulysses upipe; do trial 300 --method $m --seq-len 256K --warmup 1 --iters 1 --smoke; done ;;
+    wrappers)  # the CUDA code paths of the other methods and of the library wrappers
+      for m in fpdt torch-cp offload ds-ulysses; do trial 200 --method $m --seq-len 128K --warmup 1 --iters 1 --smoke; done ;;
+    segments)  # per-stream segments at the end of the timed step (scripts/gpu/snap/sitecustomize.py)
+      mkdir -p "$out/segments"
+      for m in ulysses upipe fpdt; do
+        SEGMENTS_OUT="$out/segments" SEGMENTS_TAG="$m 128K" PYTHONPATH="scripts/gpu/snap${PYTHONPATH:+:$PYTHONPATH}" \
+          trial 200 --method $m --seq-len 128K --warmup 1 --iters 1 --smoke
+      done ;;
+    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers)"; exit 2 ;;
+  esac
+done
