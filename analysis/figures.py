@@ -10,6 +10,8 @@ panels instead of one entry per series.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
@@ -341,14 +343,20 @@ def max_context_plot(rows=None) -> Plot:
     fig5 = load_paper("fig5_multinode")
     claims = fig5[fig5["kind"] == "max_context_claim"]
     ours = max_context_rows(rows)
-    if len(ours):  # the per-stream-pools series has fidelity anchors, no searches: its table shows them, not here
-        ours = ours[~ours["mode_label"].str.contains("per-stream pools", regex=False)]
+    if len(ours):  # a series of fidelity anchors only (no search, no other run): fidelity.md shows them, not here
+        anchor = ours["notes"].astype(str).str.contains("fidelity anchor", regex=False) \
+            if "notes" in ours else pd.Series(False, index=ours.index)
+        drawn = set(ours.loc[~anchor | (ours["kind"] == "search"), "mode_label"])
+        ours = ours[ours["mode_label"].isin(drawn)]
     panels = [(s.model, s.gpus, f"{s.model}, {s.gpus} GPUs (Table 3)") for s in TABLE3_SETUPS]
     panels.append(("llama3-8b", 16, "llama3-8b, 16 GPUs, 8×2 mesh (Fig. 5)"))
     seen = {(m, g) for m, g, _ in panels}
     for m, g in sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])} - seen) if len(ours) else []:
         panels.append((m, g, f"{m}, {g} ranks (ours only: no paper values at this scale)"))
     modes = sorted(ours["mode_label"].unique()) if len(ours) else []
+    # what every series shares ("simulated, h100-80g, ") is said once, in the legend, not on each bar
+    shared = os.path.commonprefix(modes) if len(modes) > 1 else ""
+    shared = shared[: shared.rfind(", ") + 2] if ", " in shared else ""
     order = {m: i for i, m in enumerate(PAPER_METHODS)}
     content = []
     for model, gpus, title in panels:
@@ -365,7 +373,7 @@ def max_context_plot(rows=None) -> Plot:
         answers = [r for r in _one_answer_per_series(o) if pd.notna(r["max_seq_len"])]
         steps = sorted({int(r["step"]) for r in answers if r["kind"] == "search" and pd.notna(r["step"])})
         for r in answers:
-            label = f"{r['label']} — ours" + (f" ({r['mode_label']})" if len(modes) > 1 else "") + (
+            label = f"{r['label']} — ours" + (f" ({r['mode_label'][len(shared):]})" if len(modes) > 1 else "") + (
                 ", attention block" if r["scope"] == "attention" else "")
             bars.append((family(r["method"]), label, int(r["max_seq_len"]), _answer_text(r, len(steps) > 1), False,
                          method_color(r["method"]), (r["label"], r["mode_label"], r["scope"])))
@@ -405,7 +413,7 @@ def max_context_plot(rows=None) -> Plot:
             ax.text(0.5, 0.5 / (len(bars) + 1.2), f"no rows of ours yet: python -m sweeps run "
                     f"sweeps/configs/{prefix}.yaml", transform=ax.transAxes, ha="center", va="center",
                     fontsize=7.5, color="#555555")
-    ours_text = "ours (solid)" + (f": {modes[0]}" if len(modes) == 1 else "")
+    ours_text = "ours (solid)" + (f": {modes[0]}" if len(modes) == 1 else f": {shared[:-2]}" if shared else "")
     fig.suptitle("Maximum context per method (≥: lower bound)")
     layout_with_legends(fig, [("source", [Patch(**paper_bar_style("black"), label="paper (hatched)"),
                                           Patch(**ours_bar_style("grey"), label=ours_text)])])

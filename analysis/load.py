@@ -92,12 +92,15 @@ def mode_label(mode: str, device: str, device_name: str | None = None, stack: st
                pools: str | None = None) -> str:
     """How a row was produced, for legends and table rows: ``real, NVIDIA H100 80GB HBM3``,
     ``emulated, NVIDIA H100 (link nvlink-h100)``, ``simulated, h100-80g, paper stack``,
-    ``simulated, h100-80g, lean stack`` (``bench.measure.stack``; rows without a stack are lean);
-    a simulation whose allocator model kept a pool per stream (``allocator_pools``) is its own
-    series: ``simulated, h100-80g, paper stack, per-stream pools``."""
+    ``simulated, h100-80g, lean stack`` (``bench.measure.stack``; rows without a stack are lean).
+    The paper stack's allocator keeps a pool per stream (``allocator_pools``, the default since it
+    was checked on an H100); a paper-stack row made with one shared pool (every row made before,
+    which does not record the lever) is its own series: ``simulated, h100-80g, paper stack,
+    shared pool``."""
     if mode == "simulated":
-        label = f"simulated, {device}, {'paper' if stack == 'paper' else 'lean'} stack"
-        return label + (f", {pools} pools" if pools and pools != "shared" else "")
+        if stack == "paper":
+            return f"simulated, {device}, paper stack" + ("" if pools == "per-stream" else ", shared pool")
+        return f"simulated, {device}, lean stack"
     name = (device_name or device or "").strip()
     if len(name) > 40:
         name = name[:38] + "…"

@@ -42,12 +42,14 @@ FIG5_COMMAND = ("python -m bench fidelity --anchors fig5- --out results/fidelity
 OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
     ("[fidelity.md](fidelity.md), [fidelity.png](fidelity.png)",
      "the paper's memory anchors (128K, Fig. 1's ladder, Fig. 5) and Table 3's fits/OOM boundaries against "
-     "the simulation, paper and lean stacks", f"`{FIDELITY_COMMAND}` (writes these two and its rows)"),
-    ("[../results/fidelity/per-stream-pools/fidelity.md](../results/fidelity/per-stream-pools/fidelity.md), "
-     "[fidelity.png](../results/fidelity/per-stream-pools/fidelity.png)",
-     "the same anchors with the paper stack's allocator keeping a pool per CUDA stream (docs/paper.md, "
-     "\"The allocator's pools per stream\"); its rows: the paper stack only",
-     "`python -m bench fidelity --allocator-pools per-stream --out results/fidelity/per-stream-pools` "
+     "the simulation, paper stack (a pool per stream) and lean stack",
+     f"`{FIDELITY_COMMAND}` (writes these two and its rows; `--from-rows results/fidelity/fidelity.jsonl` "
+     "re-renders them from the committed rows)"),
+    ("[../results/fidelity/shared-pool/fidelity.md](../results/fidelity/shared-pool/fidelity.md), "
+     "[fidelity.png](../results/fidelity/shared-pool/fidelity.png)",
+     "the same anchors with the paper stack's allocator keeping one pool for every stream (the default before "
+     "the H100 check; docs/paper.md, \"The allocator's pools per stream\"); its rows: the paper stack only",
+     "`python -m bench fidelity --allocator-pools shared --out results/fidelity/shared-pool` "
      "(then its lean rows, the same trials as results/fidelity's, dropped)"),
     ("[../results/gpu/h100-ws1/compare.md](../results/gpu/h100-ws1/compare.md), "
      "[../results/gpu/h100-ws1/segments.md](../results/gpu/h100-ws1/segments.md)",

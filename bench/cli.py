@@ -141,10 +141,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="simulated mode: replay the step's allocations through a model of the CUDA caching "
                    "allocator (bench.measure.allocator) and record its reserved peak; expandable: as with "
                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the paper's setting")
-    p.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="shared",
-                   help="simulated mode, with an allocator model: shared = one pool for every stream; "
-                   "per-stream = a pool per CUDA stream, as the caching allocator keys its blocks (FSDP2's "
-                   "all-gather buffers then never serve the compute stream)")
+    p.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default=None,
+                   help="simulated mode, with an allocator model: per-stream (default under the paper stack) = a "
+                   "pool per CUDA stream, as the caching allocator keys its blocks (FSDP2's all-gather buffers "
+                   "then never serve the compute stream; checked on an H100, results/gpu); shared = one pool "
+                   "for every stream (the default otherwise)")
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=MIN_TIMED_STEPS,
                    help=f"timed steps (real/emulated; at least {MIN_TIMED_STEPS} unless --smoke): the row records "
@@ -200,6 +201,9 @@ def build_parser() -> Parser:
     pl.add_argument("--no-figs", action="store_true", help="print only")
     pl.add_argument("--stack", choices=["paper", "lean"], default="paper",
                     help="accounting of the simulations (bench.measure.stack; default paper)")
+    pl.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="shared",
+                    help="the paper stack's allocator pools: shared (one pool for every stream; the committed "
+                    "plans) or per-stream (as CUDA's caching allocator keys its blocks)")
     pl.add_argument("--paper-only", action="store_true",
                     help="only the methods in the paper's setup, not the levers beyond it (+...)")
     pl.add_argument("--cache", default=None,
@@ -218,9 +222,13 @@ def build_parser() -> Parser:
     fi.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
                     help="trials in parallel (a process pool; default: the CPUs, at most 4; the full run is about "
                     "16 CPU-minutes, so 2 idle cores finish it in about 8 minutes)")
-    fi.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="shared",
-                    help="the paper stack's allocator pools: shared (one pool for every stream) or per-stream "
-                    "(a pool per CUDA stream, as the caching allocator keeps them)")
+    fi.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="per-stream",
+                    help="the paper stack's allocator pools: per-stream (default: a pool per CUDA stream, as the "
+                    "caching allocator keeps them; checked on an H100, results/gpu) or shared (one pool for every "
+                    "stream)")
+    fi.add_argument("--from-rows", nargs="+", default=None, metavar="FILE",
+                    help="simulate nothing: take every anchor's trials from these rows (e.g. the committed "
+                    "results/fidelity/fidelity.jsonl) and write only fidelity.{md,png}")
     fi.add_argument("--out", default=None, help="directory for fidelity.jsonl (default runs/fidelity)")
     fi.add_argument("--figs-dir", default=None, help="directory for fidelity.{md,png} (default: --out)")
     return parser
@@ -230,14 +238,16 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
     ac = not args.no_ac
     levers = dict(ac=ac, ac_offload=ac and not args.no_offload, tiled_mlp=not args.no_tiled_mlp,
                   tiled_norm=not args.no_tiled_norm, chunked_loss=not args.no_chunked_loss)
+    stack = args.stack or ("paper" if args.mode == "simulated" else "lean")
     try:
         method, options, levers = expand(args.method, dict(args.opt), levers)  # named configurations
         step = StepConfig(
             scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
             loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, sim_device=args.sim_device,
-            stack=args.stack or ("paper" if args.mode == "simulated" else "lean"),
+            stack=stack,
             tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
-            allocator_model=args.allocator_model, allocator_pools=args.allocator_pools, offload_keep=args.offload_keep,
+            allocator_model=args.allocator_model, offload_keep=args.offload_keep,
+            allocator_pools=args.allocator_pools or ("per-stream" if stack == "paper" else "shared"),
             fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
             ac_group=args.ac_group, **levers,
         )
@@ -392,9 +402,14 @@ def _fidelity(args) -> int:
         check_dir(figs, "--figs-dir")
     except OutputError as err:
         raise UsageError(f"python -m bench fidelity: error: {err}") from None
-    results = fidelity.run_anchors(chosen, jobs=args.jobs, pools=args.allocator_pools)
+    try:
+        runner = fidelity.rows_runner(args.from_rows) if args.from_rows else None
+        results = fidelity.run_anchors(chosen, jobs=1 if runner else args.jobs, pools=args.allocator_pools,
+                                       runner=runner)
+    except (OSError, LookupError) as err:
+        raise UsageError(f"python -m bench fidelity: error: {err}") from None
     print(fidelity.text_table(results))
-    for path in fidelity.write_outputs(results, out, figs):
+    for path in fidelity.write_outputs(results, out, figs, write_rows=runner is None):
         print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -421,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     check_file(cache, "--cache")
                 res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
                            out_dir, stack=args.stack, beyond=not args.paper_only, cache=cache,
-                           workers=args.jobs, use_cache=not args.no_cache)
+                           workers=args.jobs, use_cache=not args.no_cache, pools=args.allocator_pools)
             except ValueError as err:
                 raise UsageError(f"python -m bench plan: error: {err}") from None
             print(res["text"])

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from records import GiB, Row, append_rows, human
+from records import GiB, Row, append_rows, human, read_rows, trial_key
 
 from .measure import stack as paper_stack
 from .measure.run import HOST_OOM
@@ -139,7 +139,7 @@ class Anchor:
             return f"{self.paper_gib:.2f} GiB"
         return self.expect if self.paper_need_gib is None else f"{self.expect} ({self.paper_need_gib:g} GiB)"
 
-    def trial(self, stack: str, pools: str = "shared") -> Trial:
+    def trial(self, stack: str, pools: str = "per-stream") -> Trial:
         """The anchor's trial under ``stack``; ``pools``: the paper stack's allocator pools
         (``StepConfig.allocator_pools``; the lean stack has no allocator model)."""
         extra = {"allocator_pools": pools} if stack == "paper" and pools != "shared" else {}
@@ -334,7 +334,7 @@ def run_one(trial: Trial) -> Row:
 
 
 def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None] | None = None,
-                runner: Callable[[Trial], Row] | None = None, pools: str = "shared") -> list[Result]:
+                runner: Callable[[Trial], Row] | None = None, pools: str = "per-stream") -> list[Result]:
     """Run every anchor under both stacks (a trial shared by anchors runs once); ``jobs`` > 1:
     a process pool. ``log`` gets one progress line per trial; ``pools``: the paper stack's
     allocator pools (``Anchor.trial``)."""
@@ -487,8 +487,31 @@ def figure(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: list[Result], out_dir: Path, figs_dir: Path) -> list[Path]:
-    """Rows appended to ``<out_dir>/fidelity.jsonl``; ``fidelity.{md,png}`` in ``figs_dir``."""
+def rows_runner(paths: Iterable[str | Path]) -> Callable[[Trial], Row]:
+    """A runner that simulates nothing: each trial's row from ``paths`` (the newest of its key),
+    for re-rendering the tables from committed rows. A trial with no row raises ``LookupError``
+    naming it."""
+    found: dict[tuple, Row] = {}
+    for path in paths:
+        for row in read_rows(Path(path), on_error="raise"):
+            old = found.get(trial_key(row))
+            if old is None or (row.env.time or "") >= (old.env.time or ""):
+                found[trial_key(row)] = row
+
+    def runner(trial: Trial) -> Row:
+        row = found.get(trial.key())
+        if row is None:
+            raise LookupError(f"no row in {', '.join(map(str, paths))} for {trial.method} {trial.model} "
+                              f"{trial.seq_len} tokens on {trial.world_size} ({trial.step.stack} stack, "
+                              f"{trial.step.allocator_pools} pools); run without --from-rows to simulate it")
+        return row
+
+    return runner
+
+
+def write_outputs(results: list[Result], out_dir: Path, figs_dir: Path, write_rows: bool = True) -> list[Path]:
+    """Rows appended to ``<out_dir>/fidelity.jsonl`` (unless ``write_rows`` is off: rows that came
+    from files already); ``fidelity.{md,png}`` in ``figs_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     figs_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "fidelity.jsonl"
@@ -499,11 +522,13 @@ def write_outputs(results: list[Result], out_dir: Path, figs_dir: Path) -> list[
             if id(row) not in seen:
                 seen.add(id(row))
                 rows.append(row)
-    append_rows(rows_path, rows)
     md = figs_dir / "fidelity.md"
     md.write_text(markdown(results))
     png = figs_dir / "fidelity.png"
     figure(results, png)
+    if not write_rows:
+        return [md, png]
+    append_rows(rows_path, rows)
     return [rows_path, md, png]
 
 

@@ -150,6 +150,8 @@ class SweepSpec:
             levers.setdefault("ac_offload", False)  # no checkpoints, nothing to offload (as --no-ac)
         if self.mode == "simulated":
             levers.setdefault("stack", "paper")  # as on the CLI: simulations default to the paper stack
+        if levers.get("stack") == "paper":  # ... whose allocator keeps a pool per stream (bench.measure.stack)
+            levers.setdefault("allocator_pools", "per-stream")
         step = StepConfig(scope=self.scope, dtype=self.dtype, **levers)
         search = Search(**self.max_context) if self.kind == Kind.MAX_CONTEXT else None
         return Trial.make(entry.name, model, search.granularity if search else seq_len, world_size,

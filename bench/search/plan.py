@@ -407,9 +407,12 @@ def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
 
 
 def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, stack: str = "paper",
-            beyond: bool = True) -> list[Entry]:
+            beyond: bool = True, pools: str = "shared") -> list[Entry]:
+    """The plan's trials; ``pools``: the paper stack's allocator pools (``StepConfig.allocator_pools``)."""
+    pool_lever = {"allocator_pools": pools} if stack == "paper" else {}
+
     def entry(label: str, method: str, options: dict, **levers) -> Entry:
-        step = StepConfig(stack=stack, **levers)
+        step = StepConfig(stack=stack, **pool_lever, **levers)
         return Entry(label, Trial.make(method, model, granularity, gpus, options, device=device, step=step))
 
     out = [entry(f"upipe U={gpus}", "upipe", {}), entry("upipe U=auto", "upipe", {AUTO_OPTION: AUTO}),
@@ -543,16 +546,17 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 1 << 20, out_dir: str | None = None, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
-         cache: Path | None = None, use_cache: bool = True) -> dict[str, Any]:
+         cache: Path | None = None, use_cache: bool = True, pools: str = "shared") -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
-    None with ``use_cache``: none written, the committed one still read)."""
+    None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
+    stack's allocator pools."""
     global _CACHE
     cfg = get_config(model)
     preset = get_device(device)
     if gpus % nodes:
         raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
     t0 = time.perf_counter()
-    todo = entries(model, gpus, nodes, device, granularity, stack, beyond)
+    todo = entries(model, gpus, nodes, device, granularity, stack, beyond, pools)
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
     cache_args = (cache, (COMMITTED_CACHE,)) if use_cache else None
     _CACHE = SimCache(*cache_args) if cache_args else None

@@ -100,3 +100,15 @@ def test_formatting_helpers():
     assert options_string({"ulysses_degree": 8, "chunk_heads": 16}) == "chunk_heads=16,ulysses_degree=8"
     assert options_string({}) == ""
     assert method_label("usp", {"ulysses_degree": 8}) == "usp[ulysses_degree=8]"
+
+
+def test_mode_labels_name_the_stack_and_a_shared_pool():
+    """The paper stack's series is the per-stream one; a paper-stack row with one shared pool
+    (or made before the lever existed) is its own series; lean and real rows say nothing of pools."""
+    from analysis.load import mode_label
+
+    assert mode_label("simulated", "h100-80g", stack="paper", pools="per-stream") == "simulated, h100-80g, paper stack"
+    assert mode_label("simulated", "h100-80g", stack="paper") == "simulated, h100-80g, paper stack, shared pool"
+    assert mode_label("simulated", "h100-80g", stack="paper", pools="shared").endswith("paper stack, shared pool")
+    assert mode_label("simulated", "h100-80g") == "simulated, h100-80g, lean stack"
+    assert "pool" not in mode_label("real", "h100-80g", "NVIDIA H100 80GB HBM3")

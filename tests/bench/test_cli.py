@@ -36,6 +36,20 @@ def test_run_simulated_table_and_rows(tmp_path):
     assert row.options == {"chunk_heads": 4} and row.seq_len == 4096 and row.mode == "simulated"
 
 
+def test_simulated_runs_replay_a_pool_per_stream_unless_asked(tmp_path):
+    """`bench run` in simulated mode runs the paper stack with a pool per stream (the row records
+    it); `--allocator-pools shared` and `--stack lean` are kept as asked."""
+    levers = {}
+    for name, extra in (("default", ()), ("shared", ("--allocator-pools", "shared")), ("lean", ("--stack", "lean"))):
+        p = bench("run", "--method", "ulysses", "--model", "tiny-llama", "--seq-len", "2K", "--world-size", "2",
+                  "--mode", "simulated", "--json", "--no-save", *extra)
+        assert p.returncode == 0, p.stderr
+        levers[name] = json.loads(p.stdout)["levers"]
+    assert levers["default"]["stack"] == "paper" and levers["default"]["allocator_pools"] == "per-stream"
+    assert levers["shared"]["stack"] == "paper" and "allocator_pools" not in levers["shared"]  # the default field
+    assert "stack" not in levers["lean"] and "allocator_pools" not in levers["lean"]
+
+
 def test_run_json_attention_scope(tmp_path):
     p = bench("run", "--method", "ulysses", "--model", "llama3-8b", "--seq-len", "1.5M", "--world-size", "8",
               "--scope", "attention", "--json", "--no-save")

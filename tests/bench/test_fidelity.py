@@ -213,3 +213,30 @@ def test_pool_order_puts_costly_trials_first():
     trials = [short.trial("lean"), long.trial("lean"), short.trial("paper")]
     assert sorted(trials, key=fidelity.cost, reverse=True) == [trials[2], trials[1], trials[0]]
     assert fidelity.cpu_seconds() > 0
+
+
+def test_the_paper_stack_keeps_a_pool_per_stream_by_default(tiny_results):
+    """Since the H100 check (results/gpu), fidelity's paper-stack trials replay a pool per stream
+    and say so in their levers; the lean ones have no allocator model to key."""
+    results, _ = tiny_results
+    mem = results[0]
+    assert mem.rows["paper"].levers["allocator_pools"] == "per-stream"
+    assert "allocator_pools" not in mem.rows["lean"].levers
+
+
+def test_from_rows_renders_without_simulating(tiny_results, tmp_path, monkeypatch, capsys):
+    """--from-rows takes every anchor's trials from row files: nothing is simulated, no rows are
+    appended, and a trial without a row is a one-line error naming it."""
+    results, _ = tiny_results
+    rows_file = tmp_path / "rows" / "fidelity.jsonl"
+    fidelity.write_outputs(results, rows_file.parent, tmp_path / "first")
+    monkeypatch.setattr(fidelity, "load_anchors", lambda paper_dir=PAPER_DIR: _tiny_anchors())
+    monkeypatch.setattr(fidelity, "run_one", lambda trial: pytest.fail("simulated under --from-rows"))
+    out = tmp_path / "out"
+    assert main(["fidelity", "--from-rows", str(rows_file), "--out", str(out)]) == 0
+    assert (out / "fidelity.md").read_text() == (tmp_path / "first" / "fidelity.md").read_text()
+    assert not (out / "fidelity.jsonl").exists()
+    capsys.readouterr()
+    assert main(["fidelity", "--from-rows", str(rows_file), "--allocator-pools", "shared", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no row in" in err and "shared pools" in err

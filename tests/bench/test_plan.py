@@ -171,6 +171,18 @@ def test_the_committed_plan_cache_still_answers_the_committed_plans_trials():
     assert SimCache.key(per_stream, "llama3-8b", 3) != SimCache.key(trial, "llama3-8b", 3)
 
 
+def test_plan_pools_reach_every_paper_stack_trial():
+    """`bench plan --allocator-pools per-stream` keys every trial with it (the committed cache holds
+    shared-pool simulations only, so they miss); the lean stack has no allocator model to key."""
+    from bench.search.plan import entries
+
+    for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, pools="per-stream"):
+        assert e.trial.step.allocator_pools == "per-stream", e.label
+    assert {e.trial.step.allocator_pools for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20)} == {"shared"}
+    assert {e.trial.step.allocator_pools
+            for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, stack="lean", pools="per-stream")} == {"shared"}
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "--model", "nope", "--gpus", "8"],
     ["plan", "--model", "llama3-8b", "--gpus", "0"],

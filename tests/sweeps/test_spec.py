@@ -50,6 +50,21 @@ def test_entry_step_overrides_spec_step():
     assert (step.ac, step.fsdp) == (False, True)
 
 
+def test_simulated_specs_default_to_the_paper_stack_with_a_pool_per_stream():
+    """As on the CLI: a simulated spec runs the paper stack, whose allocator keeps a pool per
+    stream (checked on an H100, results/gpu); a spec can ask for the shared pool or the lean
+    stack, and a real spec keys neither."""
+    step = parse_spec(BASE).trials()[0].step
+    assert (step.stack, step.allocator_pools) == ("paper", "per-stream")
+    shared = parse_spec(dict(BASE, step={"allocator_pools": "shared"})).trials()[0].step
+    assert shared.allocator_pools == "shared"
+    lean = parse_spec(dict(BASE, step={"stack": "lean"})).trials()[0].step
+    assert (lean.stack, lean.allocator_pools) == ("lean", "shared")
+    real = parse_spec(dict(BASE, mode="real", seq_lens=["1K"], models=["tiny-llama"], world_sizes=[2],
+                           device="cpu")).trials()[0].step
+    assert (real.stack, real.allocator_pools) == ("lean", "shared")
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
