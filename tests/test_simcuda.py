@@ -140,3 +140,17 @@ def test_torch_imported_first_gives_a_one_line_error():
     line = out.stdout.strip()
     assert line.startswith("ERR ") and "\n" not in line
     assert "--sim-device cpu" in line and "torch was imported before" in line
+
+
+def test_chunk_stores_share_one_copy_stream():
+    """Every offloading chunk store of a device copies on one side stream (the caching allocator
+    keeps a pool per stream; a stream per store cached chunks on many: results/gpu/h100-ws1)."""
+    from methods.core.chunkstore import ChunkStore
+
+    simcuda.require()
+    with FakeTensorMode(), simcuda.runtime():
+        first, second = ChunkStore("cuda:0", offload=True), ChunkStore("cuda:0", offload=True)
+        assert first.stream is not None and first.stream is second.stream
+        with torch.cuda.stream(first.stream):
+            assert simcuda.stream_id() > 0
+    assert ChunkStore("cpu", offload=True).stream is None
