@@ -623,7 +623,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "host_note": f" and {host_usable / GiB:.0f} GiB of host memory for offloads" if host_usable else "",
         "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
-        "stack": stack, "pareto": pareto, "baseline": baseline, "pick": pick,
+        "stack": stack, "pools": pools, "pareto": pareto, "baseline": baseline, "pick": pick,
         "cache": (f"{_lines(cache) - lines_before} new simulations, "
                   f"{cached_before} cached ({COMMITTED_CACHE.relative_to(RESULTS_DIR.parent)}"
                   f"{f', {cache}' if cache and Path(cache).resolve() != COMMITTED_CACHE else ''})")  # noqa: E501 if _CACHE else "no cache (--no-cache)",
@@ -638,8 +638,11 @@ def render(res: dict[str, Any]) -> str:
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
         f"{res['usable_gib']:.1f} GiB usable per GPU{res['host_note']}; "
-        f"{res['stack']} stack (bench.measure.stack); paper record setup (FSDP2, AC offloaded to host, "
-        f"tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)",
+        f"{res['stack']} stack (bench.measure.stack"
+        + (f"; allocator: {'a pool per stream' if res.get('pools') == 'per-stream' else 'one shared pool'}"
+           if res["stack"] == "paper" else "")
+        + "); paper record setup (FSDP2, AC offloaded to host, "
+        "tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)",
         f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
         + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
