@@ -406,7 +406,7 @@ def _fidelity(args) -> int:
         runner = fidelity.rows_runner(args.from_rows) if args.from_rows else None
         results = fidelity.run_anchors(chosen, jobs=1 if runner else args.jobs, pools=args.allocator_pools,
                                        runner=runner)
-    except (OSError, LookupError) as err:
+    except (OSError, LookupError, ValueError) as err:  # a missing or malformed rows file, a trial without a row
         raise UsageError(f"python -m bench fidelity: error: {err}") from None
     print(fidelity.text_table(results))
     for path in fidelity.write_outputs(results, out, figs, write_rows=runner is None):

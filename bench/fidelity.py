@@ -493,6 +493,8 @@ def rows_runner(paths: Iterable[str | Path]) -> Callable[[Trial], Row]:
     naming it."""
     found: dict[tuple, Row] = {}
     for path in paths:
+        if not Path(path).is_file():
+            raise LookupError(f"--from-rows {path}: no such file")
         for row in read_rows(Path(path), on_error="raise"):
             old = found.get(trial_key(row))
             if old is None or (row.env.time or "") >= (old.env.time or ""):
