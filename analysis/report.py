@@ -64,20 +64,20 @@ OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
     ("[plan_llama3-8b_8xh100-80g.md](plan_llama3-8b_8xh100-80g.md), "
      "[plan_llama3-8b_8xh100-80g.png](plan_llama3-8b_8xh100-80g.png)",
      "the planner's answer for Llama3-8B on 8 x H100: max context and modelled step time of the paper's setups "
-     "and of the levers beyond it, Pareto front, recommendation (paper stack)",
+     "and of the levers beyond it, Pareto front, recommendation (paper stack, a pool per stream)",
      "`python -m bench plan --model llama3-8b --gpus 8 --device h100-80g --cache results/plan/sims.ndjson "
      "--out-dir paper_figs` (results/plan/README.md)"),
     ("[plan_llama3-8b_16xh100-80g.md](plan_llama3-8b_16xh100-80g.md), "
      "[plan_llama3-8b_16xh100-80g.png](plan_llama3-8b_16xh100-80g.png)",
      "the same for Llama3-8B on 16 x H100 in 2 nodes (usp and usp-upipe added; the levers are added to "
      "usp-upipe, which has no fused attention norm)",
-     "`python -m bench plan --model llama3-8b --gpus 16 --nodes 2 --device h100-80g --cache "
-     "results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md)"),
+     "`python -m bench plan --model llama3-8b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
+     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md)"),
     ("[plan_qwen3-32b_16xh100-80g.md](plan_qwen3-32b_16xh100-80g.md), "
      "[plan_qwen3-32b_16xh100-80g.png](plan_qwen3-32b_16xh100-80g.png)",
      "the same for Qwen3-32B on 16 x H100 in 2 nodes (as Llama3-8B's 16-GPU plan)",
-     "`python -m bench plan --model qwen3-32b --gpus 16 --nodes 2 --device h100-80g --cache "
-     "results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md)"),
+     "`python -m bench plan --model qwen3-32b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
+     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md)"),
 )
 
 ARTEFACTS: tuple[Artefact, ...] = (

@@ -201,9 +201,10 @@ def build_parser() -> Parser:
     pl.add_argument("--no-figs", action="store_true", help="print only")
     pl.add_argument("--stack", choices=["paper", "lean"], default="paper",
                     help="accounting of the simulations (bench.measure.stack; default paper)")
-    pl.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="shared",
-                    help="the paper stack's allocator pools: shared (one pool for every stream; the committed "
-                    "plans) or per-stream (as CUDA's caching allocator keys its blocks)")
+    pl.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="per-stream",
+                    help="the paper stack's allocator pools: per-stream (default: as CUDA's caching allocator keys "
+                    "its blocks; checked on an H100, results/gpu) or shared (one pool for every stream; the "
+                    "committed 16-GPU plans)")
     pl.add_argument("--paper-only", action="store_true",
                     help="only the methods in the paper's setup, not the levers beyond it (+...)")
     pl.add_argument("--cache", default=None,

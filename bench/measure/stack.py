@@ -22,14 +22,15 @@ step before it runs, or in the budget by :func:`usable_bytes`:
    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (docs/paper.md, "Training stack");
    the allocator's rules from ``c10/cuda/CUDACachingAllocator.cpp``. Its pools
    (``StepConfig.allocator_pools``): ``per-stream`` wherever the paper stack is the default
-   (``bench run``/``max-context`` in simulated mode, sweep specs, ``bench fidelity``), a pool per
+   (``bench run``/``max-context`` in simulated mode, sweep specs, ``bench fidelity``, ``bench
+   plan``), a pool per
    CUDA stream as the real allocator keeps them, so FSDP2's all-gather buffers (made on its
    copy-in stream) and reduce-scatter outputs never serve the compute stream; ``shared``, one
    pool for every stream, is the dataclass default and what every row made before records
    implicitly. Checked on a real H100 (``results/gpu/h100-ws1``, world size 1): per-stream
    within -0.2% to +2.3% of ``max_memory_reserved`` for Ulysses, UPipe and offload, shared
-   3-12% under. The planner still defaults to ``shared`` (``bench plan --allocator-pools``):
-   its committed simulation cache was made so (results/plan/README.md).
+   3-12% under. The committed 16-GPU plans and max-context rows were simulated with ``shared``
+   and say so (results/plan/README.md).
 2. ``kernel_scratch``: the attention backward's scratch buffers. Methods that call flash-attn
    through a library (yunchang, ring-flash-attn, DeepSpeed) get them from
    ``bench.measure.fake_flash_attn`` (flash-attn's ``mha_bwd``); our own methods get the FA3

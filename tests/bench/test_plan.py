@@ -166,19 +166,21 @@ def test_the_committed_plan_cache_still_answers_the_committed_plans_trials():
     cache = SimCache(None, (committed,))
     trial = Trial.make("upipe", "llama3-8b", 4 << 20, 8, device="h100-80g", mode="simulated",
                        step=StepConfig(stack="paper"))
-    assert cache.get(SimCache.key(trial, "llama3-8b", 3)) is not None
+    assert cache.get(SimCache.key(trial, "llama3-8b", 3)) is not None  # shared pool (the 16-GPU plans' kind)
     per_stream = dataclasses.replace(trial, step=dataclasses.replace(trial.step, allocator_pools="per-stream"))
     assert SimCache.key(per_stream, "llama3-8b", 3) != SimCache.key(trial, "llama3-8b", 3)
+    assert cache.get(SimCache.key(per_stream, "llama3-8b", 3)) is not None  # the 8-GPU plan's default
 
 
 def test_plan_pools_reach_every_paper_stack_trial():
-    """`bench plan --allocator-pools per-stream` keys every trial with it (the committed cache holds
-    shared-pool simulations only, so they miss); the lean stack has no allocator model to key."""
+    """`bench plan` keys every paper-stack trial with its pools (per-stream by default; shared, as
+    the committed 16-GPU plans, on request); the lean stack has no allocator model to key."""
     from bench.search.plan import entries
 
-    for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, pools="per-stream"):
+    for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20):  # the default
         assert e.trial.step.allocator_pools == "per-stream", e.label
-    assert {e.trial.step.allocator_pools for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20)} == {"shared"}
+    shared = entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, pools="shared")
+    assert {e.trial.step.allocator_pools for e in shared} == {"shared"}
     assert {e.trial.step.allocator_pools
             for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, stack="lean", pools="per-stream")} == {"shared"}
 
