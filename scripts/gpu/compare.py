@@ -147,7 +147,9 @@ def segments_md(folder: Path) -> None:
              "`torch.cuda.memory_snapshot()` after the timed step, just before the trial's `empty_cache` "
              "(scripts/gpu/snap/sitecustomize.py). With expandable segments a stream's segment stays mapped "
              "at its largest size until `empty_cache`, so the mapped sizes are what each stream's pool "
-             "reserved at the step's peak; their sum is `max_memory_reserved`.", "",
+             "reserved at the step's peak; their sum is `max_memory_reserved`, unless an allocation retry released "
+             "cached blocks (`num_alloc_retries` > 0: fpdt's row), when less is mapped at the end than at the peak.",
+             "",
              "| method | tokens | stream | segments | mapped GiB | allocated at the end GiB |",
              "|---|---|---|---|---|---|"]
     for line in path.open():
