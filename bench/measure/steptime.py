@@ -54,6 +54,14 @@ Fitted constants (``FITTED``): ``eff_matmul``, ``eff_attention``, ``eff_attentio
 ``python -m bench steptime`` on the declared cells ``FIT_CELLS`` of the paper's Table 3 (the
 counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/test_steptime.py``
 checks that refitting reproduces them.
+
+Checked on a real H100 (``results/gpu/h100-ws1/compare.md``; world size 1, 4 blocks of
+Llama3-8B, torch's SDPA flash): ``eff_attention_fa2`` (0.315) matches the kernel's measured rate
+(0.31-0.36 of the bf16 peak); ``eff_matmul`` (0.427) is far under the matmuls' (0.69-0.81), so it
+stands in for the step's other work. With the FA2 efficiency the model is 13-43% fast there, the
+gap linear in tokens (about 19 us per token over the 4 blocks), and UPipe's measured stage cost
+(1.18x / 1.10x / 1.05x Ulysses at 64K / 128K / 256K) is not reproduced (about 1.01x): a
+per-token term and a per-stage term are missing, not yet modelled.
 """
 from __future__ import annotations
 
