@@ -43,12 +43,15 @@ for phase in "$@"; do
       for m in ulysses upipe; do trial 300 --method $m --seq-len 256K --warmup 1 --iters 1 --smoke; done ;;
     wrappers)  # the CUDA code paths of the other methods and of the library wrappers
       for m in fpdt torch-cp offload ds-ulysses; do trial 200 --method $m --seq-len 128K --warmup 1 --iters 1 --smoke; done ;;
-    segments)  # per-stream segments at the end of the timed step (scripts/gpu/snap/sitecustomize.py)
+    segments)  # per-stream segments at the end of the timed step (scripts/gpu/snap/sitecustomize.py);
+      # $SEG_METHODS (default: ulysses upipe fpdt) at $SEG_LEN (default 128K); the committed 256K
+      # segments: SEG_METHODS="ulysses upipe" SEG_LEN=256K
       mkdir -p "$out/segments"
-      for m in ulysses upipe fpdt; do
-        SEGMENTS_OUT="$out/segments" SEGMENTS_TAG="$m 128K" PYTHONPATH="scripts/gpu/snap${PYTHONPATH:+:$PYTHONPATH}" \
-          trial 200 --method $m --seq-len 128K --warmup 1 --iters 1 --smoke
+      len=${SEG_LEN:-128K}
+      for m in ${SEG_METHODS:-ulysses upipe fpdt}; do
+        SEGMENTS_OUT="$out/segments" SEGMENTS_TAG="$m $len" PYTHONPATH="scripts/gpu/snap${PYTHONPATH:+:$PYTHONPATH}" \
+          trial 300 --method $m --seq-len "$len" --warmup 1 --iters 1 --smoke
       done ;;
-    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers)"; exit 2 ;;
+    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments)"; exit 2 ;;
   esac
 done
