@@ -34,6 +34,7 @@ from records.outputs import OutputError, check_dir, check_file, runs_dir
 from records.sizes import positive_int
 
 from . import fidelity
+from .measure import stack as paper_stack
 from .measure.hardware import DEVICES, LINKS
 from .measure.launch import is_rank_zero
 from .measure.timing import MIN_TIMED_STEPS
@@ -201,7 +202,7 @@ def build_parser() -> Parser:
     pl.add_argument("--no-figs", action="store_true", help="print only")
     pl.add_argument("--stack", choices=["paper", "lean"], default="paper",
                     help="accounting of the simulations (bench.measure.stack; default paper)")
-    pl.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="per-stream",
+    pl.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default=paper_stack.PAPER_POOLS,
                     help="the paper stack's allocator pools: per-stream (default: as CUDA's caching allocator keys "
                     "its blocks; checked on an H100, results/gpu) or shared (one pool for every stream; the "
                     "committed 16-GPU plans)")
@@ -223,7 +224,7 @@ def build_parser() -> Parser:
     fi.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
                     help="trials in parallel (a process pool; default: the CPUs, at most 4; the full run is about "
                     "16 CPU-minutes, so 2 idle cores finish it in about 8 minutes)")
-    fi.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default="per-stream",
+    fi.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default=paper_stack.PAPER_POOLS,
                     help="the paper stack's allocator pools: per-stream (default: a pool per CUDA stream, as the "
                     "caching allocator keeps them; checked on an H100, results/gpu) or shared (one pool for every "
                     "stream)")
@@ -248,7 +249,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
             stack=stack,
             tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
             allocator_model=args.allocator_model, offload_keep=args.offload_keep,
-            allocator_pools=args.allocator_pools or ("per-stream" if stack == "paper" else "shared"),
+            allocator_pools=args.allocator_pools or paper_stack.allocator_pools(stack),
             fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
             ac_group=args.ac_group, **levers,
         )

@@ -139,12 +139,12 @@ class Anchor:
             return f"{self.paper_gib:.2f} GiB"
         return self.expect if self.paper_need_gib is None else f"{self.expect} ({self.paper_need_gib:g} GiB)"
 
-    def trial(self, stack: str, pools: str = "per-stream") -> Trial:
+    def trial(self, stack: str, pools: str = paper_stack.PAPER_POOLS) -> Trial:
         """The anchor's trial under ``stack``; ``pools``: the paper stack's allocator pools
-        (``StepConfig.allocator_pools``; the lean stack has no allocator model)."""
-        extra = {"allocator_pools": pools} if stack == "paper" and pools != "shared" else {}
+        (``bench.measure.stack.allocator_pools``; the lean stack has no allocator model)."""
+        step = StepConfig(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools), **self.impl.levers)
         return Trial.make(self.impl.method, self.model, self.seq_len, self.gpus, dict(self.impl.options),
-                          mode="simulated", device=DEVICE, step=StepConfig(stack=stack, **self.impl.levers, **extra))
+                          mode="simulated", device=DEVICE, step=step)
 
 
 def fig1_slug(config: str) -> str:
@@ -334,7 +334,7 @@ def run_one(trial: Trial) -> Row:
 
 
 def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None] | None = None,
-                runner: Callable[[Trial], Row] | None = None, pools: str = "per-stream") -> list[Result]:
+                runner: Callable[[Trial], Row] | None = None, pools: str = paper_stack.PAPER_POOLS) -> list[Result]:
     """Run every anchor under both stacks (a trial shared by anchors runs once); ``jobs`` > 1:
     a process pool. ``log`` gets one progress line per trial; ``pools``: the paper stack's
     allocator pools (``Anchor.trial``)."""

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from bench.measure.stack import allocator_pools
 from bench.measure.trial import Search, Trial
 from bench.training.config import StepConfig
 from bench.training.presets import expand
@@ -150,8 +151,7 @@ class SweepSpec:
             levers.setdefault("ac_offload", False)  # no checkpoints, nothing to offload (as --no-ac)
         if self.mode == "simulated":
             levers.setdefault("stack", "paper")  # as on the CLI: simulations default to the paper stack
-        if levers.get("stack") == "paper":  # ... whose allocator keeps a pool per stream (bench.measure.stack)
-            levers.setdefault("allocator_pools", "per-stream")
+        levers.setdefault("allocator_pools", allocator_pools(levers.get("stack", "lean")))  # the stack's pools
         step = StepConfig(scope=self.scope, dtype=self.dtype, **levers)
         search = Search(**self.max_context) if self.kind == Kind.MAX_CONTEXT else None
         return Trial.make(entry.name, model, search.granularity if search else seq_len, world_size,

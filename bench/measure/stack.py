@@ -79,6 +79,14 @@ from .hardware import DevicePreset
 
 CUDA_CONTEXT_BYTES = GiB // 2  # ~400 MB measured by PyTorch's maintainers; rounded up (see the docstring)
 FITTED = 0  # the one fitted constant the paper stack allows (bytes of reserved memory); unused
+PAPER_POOLS = "per-stream"  # term 1: the allocator pools the paper stack replays unless a trial asks otherwise
+
+
+def allocator_pools(stack: str, paper: str = PAPER_POOLS) -> str:
+    """The allocator pools of a trial under ``stack`` (``StepConfig.allocator_pools``): ``paper``
+    under the paper stack; under the lean stack ``shared``, the field's default, since it runs
+    no allocator model unless asked (and a trial's key then stays what it was)."""
+    return paper if stack == "paper" else "shared"
 
 
 @dataclass(frozen=True)

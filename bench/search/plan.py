@@ -407,12 +407,10 @@ def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
 
 
 def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, stack: str = "paper",
-            beyond: bool = True, pools: str = "per-stream") -> list[Entry]:
-    """The plan's trials; ``pools``: the paper stack's allocator pools (``StepConfig.allocator_pools``)."""
-    pool_lever = {"allocator_pools": pools} if stack == "paper" else {}
-
+            beyond: bool = True, pools: str = paper_stack.PAPER_POOLS) -> list[Entry]:
+    """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.measure.stack.allocator_pools``)."""
     def entry(label: str, method: str, options: dict, **levers) -> Entry:
-        step = StepConfig(stack=stack, **pool_lever, **levers)
+        step = StepConfig(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools), **levers)
         return Entry(label, Trial.make(method, model, granularity, gpus, options, device=device, step=step))
 
     out = [entry(f"upipe U={gpus}", "upipe", {}), entry("upipe U=auto", "upipe", {AUTO_OPTION: AUTO}),
@@ -546,7 +544,7 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 1 << 20, out_dir: str | None = None, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
-         cache: Path | None = None, use_cache: bool = True, pools: str = "per-stream") -> dict[str, Any]:
+         cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
     None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
     stack's allocator pools."""
