@@ -18,7 +18,8 @@ fixed model, method and ranks every count is ``a + b·S + c·S²`` (attention's 
 linear, call counts constant), so the 3 lengths determine it at any length (``interpolate``;
 ``CHECK_CELL`` is simulated directly as well and ``tests/bench/test_steptime.py`` compares).
 The paper stack's allocator and scratch models do not change them; its ``offload_first_only`` and
-``tiled_mlp_deepspeed`` do (more host traffic, the TiledMLP's recompute), so those two are set
+``tiled_mlp_deepspeed`` change what runs (more host traffic; DeepSpeed's TiledMLP instead of ours,
+the same FLOPs since both recompute each tile in backward, other temporaries), so those are set
 (``as_paper_runs``; a test checks the counts equal the paper stack's on a small case).
 
 Known residuals (named, not tuned away; ``paper_figs/table3_model.md`` shows them):
@@ -80,10 +81,11 @@ LABEL = "simulated, h100-80g, modelled step time (bench.measure.steptime)"
 def as_paper_runs(step: StepConfig, method: str) -> StepConfig:
     """The lean stack with the paper stack's terms that change what executes (not only what is
     accounted): checkpoints of all blocks but the first offloaded (``offload_first_only``: more host
-    traffic), DeepSpeed's TiledMLP (``tiled_mlp_deepspeed``: it recomputes each tile's forward in
-    backward, more matmul FLOPs) and TorchTitan's RoPE table (``rope_table``: offloaded with every
-    offloaded block's input, more host traffic). The allocator and scratch models change memory only,
-    not the counts (``tests/bench/test_steptime.py`` checks this equals the paper stack's counts)."""
+    traffic), DeepSpeed's TiledMLP (``tiled_mlp_deepspeed``: the same FLOPs as ours, both recompute
+    each tile's forward in backward, but its own elementwise work) and TorchTitan's RoPE table
+    (``rope_table``: offloaded with every offloaded block's input, more host traffic). The allocator
+    and scratch models change memory only, not the counts (``tests/bench/test_steptime.py`` checks
+    this equals the paper stack's counts)."""
     paper, _ = stack.apply(dataclasses.replace(step, stack="paper"), method)
     return dataclasses.replace(step, offload_keep=paper.offload_keep, tiled_mlp_impl=paper.tiled_mlp_impl,
                                rope_table=paper.rope_table)
@@ -252,7 +254,7 @@ def _step_time_t(counts, dev, link, consts):
     peak = dev.peak_bf16_flops
     mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (consts.eff_matmul * peak)
     attn = counts.get("flops.attention", 0) / (consts.eff_attention * peak)
-    compute = mm + attn
+    compute = mm + attn + (counts.get("bytes.memory_bound", 0) / dev.hbm_Bps if dev.hbm_Bps else 0.0)
     bw = _comm_terms(counts, link, 0.0)
     critical = bw["critical_s"] + consts.latency_s * bw["critical_calls"]
     overlapped = bw["overlapped_s"] + consts.latency_s * bw["overlapped_calls"]

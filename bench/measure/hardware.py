@@ -52,6 +52,7 @@ class DevicePreset:
     description: str
     host_bytes: int = 0  # host (CPU) memory per device for offloads; 0: none apart (cpu)
     peak_bf16_flops: float = 0.0  # dense bf16 tensor-core peak, FLOP/s (vendor datasheet; planner's step time)
+    hbm_Bps: float = 0.0  # device memory bandwidth, bytes/s (vendor datasheet; the step time's memory-bound kernels)
 
     def host_usable(self) -> int | None:
         """Host bytes one rank's offloads may fill under simulation (``None``: not modelled)."""
@@ -85,15 +86,15 @@ DEVICES: dict[str, DevicePreset] = {
         DevicePreset("h100-80g", "cuda", 81559 * MiB, 0.90, "nvlink-h100",
                      "NVIDIA H100 SXM 80 GB HBM3 (81559 MiB as nvidia-smi reports it); 90% usable; "
                      "host memory 256 GiB per GPU (a DGX H100's 2 TiB over 8 GPUs), 90% usable",
-                     host_bytes=256 * GiB, peak_bf16_flops=989e12),
+                     host_bytes=256 * GiB, peak_bf16_flops=989e12, hbm_Bps=3.35e12),
         DevicePreset("h200-141g", "cuda", 143771 * MiB, 0.90, "nvlink-h200",
                      "NVIDIA H200 141 GB HBM3e (143771 MiB as nvidia-smi reports it); 90% usable; "
                      "host memory 256 GiB per GPU (a DGX H200's 2 TiB over 8 GPUs), 90% usable",
-                     host_bytes=256 * GiB, peak_bf16_flops=989e12),
+                     host_bytes=256 * GiB, peak_bf16_flops=989e12, hbm_Bps=4.8e12),
         DevicePreset("a100-80g", "cuda", 81920 * MiB, 0.90, "nvlink-a100",
                      "NVIDIA A100 SXM 80 GB HBM2e (81920 MiB); 90% usable; host memory 256 GiB per GPU "
                      "(a DGX A100 640GB's 2 TiB over 8 GPUs), 90% usable", host_bytes=256 * GiB,
-                     peak_bf16_flops=312e12),
+                     peak_bf16_flops=312e12, hbm_Bps=2.039e12),
         DevicePreset("cpu", "cpu", 0, 0.80, "cpu-shm",
                      "this host's CPU; capacity = host memory / ranks on it (read at run time); 80% usable",
                      peak_bf16_flops=1e12),

@@ -3,7 +3,11 @@
 The step-time model (``bench.measure.steptime``) turns these counts, with the collectives
 ``bench.measure.hardware.CommCounter`` records, into seconds. Counting happens under the same
 FakeTensorMode as the memory simulation, so the counts are exactly what the code issues,
-activation-checkpoint recompute included (the recomputed forward runs its kernels again).
+activation-checkpoint recompute included (the recomputed forward runs its kernels again). Where
+a simulation runs a few tiles of a tiled loop for all of them (tiled MLP and norms, the chunked
+loss, a method's tiled norm; ``methods.core.tiling``), each count made inside a tile is
+multiplied by the tiles it stands for (``counted_as``), so the counts are the full step's.
+Collectives are not weighed (no tiled loop issues one).
 
 FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (its dispatch mode passing DTensor ops on to
 DTensor, so each rank's local kernels are counted: ``LocalFlopCounter``) with its own formulas for the matmul ops
@@ -29,6 +33,16 @@ direction, split by **who issues it** (the calling code, from the Python frames)
 methods' code under ``methods/`` (FPDT's K/V/Q/O chunks, ``methods.core.chunkstore``) or the
 training step (the checkpoint offload of ``bench.training.step.HostOffload``, ``ac_offload``).
 The split matters because the two overlap differently with compute (``bench.measure.steptime``).
+
+Memory traffic of the other kernels (``MemoryTraffic``): every local op on the accelerator that is
+not a matmul, an attention kernel, a collective or a host copy (norms, RoPE, SwiGLU, residual
+adds, casts, softmax merges, the loss's vocabulary-sized softmax, the optimizer's ``_foreach``
+updates, device-to-device copies) is memory-bound on a GPU: it must read its tensor inputs and
+write its outputs from HBM at least once. Counted as those bytes (``bytes.memory_bound``), each
+tensor as the distinct elements it spans (a broadcast dimension, stride 0, counted once); views
+and allocations move nothing and are skipped; ``copy_``/``fill_``/``zero_`` and the random fills
+only write their destination. A lower bound: a kernel that re-reads an input (a norm's two
+passes) moves more, and fused kernels (a fused AdamW) less.
 """
 from __future__ import annotations
 
@@ -43,10 +57,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import methods
+from methods.core.tiling import counted_as
 
 aten = torch.ops.aten
 
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+MATMUL_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "_scaled_mm")
 
 
 def causal_pairs(sq: int, sk: int, bottom_right: bool) -> int:
@@ -137,9 +152,19 @@ def _fa3_bwd(dout, q, k, v, out, lse, dq, dk, dv, scratch, softmax_scale, causal
     return _bwd(dout, q, k, v, bool(causal), True, _bshd)
 
 
+@_raw
+def _addmm_inplace(self, mat1, mat2, *args, out_val=None, **kwargs) -> int:
+    """``aten.addmm_`` (a weight gradient accumulated in place: the chunked loss's ``dw``, the fused
+    norm's projections' weight gradients), which torch's formulas leave out: 2·m·n·k like ``addmm``."""
+    m, k = mat1.shape
+    return 2 * m * k * mat2.shape[1]
+
+
 def attention_formulas() -> dict:
-    """Op -> causal-aware FLOP formula (``FlopCounterMode(custom_mapping=...)``)."""
+    """Op -> FLOP formula for what torch's table misses or counts wrong (``FlopCounterMode(custom_mapping=...)``):
+    the attention kernels, causal-aware, and ``addmm_``."""
     table = {
+        aten.addmm_: _addmm_inplace,
         aten._scaled_dot_product_flash_attention: _sdpa_fwd,
         aten._scaled_dot_product_cudnn_attention: _sdpa_fwd,
         aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_fwd,
@@ -185,7 +210,8 @@ class HostCopies(TorchDispatchMode):
         else:
             return
         who = "method" if _issued_by_a_method() else "offload"
-        for key, val in ((f"host.{who}.{way}_bytes", nbytes), (f"host.{who}.{way}_calls", 1)):
+        weight = counted_as()
+        for key, val in ((f"host.{who}.{way}_bytes", weight * nbytes), (f"host.{who}.{way}_calls", weight)):
             self.counts[key] = self.counts.get(key, 0) + val
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -242,7 +268,12 @@ class _LocalOpsMode(_FlopCounterMode):
         # attention kernels the model counts reach here whole (linear/matmul are decomposed by
         # autograd before any dispatch mode sees them), so nothing counted is lost
         out = func(*args, **kwargs)
-        return self.counter._count_flops(func._overloadpacket, out, args, kwargs)
+        packet = func._overloadpacket
+        weight = counted_as()  # a simulated tile standing for skipped ones (methods.core.tiling)
+        if weight != 1 and packet in self.counter.flop_registry:
+            extra = self.counter.flop_registry[packet](*args, **kwargs, out_val=out)
+            self.counter.flop_counts["Global"][packet] += (weight - 1) * extra
+        return self.counter._count_flops(packet, out, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -297,22 +328,88 @@ class LocalFlopCounter(FlopCounterMode):
         return self
 
 
+_NO_DATA_OPS = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                          "lift_fresh", "_local_scalar_dense", "set_", "resize_", "record_stream", "_to_copy",
+                          "copy_"})
+_WRITE_ONLY_OPS = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_"})
+_COMM_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements a tensor spans (a stride-0, broadcast, dimension once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+class MemoryTraffic(TorchDispatchMode):
+    """Bytes the memory-bound kernels of a step read and write on the accelerator (module docstring)."""
+
+    def __init__(self, accelerator: str) -> None:
+        super().__init__()
+        self.accelerator = accelerator
+        self.bytes = 0
+        self.calls = 0
+
+    def _on_device(self, tree) -> list[torch.Tensor]:
+        return [t for t in torch.utils._pytree.tree_leaves(tree)
+                if isinstance(t, torch.Tensor) and t.device.type == self.accelerator]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs the local ops, which come back here
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _LocalOpsMode.propagating or not isinstance(func, torch._ops.OpOverload):
+            return out
+        name = func._schema.name.split("::")[-1]
+        if (func.is_view or func.namespace in _COMM_NAMESPACES or name in MATMUL_OPS
+                or kernel_class(func) == "attention"):
+            return out
+        if name == "copy_" and args[0].device == args[1].device and args[0].device.type == self.accelerator:
+            moved = 2 * _span_bytes(args[0])  # a device-to-device copy: read the source, write the destination
+        elif name in _NO_DATA_OPS:
+            return out
+        else:
+            writes = self._on_device(out)
+            if func._schema.is_mutable:  # in-place (the _foreach_ ones return nothing): the written arguments
+                written = [a.name for a in func._schema.arguments if a.alias_info and a.alias_info.is_write]
+                ids = {id(t) for t in writes}
+                writes += [t for t in self._on_device([kwargs.get(n, args[i] if i < len(args) else None)
+                                                       for i, n in enumerate(a.name for a in func._schema.arguments)
+                                                       if n in written]) if id(t) not in ids]
+            if not writes:
+                return out  # metadata (prim.device, sizes): no kernel
+            reads = self._on_device((args[1:], kwargs) if name in _WRITE_ONLY_OPS else (args, kwargs))
+            moved = sum(_span_bytes(t) for t in reads) + sum(_span_bytes(t) for t in writes)
+        weight = counted_as()
+        self.bytes += weight * moved
+        self.calls += weight
+        return out
+
+
 class StepCounter:
     """FLOPs by kernel class and host copies of a step (a context manager, see the module docstring)."""
 
     def __init__(self, accelerator: str = "cuda", host: str = "cpu") -> None:
         self.flops = LocalFlopCounter(display=False, custom_mapping=attention_formulas())
         self.copies = HostCopies(accelerator, host)
+        self.traffic = MemoryTraffic(accelerator)
 
     @contextlib.contextmanager
     def counting(self) -> Iterator["StepCounter"]:
-        with _marking_shape_propagation(), self.flops, self.copies:
+        with _marking_shape_propagation(), self.flops, self.copies, self.traffic:
             yield self
 
     def counts(self) -> dict[str, float]:
-        """Flat counts: ``flops.<class>`` and ``host.<issuer>.<d2h|h2d>_<bytes|calls>``."""
+        """Flat counts: ``flops.<class>``, ``host.<issuer>.<d2h|h2d>_<bytes|calls>`` and
+        ``bytes.memory_bound[_calls]``."""
         out: dict[str, float] = {"flops.matmul": 0, "flops.attention": 0, "flops.other": 0}
         for op, n in self.flops.get_flop_counts().get("Global", {}).items():
             out[f"flops.{kernel_class(op)}"] += n
         out.update(self.copies.counts)
+        out["bytes.memory_bound"] = self.traffic.bytes
+        out["bytes.memory_bound_calls"] = self.traffic.calls
         return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -25,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 import methods
 from methods.core.rope import rope_table
-from methods.core.tiling import tile_bounds, tiles_to_run
+from methods.core.tiling import run_tiles, tile_bounds
 
 from .config import ModelConfig
 
@@ -62,7 +63,7 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, fn, tiles, x, *weights):
         out = torch.empty_like(x)
         bounds = tile_bounds(x.shape[1], tiles)
-        for i in tiles_to_run([length for _, length in bounds], is_fake(x)):
+        for i in run_tiles([length for _, length in bounds], is_fake(x)):
             start, length = bounds[i]
             out.narrow(1, start, length).copy_(fn(x.narrow(1, start, length), *weights))
         ctx.save_for_backward(x, *weights)
@@ -75,7 +76,7 @@ class _Tiled(torch.autograd.Function):
         dx = torch.empty_like(x)
         grads: list[torch.Tensor | None] = [None] * len(weights)
         bounds = tile_bounds(x.shape[1], ctx.tiles)
-        for i in tiles_to_run([length for _, length in bounds], is_fake(x)):
+        for i in run_tiles([length for _, length in bounds], is_fake(x)):
             start, length = bounds[i]
             leaf = x.narrow(1, start, length).detach().requires_grad_()
             wl = [w.detach().requires_grad_() for w in weights]
@@ -237,9 +238,10 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _chunk_starts(n: int, chunk: int, fake: bool) -> list[int]:
+def _chunk_starts(n: int, chunk: int, fake: bool) -> Iterator[int]:
     starts = list(range(0, n, chunk))
-    return [starts[i] for i in tiles_to_run([min(chunk, n - s) for s in starts], fake)]
+    for i in run_tiles([min(chunk, n - s) for s in starts], fake):
+        yield starts[i]
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

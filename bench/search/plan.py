@@ -90,7 +90,7 @@ from records import GiB, human, read_rows, requested_options
 from ..measure import stack as paper_stack
 from ..measure.hardware import get_device
 from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
-from ..measure.steptime import FITTED, STEPTIME_VERSION, attention_kernel, scale_counts, step_time
+from ..measure.steptime import attention_kernel, constants_for, counts_version, scale_counts, step_time
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
 from ..training.config import StepConfig
@@ -508,7 +508,7 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
     preset = get_device(device)
     counts = scale_counts(entry.step_counts, entry.max_context, seq_len)
     kernel = attention_kernel(entry.method)
-    return step_time(counts, preset, entry.trial.link_model(), FITTED, kernel)["step_time_s"]
+    return step_time(counts, preset, entry.trial.link_model(), constants_for(counts), kernel)["step_time_s"]
 
 
 # --------------------------------------------------------------------------- the plan
@@ -633,6 +633,9 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
 
 
 def render(res: dict[str, Any]) -> str:
+    counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
+    version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
+    consts = constants_for({"bytes.memory_bound": 0} if version >= 3 else {})
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
         f"{res['usable_gib']:.1f} GiB usable per GPU{res['host_note']}; "
@@ -648,9 +651,11 @@ def render(res: dict[str, Any]) -> str:
            if res["layers"] > 4 else ""),
         f"step time at the common length {human(res['common']) if res['common'] else '-'} "
         f"(longest that every method fits); source per row: measured = results/ real rows, "
-        f"model = bench.measure.steptime v{STEPTIME_VERSION} (counted FLOPs at eff {FITTED.eff_matmul:.2f} "
-        f"matmul / {FITTED.eff_attention:.2f} attention, collectives through the link model with "
-        f"{FITTED.latency_s * 1e6:.0f} us per call, host copies over PCIe 5 x16)",
+        f"model = bench.measure.steptime on counts of v{version} (counted FLOPs at eff {consts.eff_matmul:.2f} "
+        f"matmul / {consts.eff_attention:.2f} attention, collectives through the link model with "
+        f"{consts.latency_s * 1e6:.0f} us per call, host copies over PCIe 5 x16"
+        + (", memory-bound kernels at the HBM bandwidth)" if version >= 3 else
+           "; counts made before v3: the constants fitted on such counts, bench.measure.steptime.FITTED_V2)"),
         "",
         f"simulations: {res['cache']}; rel = step time / {res['baseline'].label if res['baseline'] else '-'}'s "
         f"(UPipe's paper setup); P = on the Pareto front of max context vs step time",

@@ -11,22 +11,25 @@ cheap next to the GEMMs) is recomputed once per projection.
 
 Tiles follow the paper's (ALST) tiled-MLP rule, ``ceil(local tokens / D)`` tiles of about D
 tokens. Under simulation (fake tensors) only the first two tiles and a shorter last one run:
-every other tile allocates and frees the same bytes (``methods.core.tiling.tiles_to_run``).
+every other tile allocates and frees the same bytes (``methods.core.tiling.tiles_to_run``; the
+step's counters weigh the tiles that ran by the ones they stand for, ``run_tiles``).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .tiling import tile_bounds, tiles_to_run
+from .tiling import run_tiles, tile_bounds
 
 
-def _bounds(n: int, dim: int, fake: bool) -> list[tuple[int, int]]:
+def _bounds(n: int, dim: int, fake: bool) -> Iterator[tuple[int, int]]:
     bounds = tile_bounds(n, max(1, math.ceil(n / dim)))
-    return [bounds[i] for i in tiles_to_run([length for _, length in bounds], fake)]
+    for i in run_tiles([length for _, length in bounds], fake):
+        yield bounds[i]
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,8 +2,23 @@
 
 Shared by the step's tiled MLP, norms and loss (``bench.model.decoder``) and by the methods'
 own tiled work (``methods.core.normtile``), which cannot import the bench.
+
+A simulation runs a few tiles for all of them (``tiles_to_run``): right for memory, wrong for
+what the step *executes*. So a loop iterates ``run_tiles``, which, while a tile's body runs,
+says how many tiles it stands for (``counted_as``); the step's counters
+(``bench.measure.stepcount``: FLOPs, memory traffic, host copies) multiply what they count by it.
 """
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+_local = threading.local()
+
+
+def counted_as() -> int:
+    """How many tiles the work now running stands for (1 outside a skipped-tile loop; nested loops multiply)."""
+    return getattr(_local, "weight", 1)
 
 
 def tiles_to_run(sizes: list[int], fake: bool) -> list[int]:
@@ -17,6 +32,27 @@ def tiles_to_run(sizes: list[int], fake: bool) -> list[int]:
     if not fake or len(sizes) <= 3:
         return list(range(len(sizes)))
     return [0, 1] if sizes[-1] == sizes[1] else [0, 1, len(sizes) - 1]
+
+
+def tile_weights(sizes: list[int], fake: bool) -> list[int]:
+    """For each tile of ``tiles_to_run``, how many tiles it stands for: the second stands for every
+    tile up to the last (or up to the shorter last one, which runs itself); they sum to ``len(sizes)``."""
+    run = tiles_to_run(sizes, fake)
+    if len(run) == len(sizes):
+        return [1] * len(run)
+    return [1, len(sizes) - 1] if len(run) == 2 else [1, len(sizes) - 2, 1]
+
+
+def run_tiles(sizes: list[int], fake: bool) -> Iterator[int]:
+    """``tiles_to_run``'s indices, each yielded with ``counted_as`` set to its ``tile_weights``
+    (times the enclosing loop's) while the caller's loop body runs."""
+    outer = counted_as()
+    try:
+        for i, weight in zip(tiles_to_run(sizes, fake), tile_weights(sizes, fake)):
+            _local.weight = outer * weight
+            yield i
+    finally:
+        _local.weight = outer
 
 
 def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:

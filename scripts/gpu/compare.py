@@ -88,8 +88,10 @@ def main() -> None:
         "Simulated: `python scripts/gpu/compare.py` (fake tensors on the GPU code path, torch "
         f"{sims[next(iter(sims))]['shared']['env']['torch']}, lean stack + expandable-segments allocator "
         "model + FA2 backward scratch), with one pool for all streams and with a pool per stream. "
-        "Modelled step time: `bench.measure.steptime` with the fitted constants on the simulation's "
-        "counts, attention at the FA2 efficiency (the kernel that ran).",
+        "Modelled step time: `bench.measure.steptime` (version "
+        f"{sims[next(iter(sims))]['per-stream']['figures']['step_time_model']['version']}) with the constants "
+        "fitted on Table 3 (not on these rows) on the simulation's counts, attention at the FA2 efficiency "
+        "(the kernel that ran).",
         "",
         "| method | tokens | allocated real | sim | Δ | reserved real | sim shared | Δ | sim per-stream | Δ "
         "| step real (min-max) s | modelled s | Δ |",
@@ -117,7 +119,8 @@ def main() -> None:
         lines += ["", "## Kernel rates (real) against the model's fitted efficiencies", "",
                   f"Fraction of the preset's dense bf16 peak ({peak / 1e12:.0f} TFLOP/s); CUDA events, median "
                   "of 5-10 calls after warm-up. Fitted: `bench.measure.steptime.FITTED`, fitted on Table 3 cells "
-                  "(they absorb whatever else the step spends, so they are not kernel rates).", "",
+                  "only (never on these rows), so they may absorb other work of the step; they are not kernel "
+                  "rates by construction.", "",
                   header, "|---|---|---|---|---|"]
         for k in kernels:
             if k["kind"] == "check":

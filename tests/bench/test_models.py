@@ -16,8 +16,8 @@ from bench.model.decoder import (
     chunked_cross_entropy,
     full_cross_entropy,
     tile_bounds,
-    tiles_to_run,
 )
+from methods.core.tiling import counted_as, run_tiles, tile_weights, tiles_to_run
 
 
 def test_paper_shapes():
@@ -105,6 +105,33 @@ def test_tile_bounds_and_shortcut():
     assert tiles_to_run([3, 3, 3, 3, 3], fake=True) == [0, 1]
     assert tiles_to_run([4, 4, 4, 3], fake=True) == [0, 1, 3]
     assert tiles_to_run([4, 3, 3], fake=True) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("sizes", [[4, 3, 3, 3], [3] * 5, [4, 4, 4, 3], [4, 3, 3], [5]])
+@pytest.mark.parametrize("fake", [False, True])
+def test_the_tiles_that_run_stand_for_all_of_them(sizes, fake):
+    """Under simulation a run tile is counted as the skipped ones it stands for: the weights cover
+    every tile once, ``counted_as`` says the weight inside the loop body and 1 after it."""
+    weights = tile_weights(sizes, fake)
+    assert len(weights) == len(tiles_to_run(sizes, fake)) and sum(weights) == len(sizes)
+    seen = []
+    for i in run_tiles(sizes, fake):
+        seen.append((i, counted_as()))
+        assert [w for _, w in zip(run_tiles([2, 2, 2, 2], True), range(2))] == [0, 1]  # a nested loop...
+        assert counted_as() == seen[-1][1]  # ...leaves the outer weight in place
+    assert seen == list(zip(tiles_to_run(sizes, fake), weights))
+    assert counted_as() == 1
+
+
+def test_nested_tile_loops_multiply():
+    inner = []
+    for _ in run_tiles([1] * 5, True):  # runs 2 tiles standing for 1 and 4
+        inner.append([counted_as() for _ in run_tiles([1] * 3, True)])  # 3 tiles: all run
+    assert inner == [[1, 1, 1], [4, 4, 4]]
+    with pytest.raises(RuntimeError):
+        for _ in run_tiles([1] * 5, True):
+            raise RuntimeError("a failing tile")
+    assert counted_as() == 1
 
 
 def _grads(module, x, dy):

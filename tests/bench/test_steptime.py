@@ -16,9 +16,10 @@ import torch
 from bench.measure.hardware import CommCounter, get_device, get_link
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
-from bench.measure.stepcount import causal_pairs
+from bench.measure.stepcount import MemoryTraffic, causal_pairs
 from bench.measure.steptime import (
     FITTED,
+    FITTED_V2,
     STEPTIME_VERSION,
     StepTimeConstants,
     collective_seconds,
@@ -83,12 +84,52 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
     counts are collected with)."""
     paper = _counts("upipe", 8192, 4, stack="paper")
     plain = _counts("upipe", 8192, 4, stack="lean")
-    assert plain["flops.matmul"] < paper["flops.matmul"]  # TiledMLP recomputes its tiles
+    # DeepSpeed's TiledMLP and ours both recompute each tile's forward in backward: the same matmuls
+    assert plain["flops.matmul"] == paper["flops.matmul"]
+    assert plain["bytes.memory_bound"] != paper["bytes.memory_bound"]  # but not the same elementwise work
     assert plain["host.offload.d2h_bytes"] < paper["host.offload.d2h_bytes"]  # one more block offloaded
     trial = Trial.make("upipe", "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
                        step=as_paper_runs(StepConfig(stack="lean"), "upipe"))
     r = guarded(measure_simulated, trial)
     assert r["step_counts"] == paper
+
+
+@pytest.mark.parametrize("method", ["ulysses", "upipe"])
+def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
+    """Under simulation the tiled MLP and norms, the chunked loss and UPipe's tiled norm run a few
+    tiles for all (memory is the same); the counts must be those of a step that runs every tile."""
+    from methods.core import tiling
+
+    step = dict(mlp_tiles=8, loss_chunk=512)
+    skipped = _counts(method, 8192, 2, **step)
+    monkeypatch.setattr(tiling, "tiles_to_run", lambda sizes, fake: list(range(len(sizes))))
+    every = _counts(method, 8192, 2, **step)
+    for key in ("flops.matmul", "flops.attention", "bytes.memory_bound", "host.offload.d2h_bytes"):
+        assert skipped[key] == pytest.approx(every[key], rel=1e-9), key
+
+
+def test_memory_traffic_counts_what_kernels_read_and_write():
+    """Inputs read and outputs written, a broadcast input once, views and matmuls not at all, a fill
+    or copy only its destination (and a copy its source)."""
+    x, row = torch.ones(10, 100), torch.ones(1, 100)
+    traffic = MemoryTraffic("cpu")
+    with traffic:
+        x.view(100, 10).t()
+        x @ x.t()
+    assert traffic.bytes == 0
+    with traffic:
+        x + row.expand(10, 100)  # 4000 + 400 read, 4000 written
+    assert traffic.bytes == 8400
+    with traffic:
+        x.zero_()
+        x.copy_(torch.empty(10, 100))
+    assert traffic.bytes == 8400 + 4000 + 8000
+
+
+def test_memory_bound_bytes_take_the_device_bandwidth():
+    dev, link = get_device("h100-80g"), get_link("nvlink-h100")
+    terms = step_time({"bytes.memory_bound": dev.hbm_Bps}, dev, link)["terms"]
+    assert terms["compute_memory_bound_s"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("sq,sk", [(5, 5), (3, 7), (7, 3), (1, 4)])
@@ -179,6 +220,18 @@ def test_the_fit_reproduces_the_committed_constants(committed):
     assert got.latency_s == pytest.approx(FITTED.latency_s, rel=1e-2, abs=1e-7)
 
 
+def test_the_fit_times_steps_as_the_model_does(committed):
+    """The fit's differentiable twin of ``step_time`` gives the same total on every committed count."""
+    from bench.steptime_fit import _step_time_t, _TensorConstants
+
+    dev, link = get_device("h100-80g"), get_link("nvlink-h100")
+    fa3 = (FITTED.eff_matmul, FITTED.eff_attention, FITTED.latency_s)
+    twin = _TensorConstants(*(torch.tensor(v, dtype=torch.float64) for v in fa3))
+    for counts in committed.values():
+        assert float(_step_time_t(counts, dev, link, twin)) == pytest.approx(
+            step_time(counts, dev, link, FITTED, "fa3")["step_time_s"], rel=1e-12)
+
+
 def test_the_command_writes_the_table(committed, tmp_path, capsys):
     assert main(["--no-fit", "--figs", str(tmp_path), "--out", str(tmp_path / "cells.jsonl")]) == 0
     out = capsys.readouterr().out
@@ -213,15 +266,18 @@ def test_rows_round_trip_with_the_model(committed):
 
 
 def test_the_plan_times_with_this_model():
-    """``bench.search.plan``'s modelled step time is this model over the entry's counts carried to the length."""
+    """``bench.search.plan``'s modelled step time is this model over the entry's counts carried to the
+    length, with the constants fitted on counts of their version (the plan's cache holds older ones)."""
     from bench.search.plan import Entry, modelled_time
 
-    counts = {"flops.matmul": 1e15, "flops.attention": 2e15, "comm.all_to_all.8.8.bytes": 1e10,
-              "comm.all_to_all.8.8.calls": 100, "host.offload.d2h_bytes": 1e9, "host.offload.h2d_bytes": 1e9}
-    e = Entry("upipe", Trial.make("upipe", "llama3-8b", 1 << 20, 8), max_context=1 << 20, step_counts=counts)
-    want = step_time(scale_counts(counts, 1 << 20, 1 << 19), get_device("h100-80g"), get_link("nvlink-h100"),
-                     FITTED, "fa3")
-    assert modelled_time(e, "h100-80g", 1 << 19) == pytest.approx(want["step_time_s"])
+    old = {"flops.matmul": 1e15, "flops.attention": 2e15, "comm.all_to_all.8.8.bytes": 1e10,
+           "comm.all_to_all.8.8.calls": 100, "host.offload.d2h_bytes": 1e9, "host.offload.h2d_bytes": 1e9}
+    new = {**old, "bytes.memory_bound": 1e13}
+    for counts, constants in ((old, FITTED_V2), (new, FITTED)):
+        e = Entry("upipe", Trial.make("upipe", "llama3-8b", 1 << 20, 8), max_context=1 << 20, step_counts=counts)
+        want = step_time(scale_counts(counts, 1 << 20, 1 << 19), get_device("h100-80g"), get_link("nvlink-h100"),
+                         constants, "fa3")
+        assert modelled_time(e, "h100-80g", 1 << 19) == pytest.approx(want["step_time_s"])
     assert modelled_time(dataclasses.replace(e, step_counts=None), "h100-80g", 1 << 19) is None
 
 
