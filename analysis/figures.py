@@ -18,6 +18,8 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 from matplotlib.transforms import Bbox
 
+from records import FIDELITY_ANCHOR_NOTE
+
 from .load import human_size, load_paper, method_label
 from .select import (
     PAPER_LENGTHS,
@@ -344,7 +346,7 @@ def max_context_plot(rows=None) -> Plot:
     claims = fig5[fig5["kind"] == "max_context_claim"]
     ours = max_context_rows(rows)
     if len(ours):  # a series of fidelity anchors only (no search, no other run): fidelity.md shows them, not here
-        anchor = ours["notes"].astype(str).str.contains("fidelity anchor", regex=False) \
+        anchor = ours["notes"].astype(str).str.contains(FIDELITY_ANCHOR_NOTE, regex=False) \
             if "notes" in ours else pd.Series(False, index=ours.index)
         drawn = set(ours.loc[~anchor | (ours["kind"] == "search"), "mode_label"])
         ours = ours[ours["mode_label"].isin(drawn)]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from records import GiB, Row, append_rows, human, read_rows, trial_key
+from records import GiB, Row, append_rows, fidelity_anchor_note, human, read_rows, trial_key
 
 from .measure import stack as paper_stack
 from .measure.run import HOST_OOM
@@ -353,7 +353,7 @@ def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None]
 
     def done(i: int, key: tuple, row: Row, seconds: float) -> None:
         trial, names = todo[key]
-        rows[key] = dataclasses.replace(row, notes=list(row.notes) + [f"fidelity anchor(s): {', '.join(names)}"])
+        rows[key] = dataclasses.replace(row, notes=list(row.notes) + [fidelity_anchor_note(names)])
         gib = memory_gib(row, trial.step.stack)
         mem = "-" if gib is None else f"{gib:.2f} GiB"
         log(f"[{i}/{len(keys)}] {', '.join(names)} {trial.step.stack}: {row.status} {mem} [{seconds:.1f}s]")

@@ -13,11 +13,11 @@ from .schema import SCHEMA_VERSION, Environment, Figures, Row, RowError, validat
 from .sizes import human, parse_size, scan
 from .store import BadLine, append_rows, encode, finished_keys, read_rows
 from .units import GiB, KiB, MiB
-from .vocab import DType, Kind, Mode, Scope, Status, Vocab
+from .vocab import FIDELITY_ANCHOR_NOTE, DType, Kind, Mode, Scope, Status, Vocab, fidelity_anchor_note
 
 __all__ = [
-    "SCHEMA_VERSION", "BadLine", "DType", "Environment", "Figures", "GiB", "Kind", "KiB", "MiB", "Mode",
-    "Row", "RowError", "Scope", "Status", "Vocab", "append_rows", "cpu_name", "encode", "environment",
-    "finished_keys", "human", "key_string", "parse_size", "read_rows", "requested_options", "scan",
-    "trial_key", "validate_row",
+    "FIDELITY_ANCHOR_NOTE", "SCHEMA_VERSION", "BadLine", "DType", "Environment", "Figures", "GiB", "Kind", "KiB",
+    "MiB", "Mode", "Row", "RowError", "Scope", "Status", "Vocab", "append_rows", "cpu_name", "encode", "environment",
+    "fidelity_anchor_note", "finished_keys", "human", "key_string", "parse_size", "read_rows", "requested_options",
+    "scan", "trial_key", "validate_row",
 ]

@@ -65,3 +65,13 @@ class Kind(Vocab):
 
     TRIAL = "trial"
     MAX_CONTEXT = "max_context"
+
+
+# The note ``bench.fidelity`` adds to a row it simulated for the paper's anchors ("fidelity anchor(s):
+# <names>"); analysis recognises those rows by it (a series of anchors only is fidelity.md's, not a figure's).
+FIDELITY_ANCHOR_NOTE = "fidelity anchor"
+
+
+def fidelity_anchor_note(names: list[str]) -> str:
+    """The note of a row simulated for these anchors."""
+    return f"{FIDELITY_ANCHOR_NOTE}(s): {', '.join(names)}"

@@ -152,7 +152,8 @@ def extrapolate(r3: dict[str, Any], r4: dict[str, Any], layers: int, low: int = 
 
 def layer_extrapolated_runner(workdir: str | None = None) -> Callable[[Trial], Row]:
     """A runner for ``bench.search.maxctx.search``: simulated trials of models deeper than 4
-    layers are extrapolated from 3- and 4-layer simulations; others are simulated whole."""
+    layers are extrapolated from 3- and 4-layer simulations (under two-level checkpoints, from
+    ``g`` and ``g + 1`` groups: ``scheme``, the planner's rule); others are simulated whole."""
     directory = workdir or tempfile.mkdtemp(prefix="cpab-layers-")
 
     def runner(trial: Trial) -> Row:
@@ -160,17 +161,23 @@ def layer_extrapolated_runner(workdir: str | None = None) -> Callable[[Trial], R
             raise ValueError("layer extrapolation is for simulated trials only")
         cfg = trial.config()
         t0 = time.perf_counter()
-        if cfg.n_layers <= LOW + 1:
-            return build_row(trial, guarded(measure_simulated, trial), time.perf_counter() - t0)
+        how = scheme(cfg.n_layers, trial.step.ac_group, trial.step.offload_keep)
+        if how.whole:
+            result = guarded(measure_simulated, trial)
+            if how.size > 1 and result["status"] != "error":
+                result["stack_notes"] = list(result.get("stack_notes") or []) + [how.describe()]
+            return build_row(trial, result, time.perf_counter() - t0)
         results = [guarded(measure_simulated, dataclasses.replace(trial, model=layer_variant(cfg, n, directory)))
-                   for n in (LOW, LOW + 1)]
+                   for n in how.layers]
         failed = next((r for r in results if r["status"] == "error"), None)
-        result = failed or extrapolate(results[0], results[1], cfg.n_layers)
+        result = failed or extrapolate(results[0], results[1], how.units, how.low)
         if not failed:
             result["status"] = "ok"  # the budget is judged on the extrapolated figures (build_row)
+            rule = (f"figure({cfg.n_layers}) = figure(3) + (figure(4) - figure(3)) x {cfg.n_layers - LOW}, "
+                    "from 3- and 4-layer simulations" if how.size == 1 else how.describe())
             result["stack_notes"] = list(result.get("stack_notes") or []) + [
-                f"extrapolated over layers: figure({cfg.n_layers}) = figure(3) + (figure(4) - figure(3)) x "
-                f"{cfg.n_layers - LOW}, from 3- and 4-layer simulations (bench.search.extrapolate)"]
+                f"extrapolated over {'layers' if how.size == 1 else 'two-level checkpoint groups'}: {rule} "
+                "(bench.search.extrapolate)"]
         return build_row(trial, result, time.perf_counter() - t0)
 
     return runner

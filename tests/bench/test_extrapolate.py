@@ -50,6 +50,32 @@ def test_extrapolated_equals_full_simulation(seven_layers, stack):
         assert abs(extra.figures.peak_reserved_bytes - full.figures.peak_reserved_bytes) <= 2 * page
 
 
+def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
+    """Under ac_group=2 the runner takes the planner's rule (``scheme``): 10 layers are 5 groups of
+    2, extrapolated from 2 and 3 groups (offload_keep none), equal to the whole model's simulation;
+    a model whose last group is shorter is simulated whole."""
+    path = tmp_path / "tiny10.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 10}))
+    step = StepConfig(ac_group=2, offload_keep="none")
+    trial = Trial.make("upipe", str(path), 32 << 10, 4, mode="simulated", device="h100-80g", step=step)
+    full = run_trial(trial)
+    extra = layer_extrapolated_runner()(trial)
+    assert full.status == extra.status == "ok", (full.message, extra.message)
+    assert extra.figures.peak_bytes == full.figures.peak_bytes
+    assert extra.figures.host_peak_bytes == full.figures.host_peak_bytes
+    assert any("two-level checkpoint groups" in n and "from 2 and 3 groups" in n for n in extra.notes)
+    odd = Trial.make("upipe", seven_layers_path(tmp_path), 32 << 10, 4, mode="simulated", device="h100-80g",
+                     step=step)
+    row = layer_extrapolated_runner()(odd)
+    assert row.status == "ok" and any("whole model simulated" in n for n in row.notes)
+
+
+def seven_layers_path(tmp_path) -> str:
+    path = tmp_path / "tiny7.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 7}))
+    return str(path)
+
+
 def test_the_rule_on_hand_made_results():
     r3 = {"status": "ok", "peak_bytes": 100, "peak_reserved_bytes": 110, "host_peak_bytes": 10,
           "comm_bytes": 5, "comm_time_s": 1.0, "peak_by_category": {"parameter": 30, "activation": 70}}

@@ -14,6 +14,7 @@ import pytest
 from bench import fidelity
 from bench.cli import main
 from bench.fidelity import PAPER_DIR, Anchor, Impl
+from records import FIDELITY_ANCHOR_NOTE
 
 TINY = "tiny-llama"
 
@@ -154,7 +155,7 @@ def test_outputs_written(tiny_results, tmp_path):
     assert paths == [out / "fidelity.jsonl", figs / "fidelity.md", figs / "fidelity.png"]
     rows = [json.loads(line) for line in (out / "fidelity.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and {r["levers"].get("stack", "lean") for r in rows} == {"paper", "lean"}
-    assert all(any("fidelity anchor" in n for n in r["notes"]) for r in rows)
+    assert all(any(FIDELITY_ANCHOR_NOTE in n for n in r["notes"]) for r in rows)
     md = (figs / "fidelity.md").read_text()
     assert "| tiny-mem |" in md and "simulated" in md and "FITTED" in md and "h100-80g" in md
     assert (figs / "fidelity.png").stat().st_size > 1000
