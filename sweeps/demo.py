@@ -39,8 +39,8 @@ MAXCTX_ORDER = ("ring", "ulysses", "fpdt", "upipe", "offload")
 PAPER_MAX_CONTEXT = {"ring": "3M", "ulysses": "3M", "fpdt": "4M", "upipe": "5M", "offload": "not in paper"}
 # Where our simulated search and the paper's measurement differ, and why (docs/paper.md).
 WHY_DIFFERENT = {
-    "ring": "ours: own zigzag ring, simulated under the paper stack (modelled allocator reserve and CUDA context; "
-            "NCCL buffers not modelled); paper: yunchang's ring, measured peak reserved",
+    "ring": "ours: own zigzag ring, simulated under the paper stack (modelled allocator reserve, CUDA context and "
+            "NCCL buffers); paper: yunchang's ring, measured peak reserved",
     "ulysses": "ours: own Ulysses, simulated under the paper stack; paper: yunchang's Ulysses, measured (OOM at 4M)",
     "fpdt": "ours: own FPDT-style method, capped by the preset's host memory per GPU; paper: DeepSpeed's FPDT",
     "upipe": "paper's 5M is the longest it ran (a lower bound); ours: simulated under the paper stack",

@@ -38,11 +38,32 @@ def test_paper_fills_in_its_terms_and_keeps_explicit_levers():
 
 def test_paper_budget_is_capacity_less_the_context():
     h100 = get_device("h100-80g")
-    assert stack.usable_bytes(h100, "lean") == h100.usable()
+    assert stack.usable_bytes(h100, "lean") == h100.usable() == stack.usable_bytes(h100, "lean", nccl=10**9)
     assert stack.usable_bytes(h100, "paper") == h100.capacity() - stack.CUDA_CONTEXT_BYTES - stack.FITTED
+    assert stack.usable_bytes(h100, "paper", nccl=10**9) == stack.usable_bytes(h100, "paper") - 10**9
     assert stack.FITTED == 0
     names = [t.name for t in stack.PAPER_TERMS]
     assert len(names) == len(set(names)) and all(t.source for t in stack.PAPER_TERMS)
+
+
+def test_nccl_buffers_follow_the_collectives_a_step_issued():
+    """Connections per peer and channel: 32 channels to a peer in the node, 2 to one in another, all
+    peers of an all-to-all, a ring's two neighbours, one ring of 32 channels per group of ring
+    collectives; groups of the same shape count once."""
+    conn, mib = stack.NCCL_CONNECTION_BYTES, 2**20
+    assert stack.nccl_buffer_bytes({}) == stack.nccl_buffer_bytes(None) == 0
+    # Ulysses on 8 GPUs of one node, FSDP over the same 8: 7 x 32 + 32 connections of 14 MiB = 3.5 GiB
+    one_node = {"comm.all_to_all.8.8.calls": 256, "comm.all_gather.8.8.calls": 66, "comm.reduce_scatter.8.8.calls": 33,
+                "comm.all_to_all.8.8.bytes": 1e9}
+    assert stack.nccl_buffer_bytes(one_node) == (7 * 32 + 32) * conn == 3584 * mib
+    # an all-to-all over two nodes: 7 NVLink peers and 8 network peers; a ring over two nodes
+    assert stack.nccl_buffer_bytes({"comm.all_to_all.16.8.calls": 1}) == (7 * 32 + 8 * 2) * conn
+    assert stack.nccl_buffer_bytes({"comm.send.8.8.calls": 1}) == 2 * 32 * conn
+    assert stack.nccl_buffer_bytes({"comm.send.2.1.calls": 1}) == 1 * 2 * conn
+    assert stack.nccl_buffer_bytes({"comm.send.16.8.calls": 1}) == 2 * 32 * conn
+    assert stack.nccl_buffer_bytes({"comm.all_to_all.8.8.calls": 0, "comm.all_gather.1.1.calls": 5}) == 0
+    # the measurement it rests on: +3.28 GB at the first all-to-all of 8 H100s (NVIDIA/nccl#1685)
+    assert stack.nccl_buffer_bytes({"comm.all_to_all.8.8.calls": 1}) == pytest.approx(3.28e9, rel=0.01)
 
 
 def test_a_paper_row_records_its_stack_and_is_judged_on_reserved_memory():
@@ -52,7 +73,11 @@ def test_a_paper_row_records_its_stack_and_is_judged_on_reserved_memory():
     assert row.status == "ok", row.message
     assert row.levers["stack"] == "paper"
     assert row.figures.peak_reserved_bytes >= row.figures.peak_bytes
-    assert row.figures.usable_bytes == get_device("h100-80g").capacity() - stack.CUDA_CONTEXT_BYTES
+    # NCCL's buffers (term 7) for what the step issued: UPipe's all-to-alls to its one peer, FSDP's ring
+    nccl = stack.nccl_buffer_bytes(row.figures.step_time_model["counts"])
+    assert nccl == (stack.NVLINK_CHANNELS_PER_PEER + stack.RING_CHANNELS) * stack.NCCL_CONNECTION_BYTES
+    assert row.figures.usable_bytes == get_device("h100-80g").capacity() - stack.CUDA_CONTEXT_BYTES - nccl
+    assert any("GiB of NCCL buffers" in n for n in row.notes)
     assert any("paper stack: allocator" in n for n in row.notes)
     lean = run_trial(Trial.make("upipe", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g"))
     assert "stack" not in lean.levers and lean.figures.peak_reserved_bytes is None

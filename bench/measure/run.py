@@ -162,11 +162,14 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
     device_peak = peaks.get(device_key)
     host_peak = peaks.get(host) if host != device_key else None
     extra: dict[str, Any] = {}
+    collectives = comm_counts(counter, trial.link_model().ranks_per_node)
     if allocator != "none":
         t0 = time.perf_counter()
-        # the allocator may map what the device has less what lives outside it (the CUDA context)
+        # the allocator may map what the device has less what lives outside it (the CUDA context;
+        # under the paper stack NCCL's buffers too)
+        nccl = stack.nccl_buffer_bytes(collectives) if trial.step.stack == "paper" else 0
         replayed = replay(trace, device_key, expandable_segments=allocator == "expandable",
-                          capacity=stack.usable_bytes(trial.preset(), "paper"),
+                          capacity=stack.usable_bytes(trial.preset(), "paper", nccl=nccl),
                           per_stream=trial.step.allocator_pools == "per-stream")
         extra = {"peak_reserved_bytes": replayed.peak_reserved,
                  "allocator": {"model": allocator, "pools": trial.step.allocator_pools,
@@ -181,7 +184,7 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
         "comm_bytes": counter.bytes,
         "comm_bytes_by_op": counter.by_op(),
         "comm_time_s": counter.time(trial.link_model()),
-        "step_counts": {**steps.counts(), **comm_counts(counter, trial.link_model().ranks_per_node)},
+        "step_counts": {**steps.counts(), **collectives},
         "sim_device": str(device),
         "flash_attn_simulated": needs and "flash_attn" in added,
         "stack_notes": stack_notes,
@@ -327,7 +330,11 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
             setattr(f, key, result[key])
     ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
     f.capacity_bytes = preset.capacity(ranks_here)
-    f.usable_bytes = stack.usable_bytes(preset, trial.step.stack if trial.mode == "simulated" else "lean", ranks_here)
+    accounting = trial.step.stack if trial.mode == "simulated" else "lean"
+    nccl = stack.nccl_buffer_bytes(result.get("step_counts")) if accounting == "paper" else 0
+    f.usable_bytes = stack.usable_bytes(preset, accounting, ranks_here, nccl=nccl)
+    outside = f"{stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context" + (
+        f" and {nccl / GiB:.2f} GiB of NCCL buffers" if nccl else "")
     # ranks the sequence is split over: all of them, or one for a method that splits none (no-cp:
     # every rank processes every token)
     seq_ranks = trial.world_size if methods.get_info(trial.method).cls.splits_sequence else 1
@@ -363,12 +370,11 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if status == "ok" and paper and allocator_oom:
         status = "oom"
         message = (f"the modelled caching allocator ran out of the {f.usable_bytes / GiB:.2f} GiB it may map "
-                   f"(capacity less {stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context, {preset.name}): "
-                   f"{allocator_oom}")
+                   f"(capacity less {outside}, {preset.name}): {allocator_oom}")
     if status == "ok" and compared is not None and (trial.mode == "simulated" or preset.kind == "cpu"):
         if compared > f.usable_bytes:
             status = "oom"
-            budget = (f"capacity less {stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context" if paper
+            budget = (f"capacity less {outside}" if paper
                       else f"{preset.usable_fraction:.0%} of {f.capacity_bytes / GiB:.2f} GiB")
             message = (f"{'reserved peak' if paper else 'peak'} {compared / GiB:.2f} GiB exceeds the usable "
                        f"{f.usable_bytes / GiB:.2f} GiB ({budget}, {preset.name})")
@@ -403,8 +409,8 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     notes.extend(result.get("stack_notes") or [])
     if trial.mode == "simulated" and trial.step.stack == "paper":
         notes.append("simulated, paper stack (bench.measure.stack): FakeTensorMode + fake process group + MemTracker "
-                     "on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
-                     "the CUDA context; NCCL's own buffers and Liger's loss not modelled")
+                     f"on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
+                     f"{outside}; Liger's loss not modelled")
     elif trial.mode == "simulated":
         unmodelled = "workspaces" if allocator else "workspaces and allocator fragmentation"
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "

@@ -9,7 +9,7 @@ specs, recorded in every simulated row's levers; rows without it are ``lean``):
 * ``paper``: what the paper's runs held, each term a named mechanism with its source (below);
   the peak compared is the modelled allocator's **reserved** peak (the paper reports
   ``max_memory_reserved``), and it must fit in the device's capacity less the memory that
-  lives outside the caching allocator (the CUDA context). No factor is tuned to the paper's
+  lives outside the caching allocator (the CUDA context, NCCL's buffers). No factor is tuned to the paper's
   numbers; :data:`FITTED` is the one fitted constant the model allows, and it is unused
   (zero) until a 128K anchor needs it.
 
@@ -58,8 +58,25 @@ step before it runs, or in the budget by :func:`usable_bytes`:
    the CUDA context with lazy module loading, about 400 MB per process on CUDA >= 11.7
    (PyTorch maintainers in pytorch/pytorch#109888 and #107667); counted as 0.5 GiB.
 
-Not modelled (named so that a residual can be attributed): NCCL's internal buffers (allocated
-by NCCL outside the caching allocator, ``NCCL_BUFFSIZE`` per channel and peer); Liger's fused
+7. ``nccl_buffers``: NCCL's connection buffers, which NCCL allocates itself (cuMem), outside the
+   caching allocator: taken off the capacity like the context, for the collectives the step
+   issued (:func:`nccl_buffer_bytes`, from the step's collective counts). NCCL connects a rank to
+   a peer once per channel, on first use, and keeps the buffers for the communicator's life.
+   Measured on 8 x H100 (NVIDIA/nccl#1685, an intra-node ``all_to_all_single``): NCCL's device
+   memory grew by 3.28 GB at the first all-to-all, 32 channels per pair of GPUs, allocations of
+   10 MiB and 2 MiB: 14 MiB per peer and channel (7 peers x 32 channels x 14 MiB = 3.06 GiB).
+   Channels per peer: ``ncclTopoGetNchannels`` (``src/graph/paths.cc``) gives two per NVLink
+   between the pair (H100 SXM: 18, through the NVSwitches) capped at the communicator's 32 p2p
+   channels, and ``NCCL_NCHANNELS_PER_NET_PEER`` (2) to a peer in another node. An all-to-all
+   connects every peer of its group; a ring's send/recv its two neighbours; a ring collective
+   (all-gather, reduce-scatter, all-reduce, broadcast; the paper set ``NCCL_ALGO=RING``) one
+   send and one receive connection per channel, 32 channels (at least the 32 p2p channels, which
+   a communicator cannot have more of than its collective channels). Groups of the same size
+   and span count once (the counts do not tell communicators of the same ranks apart; TorchTitan
+   makes one per mesh dimension, so this is a lower bound).
+
+Not modelled (named so that a residual can be attributed): NVLink SHARP (NVLS) buffers (no
+NVLS algorithm under ``NCCL_ALGO=RING``); Liger's fused
 linear cross-entropy, the paper's loss, which our chunked loss stands in for (CUDA/Triton
 only); memory a real run holds a little longer because of stream ordering
 (``bench.measure.simcuda``); FSDP2's all-gather buffers beyond what its CPU-stream code path
@@ -72,12 +89,18 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
-from records import GiB
+from records import GiB, MiB
 
 from ..training.config import StepConfig
 from .hardware import DevicePreset
 
 CUDA_CONTEXT_BYTES = GiB // 2  # ~400 MB measured by PyTorch's maintainers; rounded up (see the docstring)
+# term 7: NCCL's buffers per peer and channel (10 MiB + 2 x 2 MiB, NVIDIA/nccl#1685) and its channel counts
+NCCL_CONNECTION_BYTES = 14 * MiB
+NVLINK_CHANNELS_PER_PEER = 32  # 2 per NVLink (18 on an H100 SXM) capped at 32 p2p channels (paths.cc)
+NET_CHANNELS_PER_PEER = 2  # NCCL_NCHANNELS_PER_NET_PEER's default
+RING_CHANNELS = 32  # a ring collective's channels on an 8 x H100 NVSwitch node
+RING_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier")  # NCCL's barrier: an all-reduce
 FITTED = 0  # the one fitted constant the paper stack allows (bytes of reserved memory); unused
 PAPER_POOLS = "per-stream"  # term 1: the allocator pools the paper stack replays unless a trial asks otherwise
 
@@ -112,6 +135,9 @@ PAPER_TERMS: tuple[Term, ...] = (
          "(_precompute_freqs_cis, max_seq_len = training.seq_len)"),
     Term("cuda_context", f"{CUDA_CONTEXT_BYTES / GiB:.1f} GiB outside the allocator taken off the capacity",
          "pytorch/pytorch#109888, #107667 (about 400 MB with lazy module loading)"),
+    Term("nccl_buffers", f"NCCL's connection buffers ({NCCL_CONNECTION_BYTES // MiB} MiB per peer and channel) "
+         "for the collectives the step issued, taken off the capacity",
+         "NVIDIA/nccl#1685 (8 x H100 all-to-all: +3.28 GB, 32 channels per pair); nccl src/graph/paths.cc"),
 )
 
 # methods whose library calls flash-attn itself: the fake flash-attn allocates its scratch
@@ -158,8 +184,39 @@ def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
     return dataclasses.replace(step, **changes), notes
 
 
-def usable_bytes(preset: DevicePreset, stack: str, world_size: int = 1) -> int:
-    """The bytes a simulated peak may reach on one device of ``preset`` under ``stack``."""
+def nccl_buffer_bytes(counts: dict[str, float] | None) -> int:
+    """Term 7: NCCL's connection buffers on one rank for the collectives in ``counts``
+    (``bench.measure.steptime.comm_counts``' keys ``comm.<op>.<group size>.<members in the rank's
+    node>.calls``; 0 without them)."""
+    peers: dict[tuple[int, int], tuple[int, int]] = {}  # group shape -> (NVLink peers, network peers)
+    rings: set[tuple[int, int]] = set()
+    for key, calls in (counts or {}).items():
+        if not key.startswith("comm.") or not key.endswith(".calls") or not calls:
+            continue
+        _, op, size, in_node, _ = key.split(".")
+        shape = (int(size), int(in_node))
+        if shape[0] <= 1:
+            continue
+        if op in RING_OPS:
+            rings.add(shape)
+            continue
+        if op == "all_to_all":
+            linked = (shape[1] - 1, shape[0] - shape[1])
+        elif op == "send":  # a ring's two neighbours (one in a group of two), local ones first
+            both = min(2, shape[0] - 1)
+            local = min(both, shape[1] - 1)
+            linked = (local, both - local)
+        else:
+            continue
+        have = peers.get(shape, (0, 0))
+        peers[shape] = (max(have[0], linked[0]), max(have[1], linked[1]))
+    connections = sum(nvl * NVLINK_CHANNELS_PER_PEER + net * NET_CHANNELS_PER_PEER for nvl, net in peers.values())
+    return (connections + len(rings) * RING_CHANNELS) * NCCL_CONNECTION_BYTES
+
+
+def usable_bytes(preset: DevicePreset, stack: str, world_size: int = 1, nccl: int = 0) -> int:
+    """The bytes a simulated peak may reach on one device of ``preset`` under ``stack`` (``nccl``:
+    the paper stack's NCCL buffers of the trial, :func:`nccl_buffer_bytes`)."""
     if stack == "lean" or preset.kind == "cpu":
         return preset.usable(world_size)
-    return preset.capacity(world_size) - CUDA_CONTEXT_BYTES - FITTED
+    return preset.capacity(world_size) - CUDA_CONTEXT_BYTES - nccl - FITTED

@@ -230,7 +230,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     """Rank 0's figures for ``trial`` from 3- and 4-layer simulations extrapolated to the model's
     layers (``bench.search.extrapolate.extrapolate``; under two-level checkpoints, from ``g``
     and ``g + 1`` groups to the model's groups: ``sim_scheme``), judged as a row is
-    (``build_row``: the paper stack's reserved peak against the device less the CUDA context,
+    (``build_row``: the paper stack's reserved peak against the device less the CUDA context and NCCL's buffers,
     the lean stack's allocated peak against 90%, offloads against the preset's host memory).
     ``slope`` (per-unit increments measured at another length) saves the larger simulation: an
     approximation that ``search_max`` re-checks exactly at its answer."""
@@ -638,7 +638,9 @@ def render(res: dict[str, Any]) -> str:
     consts = constants_for({"bytes.memory_bound": 0} if version >= 3 else {})
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
-        f"{res['usable_gib']:.1f} GiB usable per GPU{res['host_note']}; "
+        f"{res['usable_gib']:.1f} GiB usable per GPU"
+        + (" less each configuration's NCCL buffers" if res["stack"] == "paper" else "")
+        + f"{res['host_note']}; "
         f"{res['stack']} stack (bench.measure.stack"
         + (f"; allocator: {'a pool per stream' if res.get('pools') == 'per-stream' else 'one shared pool'}"
            if res["stack"] == "paper" else "")
