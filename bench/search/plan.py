@@ -90,7 +90,14 @@ from records import GiB, human, read_rows, requested_options
 from ..measure import stack as paper_stack
 from ..measure.hardware import get_device
 from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
-from ..measure.steptime import attention_kernel, constants_for, counts_version, scale_counts, step_time
+from ..measure.steptime import (
+    STEPTIME_VERSION,
+    attention_kernel,
+    constants_for,
+    counts_version,
+    scale_counts,
+    step_time,
+)
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
 from ..training.config import StepConfig
@@ -187,6 +194,29 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
                 _CACHE.put(stored, result)
         cache[key] = result
     return cache[key]
+
+
+def fresh_counts(trial, workdir: str) -> dict:
+    """The step counts of ``trial`` simulated anew (extrapolated as ``sim_scheme`` says), for an entry
+    whose cached simulations predate the counts of ``STEPTIME_VERSION`` (memory figures do not
+    depend on the counting, so the search's answer stands); the new results replace the cached
+    ones (the cache file gets the later line, which wins when it is read)."""
+    cfg = trial.config()
+    trial = dataclasses.replace(trial, mode="simulated")
+    how = sim_scheme(trial)
+    results = []
+    for n_layers in ((cfg.n_layers,) if how.whole else how.layers):
+        t = trial if n_layers == cfg.n_layers else dataclasses.replace(
+            trial, model=layer_variant(cfg, n_layers, workdir))
+        result = guarded(measure_simulated, t)
+        if _CACHE is not None:
+            _CACHE.put(_CACHE.key(t, cfg.name, n_layers), result)
+        results.append(result)
+    if any(r["status"] == "error" for r in results):
+        return {}
+    if how.whole:
+        return results[0].get("step_counts") or {}
+    return extrapolate(results[0], results[1], how.units, how.low).get("step_counts") or {}
 
 
 def _slope(r3: dict, r4: dict) -> dict:
@@ -455,6 +485,8 @@ def _search_entry(args) -> Entry:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
         entry.step_counts = getattr(best, "step_counts", None)
+        if entry.step_counts and counts_version(entry.step_counts) < STEPTIME_VERSION:
+            entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir)
     if err is not None:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0

@@ -121,6 +121,18 @@ def test_plan_on_a_config_file(tiny_file, tmp_path):
     assert "0 new simulations" in again.stdout and len(cache.read_text().splitlines()) == simulated
     assert [ln for ln in again.stdout.splitlines() if ln.startswith("recommendation")] == \
         [ln for ln in text.splitlines() if ln.startswith("recommendation")]
+    assert "on counts of v3" in text
+    # a cache made before the step-time counts of v3 (no memory-bound bytes): the searches answer from
+    # it, and each configuration's counts at its answer are simulated anew (no mix of model versions)
+    lines = [json.loads(line) for line in cache.read_text().splitlines()]
+    for d in lines:
+        d["result"].get("step_counts", {}).pop("bytes.memory_bound", None)
+    cache.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    old = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert old.returncode == 0, old.stderr
+    assert "on counts of v3" in old.stdout and "0 new simulations" not in old.stdout
+    assert [ln for ln in old.stdout.splitlines() if ln.startswith("longest context")] == \
+        [ln for ln in text.splitlines() if ln.startswith("longest context")]
     assert not (tmp_path / "results").exists()  # a user's plan writes no committed data
 
 
