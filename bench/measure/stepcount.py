@@ -370,7 +370,10 @@ class MemoryTraffic(TorchDispatchMode):
             return out
         if name == "copy_" and args[0].device == args[1].device and args[0].device.type == self.accelerator:
             moved = 2 * _span_bytes(args[0])  # a device-to-device copy: read the source, write the destination
-        elif name in _NO_DATA_OPS:
+        elif name == "_to_copy" and isinstance(out, torch.Tensor) and args[0].device == out.device \
+                and out.device.type == self.accelerator:
+            moved = _span_bytes(args[0]) + _span_bytes(out)  # a cast on the device (bf16 logits to fp32)
+        elif name in _NO_DATA_OPS:  # a copy to or from the host is a host copy (HostCopies)
             return out
         else:
             writes = self._on_device(out)

@@ -124,6 +124,10 @@ def test_memory_traffic_counts_what_kernels_read_and_write():
         x.zero_()
         x.copy_(torch.empty(10, 100))
     assert traffic.bytes == 8400 + 4000 + 8000
+    with traffic:
+        x.to(torch.float64)  # a cast on the device: 4000 read, 8000 written
+        x.to("meta")  # a copy to another device: not this counter's
+    assert traffic.bytes == 8400 + 12000 + 12000
 
 
 def test_memory_bound_bytes_take_the_device_bandwidth():
