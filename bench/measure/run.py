@@ -331,7 +331,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
     f.capacity_bytes = preset.capacity(ranks_here)
     accounting = trial.step.stack if trial.mode == "simulated" else "lean"
-    nccl = stack.nccl_buffer_bytes(result.get("step_counts")) if accounting == "paper" else 0
+    nccl = stack.nccl_buffer_bytes(result.get("step_counts")) if accounting == "paper" and preset.kind != "cpu" else 0
     f.usable_bytes = stack.usable_bytes(preset, accounting, ranks_here, nccl=nccl)
     outside = f"{stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context" + (
         f" and {nccl / GiB:.2f} GiB of NCCL buffers" if nccl else "")
