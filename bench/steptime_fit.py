@@ -249,12 +249,12 @@ def _step_time_t(counts, dev, link, consts):
     """``step_time``'s total with tensor constants (the same formula, differentiable)."""
     import torch
 
-    from .measure.steptime import HOST_LINK_Bps, _comm_terms
+    from .measure.steptime import HOST_LINK_Bps, _comm_terms, memory_bound_seconds
 
     peak = dev.peak_bf16_flops
     mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (consts.eff_matmul * peak)
     attn = counts.get("flops.attention", 0) / (consts.eff_attention * peak)
-    compute = mm + attn + (counts.get("bytes.memory_bound", 0) / dev.hbm_Bps if dev.hbm_Bps else 0.0)
+    compute = mm + attn + memory_bound_seconds(counts, dev)
     bw = _comm_terms(counts, link, 0.0)
     critical = bw["critical_s"] + consts.latency_s * bw["critical_calls"]
     overlapped = bw["overlapped_s"] + consts.latency_s * bw["overlapped_calls"]

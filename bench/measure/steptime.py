@@ -128,10 +128,20 @@ def counts_version(counts: dict[str, float]) -> int:
     return 3 if "bytes.memory_bound" in counts else 2
 
 
-def constants_for(counts: dict[str, float]) -> StepTimeConstants:
-    """The constants fitted on counts like these: ``FITTED``, or ``FITTED_V2`` for older counts (which
+def constants_of(version: int) -> StepTimeConstants:
+    """The constants fitted on counts of ``version``: ``FITTED``, or ``FITTED_V2`` for older counts (which
     leave out work that version-2 constants absorbed; with ``FITTED`` they would come out too fast)."""
-    return FITTED if counts_version(counts) >= 3 else FITTED_V2
+    return FITTED if version >= 3 else FITTED_V2
+
+
+def constants_for(counts: dict[str, float]) -> StepTimeConstants:
+    """``constants_of`` the counts' version."""
+    return constants_of(counts_version(counts))
+
+
+def memory_bound_seconds(counts: dict[str, float], device: DevicePreset) -> float:
+    """The memory-bound kernels' term: their bytes at the device's HBM bandwidth (0 without one)."""
+    return counts.get("bytes.memory_bound", 0) / device.hbm_Bps if device.hbm_Bps else 0.0
 
 
 # --------------------------------------------------------------------------- collective counts
@@ -216,7 +226,7 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
     mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (constants.eff_matmul * peak)
     eff_attn = constants.eff_attention if kernel == "fa3" else constants.eff_attention_fa2
     attn = counts.get("flops.attention", 0) / (eff_attn * peak)
-    memory = counts.get("bytes.memory_bound", 0) / device.hbm_Bps if device.hbm_Bps else 0.0
+    memory = memory_bound_seconds(counts, device)
     compute = mm + attn + memory
     comm = _comm_terms(counts, link, constants.latency_s)
     exposed_overlap = max(0.0, comm["overlapped_s"] - compute)

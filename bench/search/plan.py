@@ -94,6 +94,7 @@ from ..measure.steptime import (
     STEPTIME_VERSION,
     attention_kernel,
     constants_for,
+    constants_of,
     counts_version,
     scale_counts,
     step_time,
@@ -667,7 +668,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
 def render(res: dict[str, Any]) -> str:
     counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
     version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
-    consts = constants_for({"bytes.memory_bound": 0} if version >= 3 else {})
+    consts = constants_of(version)
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
         f"{res['usable_gib']:.1f} GiB usable per GPU"
