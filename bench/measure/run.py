@@ -197,6 +197,12 @@ def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, An
     if trial.threads:
         torch.set_num_threads(trial.threads)
     built, batch = _build(trial, group, device, host="cpu", fake=False)
+    if device.type == "cuda":
+        # the builder makes every parameter whole (fp32) before FSDP shards it; the cached
+        # segments of those whole weights would count in every later reserved peak (at world
+        # size 8 of Llama3-8B, 32 GB). A training job builds on meta or loads shards, and the
+        # simulation replays the step through a fresh allocator: release them first.
+        torch.cuda.empty_cache()
     run = step_fn(trial.step.scope, built, batch, trial.step, group)
     counter = CommCounter()
     _sync(device)

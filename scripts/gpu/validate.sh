@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
 #   bash scripts/gpu/validate.sh OUT_DIR PHASE...
-# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments (any order, several at once).
+# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 (any order, several at once).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
-# (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set; rows go
+# (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
+# phase emu128: `--mode emulated`, the whole Llama3-8B as rank 0 of 8 (a fake process group:
+# real kernels and allocator, collectives return at once), the paper's 128K anchor; rows go
 # to OUT_DIR/real.jsonl, each trial's output to OUT_DIR/log.txt. A trial that fails is logged
 # and the next one runs. scripts/gpu/compare.py sets the same trials beside their simulation.
 set -u
@@ -16,7 +18,7 @@ model=scripts/gpu/llama3-8b-4l.yaml
 trial() {  # trial TIMEOUT_S ARGS...: one real trial, its output appended to the log
   local limit=$1; shift
   echo "=== $(date +%T) $*" | tee -a "$out/log.txt"
-  timeout "$limit" $py -m bench run --mode real --device h100-80g --world-size 1 --model $model \
+  timeout "$limit" $py -m bench run --mode "${MODE:-real}" --device h100-80g --world-size "${WS:-1}" --model "${MODEL:-$model}" \
       --json --out "$out/real.jsonl" "$@" >>"$out/log.txt" 2>&1
   echo "--- rc=$? $(date +%T)" | tee -a "$out/log.txt"
   tail -n 1 "$out/real.jsonl" 2>/dev/null | $py -c '
@@ -52,6 +54,13 @@ for phase in "$@"; do
         SEGMENTS_OUT="$out/segments" SEGMENTS_TAG="$m $len" PYTHONPATH="scripts/gpu/snap${PYTHONPATH:+:$PYTHONPATH}" \
           trial 300 --method $m --seq-len "$len" --warmup 1 --iters 1 --smoke
       done ;;
-    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments)"; exit 2 ;;
+    emu128)  # the 128K anchor (docs/paper.md): Llama3-8B, 32 blocks, rank 0 of 8, paper levers;
+      # segments per stream too when SEGMENTS_OUT is set (the segments phase's hook)
+      for m in ulysses upipe; do
+        MODE=emulated WS=8 MODEL=llama3-8b SEGMENTS_TAG="$m 128K ws8" \
+          PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
+          trial 400 --method $m --seq-len 128K --warmup 1 --iters 3
+      done ;;
+    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128)"; exit 2 ;;
   esac
 done
