@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import socket
 import time
 import traceback
@@ -334,6 +335,12 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
                 "comm_bytes", "comm_bytes_by_op", "loss", "compute_time_s"):
         if result.get(key) is not None:
             setattr(f, key, result[key])
+    if trial.mode == "emulated" and f.loss is not None and not math.isfinite(f.loss):
+        # a fake process group's collectives return their output buffers unwritten, so the
+        # values downstream of one are whatever memory held: the loss may not be a number
+        notes.append(f"emulated: loss {f.loss} not recorded (collectives of a fake process group "
+                     "return unwritten buffers; memory and compute time are still real)")
+        f.loss = None
     ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
     f.capacity_bytes = preset.capacity(ranks_here)
     accounting = trial.step.stack if trial.mode == "simulated" else "lean"

@@ -36,24 +36,38 @@ POOLS = ("shared", "per-stream")
 
 
 def trial_key(row: dict) -> tuple:
-    return row["method"], row["seq_len"]
+    return row["method"], row["seq_len"], row["world_size"], tuple(opt_args(row))
+
+
+def opt_args(row: dict) -> list[str]:
+    """The real run's ``--opt`` arguments, to pass on to its simulation."""
+    argv, out = row["env"]["argv"], []
+    for i, a in enumerate(argv[:-1]):
+        if a == "--opt":
+            out += ["--opt", argv[i + 1]]
+    return out
 
 
 def simulate(row: dict, pools: str) -> dict:
-    """The simulated twin of a real row (same method, model file, length, levers)."""
+    """The simulated twin of a real or emulated row (same method, options, model, world size,
+    length, levers)."""
     argv = row["env"]["argv"]
     model = argv[argv.index("--model") + 1]
     cmd = [sys.executable, "-m", "bench", "run", "--mode", "simulated", "--device", "h100-80g",
-           "--world-size", "1", "--model", model, "--method", row["method"], "--seq-len", str(row["seq_len"]),
+           "--world-size", str(row["world_size"]), "--model", model, "--method", row["method"],
+           "--seq-len", str(row["seq_len"]), *opt_args(row),
            "--stack", "lean", "--allocator-model", "expandable", "--allocator-pools", pools,
            "--kernel-workspace", "fa2", "--no-save", "--json"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def modelled_step_s(sim: dict) -> float:
+def modelled_step_s(sim: dict, compute_only: bool = False) -> float:
+    """The modelled step on the simulation's counts with the kernel that ran (FA2); its compute
+    part alone for an emulated row, whose collectives took no time."""
     counts = sim["figures"]["step_time_model"]["counts"]
-    return step_time(counts, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, "fa2")["step_time_s"]
+    model = step_time(counts, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, "fa2")
+    return model["compute_time_s" if compute_only else "step_time_s"]
 
 
 def pct(ours: float, real: float) -> str:
@@ -63,6 +77,8 @@ def pct(ours: float, real: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path)
+    parser.add_argument("--pools", nargs="+", choices=POOLS, default=list(POOLS),
+                        help="the allocator model's pools to simulate (default: both)")
     args = parser.parse_args()
     real_rows = [json.loads(line) for line in (args.dir / "real.jsonl").open()]
     by_trial: dict[tuple, list[dict]] = defaultdict(list)
@@ -73,42 +89,59 @@ def main() -> None:
     with (args.dir / "simulated.jsonl").open("w") as f:
         for n, (key, rows) in enumerate(sorted(by_trial.items()), 1):
             sims[key] = {}
-            for pools in POOLS:
+            for pools in args.pools:
                 print(f"[{n}/{len(by_trial)}] simulating {key[0]} at {key[1]} tokens, {pools} pools", flush=True)
                 sims[key][pools] = sim = simulate(rows[0], pools)
                 f.write(json.dumps(sim) + "\n")
+    first = next(iter(sims.values()))
+    any_sim = next(iter(first.values()))
+    emulated = any(r["mode"] == "emulated" for r in real_rows)
     lines = [
-        "# Real H100 against the simulation: world size 1, Llama3-8B shapes with 4 blocks",
+        "# Real H100 against the simulation",
         "",
         f"Real: `bash scripts/gpu/validate.sh OUT ...` on {real_rows[0]['env']['device_name']} "
         f"(torch {real_rows[0]['env']['torch']}), `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
         "the default levers of `python -m bench run` (FSDP2, checkpoints offloaded but the first and last "
         "block's, tiled MLP and norms, chunked loss), torch's SDPA flash kernel. Memory is the step after "
-        "the first (peaks reset between); a trial measured twice gave the same bytes both times. "
-        "Simulated: `python scripts/gpu/compare.py` (fake tensors on the GPU code path, torch "
-        f"{sims[next(iter(sims))]['shared']['env']['torch']}, lean stack + expandable-segments allocator "
-        "model + FA2 backward scratch), with one pool for all streams and with a pool per stream. "
+        "the first (peaks reset between); a trial run twice gave the same bytes both times. "
+        + ("Mode `emulated` (column ws): rank 0 of a `ws`-rank job on one GPU, with a fake process group: "
+           "kernels, allocator and host offloads are real, collectives return at once (their output buffers "
+           "are still allocated), so the memory is rank 0's; the time compared is the measured compute "
+           "against the model's compute part (no communication). " if emulated else "")
+        + "Simulated: `python scripts/gpu/compare.py` (fake tensors on the GPU code path, torch "
+        f"{any_sim['env']['torch']}, lean stack + expandable-segments allocator model + FA2 backward "
+        "scratch), with the allocator pools of the column (`shared`: one pool for all streams; "
+        "`per-stream`: a pool per stream, as the caching allocator keeps them). "
         "Modelled step time: `bench.measure.steptime` (version "
-        f"{sims[next(iter(sims))]['per-stream']['figures']['step_time_model']['version']}) with the constants "
+        f"{any_sim['figures']['step_time_model']['version']}) with the constants "
         "fitted on Table 3 (not on these rows) on the simulation's counts, attention at the FA2 efficiency "
         "(the kernel that ran).",
         "",
-        "| method | tokens | allocated real | sim | Δ | reserved real | sim shared | Δ | sim per-stream | Δ "
-        "| step real (min-max) s | modelled s | Δ |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | mode | ws | model | tokens | allocated real | sim | Δ | reserved real | "
+        + " | ".join(f"sim {p} | Δ" for p in args.pools)
+        + " | time real (min-max) s | modelled s | Δ |",
+        "|" + "---|" * (12 + 2 * len(args.pools)),
     ]
-    for key, rows in sorted(by_trial.items(), key=lambda kv: (kv[0][0] != "ulysses", kv[0])):
+    for key, rows in sorted(by_trial.items(), key=lambda kv: (kv[0][2], kv[0][0] != "ulysses", kv[0])):
         real = rows[0]["figures"]
-        shared, per = sims[key]["shared"]["figures"], sims[key]["per-stream"]["figures"]
+        sim = sims[key]
+        base = next(iter(sim.values()))["figures"]
+        emu = rows[0]["mode"] == "emulated"
+        # emulated: the measured compute (its step time adds modelled communication)
         times = [t for r in rows for t in r["figures"]["step_times_s"]]
+        if emu:
+            times = [t - (r["figures"].get("comm_time_s") or 0.0) for r in rows for t in r["figures"]["step_times_s"]]
         med = sorted(times)[len(times) // 2]
-        model_s = modelled_step_s(sims[key]["shared"])
+        model_s = modelled_step_s(next(iter(sim.values())), compute_only=emu)
         rr, ra = real["peak_reserved_bytes"], real["peak_bytes"]
+        model_name = Path(rows[0]["env"]["argv"][rows[0]["env"]["argv"].index("--model") + 1]).stem
+        opts = " ".join(key[3][1::2])
+        reserved = " | ".join(f"{sim[p]['figures']['peak_reserved_bytes'] / GiB:.2f} "
+                              f"| {pct(sim[p]['figures']['peak_reserved_bytes'], rr)}" for p in args.pools)
         lines.append(
-            f"| {key[0]} | {key[1] // 1024}K | {ra / GiB:.2f} | {shared['peak_bytes'] / GiB:.2f} "
-            f"| {pct(shared['peak_bytes'], ra)} | {rr / GiB:.2f} "
-            f"| {shared['peak_reserved_bytes'] / GiB:.2f} | {pct(shared['peak_reserved_bytes'], rr)} "
-            f"| {per['peak_reserved_bytes'] / GiB:.2f} | {pct(per['peak_reserved_bytes'], rr)} "
+            f"| {key[0]}{f' ({opts})' if opts else ''} | {rows[0]['mode']} | {key[2]} | {model_name} "
+            f"| {key[1] // 1024}K | {ra / GiB:.2f} | {base['peak_bytes'] / GiB:.2f} "
+            f"| {pct(base['peak_bytes'], ra)} | {rr / GiB:.2f} | {reserved} "
             f"| {med:.2f} ({min(times):.2f}-{max(times):.2f}, n={len(times)}) | {model_s:.2f} | {pct(model_s, med)} |")
     kernels = [json.loads(line) for line in (args.dir / "kernels.ndjson").open()] \
         if (args.dir / "kernels.ndjson").exists() else []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
 #   bash scripts/gpu/validate.sh OUT_DIR PHASE...
-# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 (any order, several at once).
+# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 (any order, several at once).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
 # phase emu128: `--mode emulated`, the whole Llama3-8B as rank 0 of 8 (a fake process group:
@@ -59,8 +59,22 @@ for phase in "$@"; do
       for m in ulysses upipe; do
         MODE=emulated WS=8 MODEL=llama3-8b SEGMENTS_TAG="$m 128K ws8" \
           PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
-          trial 400 --method $m --seq-len 128K --warmup 1 --iters 3
+          trial 420 --method $m --seq-len 128K --warmup 1 --iters 5
       done ;;
-    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128)"; exit 2 ;;
+    emulong)  # the same at longer lengths, memory only (one step after the first): $EMU_LENS
+      # (default 256K), $EMU_METHODS (default ulysses upipe)
+      for len in ${EMU_LENS:-256K}; do for m in ${EMU_METHODS:-ulysses upipe}; do
+        MODE=emulated WS=8 MODEL=llama3-8b SEGMENTS_TAG="$m $len ws8" \
+          PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
+          trial 560 --method $m --seq-len "$len" --warmup 1 --iters 1 --smoke
+      done; done ;;
+    emu16)  # Fig. 5's UPipe points: our usp-upipe (Ulysses degree 8 x ring 2), rank 0 of 16,
+      # memory only, at $EMU_LENS (default 512K)
+      for len in ${EMU_LENS:-512K}; do
+        MODE=emulated WS=16 MODEL=llama3-8b SEGMENTS_TAG="usp-upipe $len ws16" \
+          PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
+          trial 560 --method usp-upipe --opt ulysses_degree=8 --seq-len "$len" --warmup 1 --iters 1 --smoke
+      done ;;
+    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128 emulong emu16)"; exit 2 ;;
   esac
 done

@@ -58,6 +58,23 @@ def test_emulated_row_adds_modelled_communication_to_measured_compute():
     assert "torch CPU threads per rank: 1" in row.notes
 
 
+def test_emulated_row_drops_a_loss_that_is_not_a_number(monkeypatch):
+    """A fake process group's collectives leave their outputs unwritten, so an emulated loss can
+    be NaN (seen on an H100: Ulysses, Llama3-8B, 256K); the row keeps its memory and time and says
+    why the loss is missing, instead of failing its schema check."""
+    real = trial_mod._emulated
+
+    def nan_loss(trial):
+        return {**real(trial), "loss": float("nan")}
+
+    monkeypatch.setattr(trial_mod, "_emulated", nan_loss)
+    row = run_trial(Trial.make("ulysses", "tiny-mha", 512, 2, mode="emulated", device="cpu", iters=1, smoke=True,
+                               threads=1))
+    assert row.status == "ok", row.message
+    assert row.figures.loss is None and row.figures.peak_bytes > 0
+    assert any("loss nan not recorded" in n for n in row.notes)
+
+
 def test_simulated_oom_is_a_row_with_the_budget_in_the_message():
     row = run_trial(Trial.make("ulysses", "llama3-8b", 64 << 20, 8, mode="simulated",
                                step=StepConfig(scope="attention")))
