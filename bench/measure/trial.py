@@ -243,8 +243,9 @@ class Trial:
         if self.iters < 1 or self.warmup < 1:
             raise ValueError("iters and warmup must both be >= 1 (the first step is never timed)")
         if self.mode != Mode.SIMULATED and self.iters < MIN_TIMED_STEPS and not self.smoke:
+            article = "an" if str(self.mode)[0] in "aeiou" else "a"
             raise ValueError(
-                f"iters={self.iters}: a {self.mode} trial times at least {MIN_TIMED_STEPS} steps so that its "
+                f"iters={self.iters}: {article} {self.mode} trial times at least {MIN_TIMED_STEPS} steps so that its "
                 f"median and range mean something; use --iters {MIN_TIMED_STEPS} or more, or --smoke for a "
                 f"wiring check whose row says it is one"
             )
