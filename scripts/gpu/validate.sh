@@ -4,8 +4,10 @@
 # PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 (any order, several at once).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
-# phase emu128: `--mode emulated`, the whole Llama3-8B as rank 0 of 8 (a fake process group:
-# real kernels and allocator, collectives return at once), the paper's 128K anchor; rows go
+# phases emu128, emulong and emu16: `--mode emulated`, the whole Llama3-8B as rank 0 of 8 or 16
+# (a fake process group: real kernels and allocator, collectives return at once), the shapes
+# of the paper's short-context anchors; with $SEGMENTS_OUT set they also write the allocator's
+# segments per stream there (scripts/gpu/snap/sitecustomize.py); rows go
 # to OUT_DIR/real.jsonl, each trial's output to OUT_DIR/log.txt. A trial that fails is logged
 # and the next one runs. scripts/gpu/compare.py sets the same trials beside their simulation.
 set -u
@@ -14,6 +16,7 @@ mkdir -p "$out"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 model=scripts/gpu/llama3-8b-4l.yaml
+if [ -n "${SEGMENTS_OUT:-}" ]; then mkdir -p "$SEGMENTS_OUT"; fi
 
 trial() {  # trial TIMEOUT_S ARGS...: one real trial, its output appended to the log
   local limit=$1; shift
