@@ -80,13 +80,16 @@ def main() -> None:
     parser.add_argument("--pools", nargs="+", choices=POOLS, default=list(POOLS),
                         help="the allocator model's pools to simulate (default: both)")
     args = parser.parse_args()
-    real_rows = [json.loads(line) for line in (args.dir / "real.jsonl").open()]
+    # real.jsonl, or real.ndjson where the rows must stay out of the analysis figures (which read
+    # every results/**/*.jsonl as sweep rows): the simulated rows take the same suffix
+    suffix = ".jsonl" if (args.dir / "real.jsonl").exists() else ".ndjson"
+    real_rows = [json.loads(line) for line in (args.dir / f"real{suffix}").open()]
     by_trial: dict[tuple, list[dict]] = defaultdict(list)
     for row in real_rows:
         if row["status"] == "ok":
             by_trial[trial_key(row)].append(row)
     sims: dict[tuple, dict[str, dict]] = {}
-    with (args.dir / "simulated.jsonl").open("w") as f:
+    with (args.dir / f"simulated{suffix}").open("w") as f:
         for n, (key, rows) in enumerate(sorted(by_trial.items()), 1):
             sims[key] = {}
             for pools in args.pools:
