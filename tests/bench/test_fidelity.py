@@ -15,6 +15,7 @@ from bench import fidelity
 from bench.cli import main
 from bench.fidelity import PAPER_DIR, Anchor, Impl
 from records import FIDELITY_ANCHOR_NOTE
+from tests.rowfactory import make_row, write
 
 TINY = "tiny-llama"
 
@@ -241,3 +242,24 @@ def test_from_rows_renders_without_simulating(tiny_results, tmp_path, monkeypatc
     assert main(["fidelity", "--from-rows", str(rows_file), "--allocator-pools", "shared", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no row in" in err and "shared pools" in err
+
+
+def test_a_memory_anchor_run_on_a_real_gpu_is_shown_beside_it(tiny_results, tmp_path):
+    """A memory anchor whose trial (method, options, model, ranks, length) has an ok row under
+    results/gpu gets that run's allocated and reserved peaks beside the paper and ours; other
+    rows and boundary anchors do not."""
+    results, _ = tiny_results
+    gpu = tmp_path / "results" / "gpu"
+    (gpu / "h100-x").mkdir(parents=True)
+    match = make_row("upipe", TINY, 8 << 10, 4, mode="emulated", peak_gib=0.01, reserved_gib=0.03)
+    longer = make_row("upipe", TINY, 16 << 10, 4, mode="emulated", peak_gib=0.5, reserved_gib=0.6)
+    other_opts = make_row("upipe", TINY, 8 << 10, 4, mode="emulated", peak_gib=0.7, reserved_gib=0.8,
+                          options={"ulysses_degree": 2})
+    write(gpu / "h100-x" / "real.ndjson", [longer, other_opts, match])
+    checks = fidelity.real_checks(results, gpu)
+    assert [c.anchor.name for c in checks] == ["tiny-mem"]
+    assert checks[0].source == "results/gpu/h100-x/real.ndjson"
+    md = fidelity.markdown(results, checks)
+    assert "## The same trials on a real GPU" in md
+    assert "| tiny-mem | 0.02 GiB | 0.01 GiB | 0.03 GiB |" in md and "emulated, NVIDIA H100" in md
+    assert "on a real GPU" not in fidelity.markdown(results)
