@@ -61,6 +61,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import methods
@@ -142,6 +143,7 @@ def build_model(
     host: str = "cpu",
     seed: int | None = 0,
     seq_len: int | None = None,
+    meta_init: bool = False,
 ) -> tuple[Decoder, torch.optim.Optimizer]:
     """The decoder with every lever of ``step`` applied, and its AdamW.
 
@@ -150,23 +152,31 @@ def build_model(
     rank). Under FakeTensorMode pass ``seed=None`` and call inside
     ``bench.measure.simulate.no_param_init()`` (random init is not possible on fake tensors).
     ``seq_len`` (global tokens) sizes the RoPE table of ``step.rope_table``.
+
+    ``meta_init``: build on the meta device, shard with FSDP, then materialise only each rank's
+    shards on ``device`` (``init_local_shards``: random values, not ``init_weights``' model), as
+    TorchTitan builds a model. For an emulated rank of a model whose whole fp32 weights do not
+    fit one device (Qwen3-32B: 128 GB); its values differ from the other paths'.
     """
     table = step.rope_table == "checkpointed"
     if table and seq_len is None:
         raise ValueError("rope_table='checkpointed' keeps a RoPE table of the whole sequence: "
                          "pass build_model(seq_len=...)")
+    if meta_init and (not step.fsdp or step.fsdp_offload):
+        raise ValueError("meta_init materialises FSDP's shards on the device: it needs fsdp=True and "
+                         "fsdp_offload=False")
     device = torch.device(device)
     master = torch.float32 if step.fsdp else step.torch_dtype
     previous = torch.get_default_dtype()
     torch.set_default_dtype(master)
     try:
-        with torch.device(device):
+        with torch.device("meta" if meta_init else device):
             model = Decoder(cfg, method, group=group, **options)
     finally:
         torch.set_default_dtype(previous)
-    if seed is not None:
+    if seed is not None and not meta_init:
         init_weights(model, seed)
-    if table:
+    if table and not meta_init:
         with torch.device(device):
             model.set_rope_table(seq_len)
     model.set_mlp_tiles(step.mlp_tiles if step.tiled_mlp else None, step.tiled_mlp_impl)
@@ -203,6 +213,12 @@ def build_model(
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off)
+    if meta_init:
+        model.to_empty(device=device)
+        init_local_shards(model, 0 if seed is None else seed)
+        if table:
+            with torch.device(device):
+                model.set_rope_table(seq_len)
     # foreach: what torch picks by default on CUDA (one fused op per step over all tensors)
     opt = torch.optim.AdamW(model.parameters(), lr=step.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     return model, opt
@@ -228,6 +244,23 @@ def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
         for p in model.parameters():
             full = torch.ones(p.shape) if p.dim() == 1 else torch.randn(p.shape, generator=gen) * std
             p.copy_(full.to(p.dtype))
+
+
+def init_local_shards(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights drawn on the device, shard by shard (each rank its own values): normal(0,
+    std) for matrices, ones for norm weights. For a model built with ``meta_init``, whose whole
+    weights never exist on one device; use ``init_weights`` where the values must match."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.device not in generators:
+                generators[local.device] = torch.Generator(device=local.device).manual_seed(seed)
+            gen = generators[local.device]
+            if p.dim() == 1:
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, std, generator=gen)
 
 
 def maybe_prime_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -72,9 +72,10 @@ for phase in "$@"; do
           trial 560 --method $m --seq-len "$len" --warmup 1 --iters 1 --smoke
       done; done ;;
     emu16)  # Fig. 5's UPipe points: our usp-upipe (Ulysses degree 8 x ring 2), rank 0 of 16,
-      # memory only, at $EMU_LENS (default 512K)
+      # memory only, at $EMU_LENS (default 512K), of $EMU_MODEL (default llama3-8b; qwen3-32b at
+      # 128K is the other 128K anchor)
       for len in ${EMU_LENS:-512K}; do
-        MODE=emulated WS=16 MODEL=llama3-8b SEGMENTS_TAG="usp-upipe $len ws16" \
+        MODE=emulated WS=16 MODEL=${EMU_MODEL:-llama3-8b} SEGMENTS_TAG="usp-upipe $len ws16 ${EMU_MODEL:-llama3-8b}" \
           PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
           trial 560 --method usp-upipe --opt ulysses_degree=8 --seq-len "$len" --warmup 1 --iters 1 --smoke
       done ;;

@@ -279,3 +279,25 @@ def test_step_config_validation():
     lev = StepConfig().levers()
     assert StepConfig.from_levers("model", 1, "bf16", lev) == StepConfig()
     assert dataclasses.asdict(StepConfig())["ac_offload"] is True
+
+
+def test_meta_init_materialises_only_the_shards_and_trains():
+    """``meta_init`` (emulated ranks on a GPU): built on meta, sharded, then only this rank's
+    shards exist on the device, with finite random values; a step runs and gives a finite loss.
+    The same levers without FSDP (nothing would be sharded) are refused before any work."""
+    cfg = ModelConfig.from_dict(dict(CFG, name="small", dim=64, head_dim=8, ffn_dim=128, vocab_size=256))
+    with fake_process_group(4) as group:
+        model, opt = build_model(cfg, "ulysses", {}, group, StepConfig(), "cpu", meta_init=True)
+        for p in model.parameters():
+            local = p.to_local()
+            assert local.device.type == "cpu" and local.numel() <= (p.numel() + 3) // 4 + p.shape[-1]
+            assert torch.isfinite(local).all()
+            if p.dim() == 1:
+                assert bool((local == 1).all())
+            elif local.numel() > 1:
+                assert local.std() > 0
+        assert not any(b.is_meta for b in model.buffers())
+        loss = model_step(model, opt, make_batch(model, 64, 1, "cpu"), StepConfig(), group)
+    assert loss is not None
+    with pytest.raises(ValueError, match="meta_init .* needs fsdp=True"):
+        build_model(cfg, "ulysses", {}, None, StepConfig(fsdp=False), "cpu", meta_init=True)
