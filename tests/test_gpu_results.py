@@ -14,19 +14,23 @@ from records import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "results" / "gpu" / "h100-ws1"
+# (folder, its rows' file, their mode): the emulated rows are .ndjson, out of the analysis' reach
+FOLDERS = [(FOLDER, "real.jsonl", "real"), (ROOT / "results" / "gpu" / "h100-emulated", "real.ndjson", "emulated")]
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 import compare  # noqa: E402
 
 
-def test_real_rows_say_where_they_ran():
-    rows = read_rows(FOLDER / "real.jsonl", on_error="raise")
-    assert rows and all(r.mode == "real" and r.status == "ok" for r in rows)
+@pytest.mark.parametrize("folder,name,mode", FOLDERS, ids=lambda v: getattr(v, "name", None))
+def test_real_rows_say_where_they_ran(folder, name, mode):
+    rows = read_rows(folder / name, on_error="raise")
+    assert rows and all(r.mode == mode and r.status == "ok" for r in rows)
     assert {r.env.device_name for r in rows} == {"NVIDIA H100 80GB HBM3"}
     assert all(r.figures.peak_reserved_bytes >= r.figures.peak_bytes > 0 for r in rows)
 
 
-def test_segments_add_up_to_the_reserved_peak():
-    for line in (FOLDER / "segments.ndjson").read_text().splitlines():
+@pytest.mark.parametrize("folder", [f for f, _, _ in FOLDERS], ids=lambda f: f.name)
+def test_segments_add_up_to_the_reserved_peak(folder):
+    for line in (folder / "segments.ndjson").read_text().splitlines():
         d = json.loads(line)
         mapped = sum(s["total_size"] for s in d["segments"])
         peak = d["stats"]["reserved_bytes.all.peak"]
@@ -43,12 +47,15 @@ def test_segments_table_renders(tmp_path):
     assert "| ulysses | 128K | default |" in text and "**46.47**" in text
 
 
-def test_comparison_covers_every_real_trial():
-    real = {(r.method, r.seq_len) for r in read_rows(FOLDER / "real.jsonl", on_error="raise")}
-    sims = [json.loads(line) for line in (FOLDER / "simulated.jsonl").read_text().splitlines()]
-    for method, seq in real:
+@pytest.mark.parametrize("folder,name,mode", FOLDERS, ids=lambda v: getattr(v, "name", None))
+def test_comparison_covers_every_real_trial(folder, name, mode):
+    real = {(r.method, r.seq_len, r.world_size, r.model) for r in read_rows(folder / name, on_error="raise")}
+    sims = [json.loads(line) for line in (folder / name.replace("real", "simulated")).read_text().splitlines()]
+    for method, seq, ws, _ in real:
         pools = {s["levers"].get("allocator_pools", "shared") for s in sims
-                 if s["method"] == method and s["seq_len"] == seq}
-        assert pools == {"shared", "per-stream"}, (method, seq)
-    table = (FOLDER / "compare.md").read_text()
-    assert all(f"| {m} | {s // 1024}K |" in table for m, s in real)
+                 if s["method"] == method and s["seq_len"] == seq and s["world_size"] == ws}
+        assert pools == {"shared", "per-stream"}, (method, seq, ws)
+    lines = (folder / "compare.md").read_text().splitlines()
+    for method, seq, ws, model in real:
+        cells = f" | {mode} | {ws} | {Path(model).stem} | {seq // 1024}K |"
+        assert any(line.startswith(f"| {method}") and cells in line for line in lines), (method, seq, ws)
