@@ -4,7 +4,7 @@
 # PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 (any order, several at once).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
-# phases emu128, emulong and emu16: `--mode emulated`, the whole Llama3-8B as rank 0 of 8 or 16
+# phases emu128, emulong and emu16: `--mode emulated`, the whole Llama3-8B (emu16: $EMU_MODEL) as rank 0 of 8 or 16
 # (a fake process group: real kernels and allocator, collectives return at once), the shapes
 # of the paper's short-context anchors; with $SEGMENTS_OUT set they also write the allocator's
 # segments per stream there (scripts/gpu/snap/sitecustomize.py); rows go
