@@ -53,6 +53,8 @@ KINDS = ("memory", "boundary")
 REL_TOL = 0.10  # the issue's target for memory anchors
 EYE_TOL_GIB = 1.0  # Fig. 5 was read by eye, +-1 GiB
 TABLE3_METHODS = ("torch-cp", "ring", "ulysses", "fpdt", "upipe")
+# the paper's FPDT chunk: --ds-sequence-parallel-fpdt-chunk-size 65536 in the authors' run_single_*.sh (docs/paper.md)
+FPDT_CHUNK_TOKENS = 65536
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,8 @@ def implementation(method: str, gpus: int) -> Impl:
         return Impl("yc-usp", {"ulysses_degree": 1, **fa3})
     if method in ("ulysses", "usp", "alst"):  # yunchang's USP, Ulysses 8 (x2 ring on 16 GPUs)
         return Impl("yc-usp", {"ulysses_degree": 8, **fa3})
-    if method == "fpdt":  # ours: DeepSpeed's offload path cannot be simulated (as the Table 3 specs)
-        return Impl("fpdt", {"num_chunks": 16})
+    if method == "fpdt":  # ours (DeepSpeed's offload path cannot be simulated), at the paper's chunk size
+        return Impl("fpdt", {"chunk_tokens": FPDT_CHUNK_TOKENS})
     if method == "upipe":
         return Impl("upipe") if gpus <= 8 else Impl("usp-upipe", {"ulysses_degree": 8})
     raise ValueError(f"no implementation known for the paper's method {method!r}")

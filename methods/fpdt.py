@@ -4,8 +4,16 @@ After "Fully Pipelined Distributed Transformer" (FPDT, Yao et al. 2024). Ulysses
 C ranks all S tokens of H/C heads; FPDT does the same, but one sequence chunk at a time, so
 that only a chunk's Q/K/V/O are on the device at once and the rest wait in host memory.
 
+Chunk count. K chunks per rank, either fixed (``num_chunks``) or set by a chunk size
+(``chunk_tokens``: K = S / chunk_tokens, so that every segment below has ``chunk_tokens``
+tokens). The second is DeepSpeed FPDT's own knob (``--ds-sequence-parallel-fpdt-chunk-size``;
+``deepspeed/sequence/fpdt_layer.py``: ``num_chunk_per_gpu = global_seq_len // chunk_size``),
+and the paper's FPDT runs set it to 65,536 (docs/paper.md, "FPDT"): 2 chunks per rank at
+128K, 64 at 4M. The number of chunks decides how much of the sequence is on the device at once
+and how many exchanges and host round trips a step makes.
+
 Token layout (``shard``/``unshard``: FPDT's own, ``layouts.cyclic_shard``). The sequence is
-cut into C*K chunks of ``S/(C*K)`` tokens (K = ``num_chunks``); global chunk ``c`` lives on
+cut into C*K chunks of ``S/(C*K)`` tokens (K chunks per rank, above); global chunk ``c`` lives on
 rank ``c % C``, so rank r holds chunks ``r, r+C, ..., r+(K-1)C`` (K non-contiguous pieces, in
 that order). The sequence->head all-to-all of every rank's local chunk i then yields the *contiguous* global
 segment i (chunks ``iC .. iC+C-1``) for H/C heads. That is what makes the pipeline work:
@@ -44,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .core import comm
+from .core import comm, events
 from .core.base import AttentionMethod, MethodOptions, head_rows, project
 from .core.chunkstore import ChunkStore
 from .core.kernels import merge_partials
@@ -56,8 +64,20 @@ from .ulysses import replicated_kv_heads
 
 @dataclass(frozen=True)
 class FPDTOptions(MethodOptions):
-    num_chunks: int = 2  # K: chunks per rank (the pipeline's depth)
+    num_chunks: int = 2  # K: chunks per rank (the pipeline's depth), when chunk_tokens is 0
     offload: bool = True  # keep Q/K/V/O/LSE chunks in host memory between uses
+    chunk_tokens: int = 0  # > 0: K = S / chunk_tokens (DeepSpeed's FPDT chunk size; the paper: 65536)
+
+    def chunks_per_rank(self, seq_len: int) -> int:
+        """K at global length ``seq_len`` (``chunk_tokens`` when set, else ``num_chunks``)."""
+        return seq_len // self.chunk_tokens if self.chunk_tokens else self.num_chunks
+
+
+def chunks_per_rank(options: MethodOptions, seq_len: int) -> int:
+    """K at global length ``seq_len``: ``FPDTOptions.chunks_per_rank``, or ``num_chunks`` for a subclass's
+    options without ``chunk_tokens`` (``ds-fpdt``)."""
+    tokens = getattr(options, "chunk_tokens", 0)
+    return seq_len // tokens if tokens else options.num_chunks
 
 
 def _no_store() -> None:
@@ -69,8 +89,8 @@ class _FPDTFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, qn, kn, cos, sin, block):
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
-        causal, chunks = spec.causal, block.options.num_chunks
         b, n, _ = x.shape
+        causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
         wk_e, wv_e = head_rows(wk, block.kv_heads, d), head_rows(wv, block.kv_heads, d)
@@ -111,6 +131,7 @@ class _FPDTFunction(torch.autograd.Function):
                 store.put(("o", i), o)
                 store.put(("lse", i), lse)
 
+        events.note(events.CHUNK_PASSES, chunks)  # the step-time model's per-chunk cost (core.events)
         if causal:
             for i in range(chunks):
                 produce_kv(i)
@@ -132,12 +153,13 @@ class _FPDTFunction(torch.autograd.Function):
     def backward(ctx, dout):
         block, store = ctx.block, ctx.store
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
-        causal, chunks = spec.causal, block.options.num_chunks
         x, wq, wk, wv, qn, kn, cos, sin = ctx.saved_tensors
         b, n, _ = x.shape
+        causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
         dout = dout.reshape(b, n, spec.n_heads, d)
+        events.note(events.CHUNK_PASSES, chunks)
         for i in range(chunks):
             store.put(("do", i), comm.seq_to_head_(dout[:, rows[i]].contiguous(), group))
         del dout
@@ -225,6 +247,21 @@ class FPDT(AttentionMethod):
         super().validate(spec, world_size, options)
         cls.check_head_split(spec, world_size, cls.method_name)
         cls.check_num_chunks(options.num_chunks)
+        cls.check_chunk_tokens(options, world_size)
+
+    @classmethod
+    def check_chunk_tokens(cls, options: FPDTOptions, world_size: int) -> None:
+        t = options.chunk_tokens
+        if t < 0 or (t and t % world_size):
+            raise ValueError(
+                f"{cls.method_name}: chunk_tokens={t} must be 0 (use num_chunks) or a positive multiple of the "
+                f"world size {world_size} (each rank holds chunk_tokens / {world_size} tokens of a chunk)"
+            )
+        if t and options.num_chunks != FPDTOptions.num_chunks:
+            raise ValueError(
+                f"{cls.method_name}: give num_chunks or chunk_tokens, not both (chunk_tokens={t} sets the chunks "
+                f"per rank to seq_len / {t}; num_chunks={options.num_chunks} fixes them)"
+            )
 
     @classmethod
     def check_num_chunks(cls, k) -> None:
@@ -236,7 +273,7 @@ class FPDT(AttentionMethod):
 
     @classmethod
     def seq_multiple(cls, world_size: int, options: FPDTOptions) -> int:
-        return world_size * options.num_chunks
+        return getattr(options, "chunk_tokens", 0) or world_size * options.num_chunks
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec, group, **options)
@@ -246,10 +283,14 @@ class FPDT(AttentionMethod):
     # -- layout: global chunk c on rank c % C (cyclic)
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return cyclic_shard(x, dim, self.rank, self.world_size, self.options.num_chunks)
+        return cyclic_shard(x, dim, self.rank, self.world_size, chunks_per_rank(self.options, x.shape[dim]))
 
     def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return cyclic_unshard(x, dim, self.group, self.options.num_chunks)
+        return cyclic_unshard(x, dim, self.group, self.chunks_for_local(x.shape[dim]))
+
+    def chunks_for_local(self, n: int) -> int:
+        """K for a local sequence of ``n`` tokens (the global length is ``n`` times the world size)."""
+        return chunks_per_rank(self.options, n * self.world_size)
 
     @property
     def last_store(self) -> ChunkStore | None:
@@ -257,11 +298,13 @@ class FPDT(AttentionMethod):
         return self._last_store()
 
     def check_local_len(self, n: int) -> None:
-        if n % self.options.num_chunks:
+        k = self.chunks_for_local(n)
+        if k < 1 or n % k:
+            tokens = getattr(self.options, "chunk_tokens", 0)
+            what = f"chunk_tokens={tokens} ({k} chunks per rank)" if tokens else f"num_chunks={k}"
             raise ValueError(
-                f"{self.method_name}: local sequence length {n} is not divisible by num_chunks="
-                f"{self.options.num_chunks}; shard a sequence whose length is a multiple of "
-                f"{self.seq_multiple(self.world_size, self.options)}"
+                f"{self.method_name}: local sequence length {n} cannot be cut into {what}; shard a sequence "
+                f"whose length is a multiple of {self.seq_multiple(self.world_size, self.options)}"
             )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,6 +43,10 @@ tensor as the distinct elements it spans (a broadcast dimension, stride 0, count
 and allocations move nothing and are skipped; ``copy_``/``fill_``/``zero_`` and the random fills
 only write their destination. A lower bound: a kernel that re-reads an input (a norm's two
 passes) moves more, and fused kernels (a fused AdamW) less.
+
+Events (``methods.core.events``): what a method notes as it runs, for costs that go by a count
+of pieces of its schedule rather than by FLOPs or bytes: ``pipeline.chunk_passes``, one per
+chunk FPDT processes in a forward (recompute included) or backward.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import methods
+from methods.core import events
 from methods.core.tiling import counted_as
 
 aten = torch.ops.aten
@@ -400,19 +405,23 @@ class StepCounter:
         self.flops = LocalFlopCounter(display=False, custom_mapping=attention_formulas())
         self.copies = HostCopies(accelerator, host)
         self.traffic = MemoryTraffic(accelerator)
+        self.events: dict[str, float] = {}
 
     @contextlib.contextmanager
     def counting(self) -> Iterator["StepCounter"]:
-        with _marking_shape_propagation(), self.flops, self.copies, self.traffic:
+        with _marking_shape_propagation(), self.flops, self.copies, self.traffic, events.counting() as noted:
+            self.events = noted
             yield self
 
     def counts(self) -> dict[str, float]:
-        """Flat counts: ``flops.<class>``, ``host.<issuer>.<d2h|h2d>_<bytes|calls>`` and
-        ``bytes.memory_bound[_calls]``."""
+        """Flat counts: ``flops.<class>``, ``host.<issuer>.<d2h|h2d>_<bytes|calls>``,
+        ``bytes.memory_bound[_calls]`` and the methods' noted events (``methods.core.events``:
+        ``pipeline.chunk_passes``)."""
         out: dict[str, float] = {"flops.matmul": 0, "flops.attention": 0, "flops.other": 0}
         for op, n in self.flops.get_flop_counts().get("Global", {}).items():
             out[f"flops.{kernel_class(op)}"] += n
         out.update(self.copies.counts)
         out["bytes.memory_bound"] = self.traffic.bytes
         out["bytes.memory_bound_calls"] = self.traffic.calls
+        out.update(self.events)
         return out

@@ -50,39 +50,62 @@ a measurement). The terms, each a named mechanism:
   A method's own store (FPDT's chunks, ``methods.core.chunkstore``) copies on a side stream
   with one-ahead prefetch, overlapping the attention kernels: exposed ``max(0, t_host −
   t_attention)``.
-* **UPipe's per-stage cost** and **FPDT's chunk pipeline** are not separate formulas: UPipe's
-  stages issue ``stages × 4`` smaller all-to-alls per layer and pass where Ulysses issues 4,
-  and FPDT's chunks issue their exchanges and host copies chunk by chunk; the counted calls
-  pay ``latency_s`` each and the counted host bytes go through the host link as above. So
-  the stage count × layers × passes enters through the observed calls.
+* **UPipe's per-stage cost** is not a separate formula: UPipe's stages issue ``stages × 4``
+  smaller all-to-alls per layer and pass where Ulysses issues 4; the counted calls pay
+  ``latency_s`` each. So the stage count × layers × passes enters through the observed calls.
+* **DeepSpeed FPDT's per-chunk synchronisation** (``ds_fpdt_sync``: only where the step stands
+  for DeepSpeed's FPDT, the paper's, not for our ``fpdt``) = ``pipeline.chunk_passes ×
+  ds_fpdt_chunk_s``. DeepSpeed 0.17.4's ``deepspeed/sequence/fpdt_layer.py`` (the version the
+  paper's FPDT ran, docs/paper.md) makes the host wait for the device at every chunk it
+  processes (``dist.barrier()`` after each chunk's exchanges, ``get_accelerator().synchronize()``,
+  ``compute_stream.synchronize()`` after each chunk pair and each chunk's host copies) and stages
+  each chunk's Q/K/V/O/LSE through freshly allocated pinned host buffers (``SequenceChunk``), so
+  its chunk pipeline does not run ahead of the host as ours does (events on a side stream,
+  ``methods.core.chunkstore``). Counted: one ``pipeline.chunk_passes`` per chunk per forward
+  (recompute included) and backward (``methods.core.events``, noted by ``methods.fpdt``).
+  The cost of one is fitted (``ds_fpdt_chunk_s``); which of those synchronisations takes the time
+  is not separated. Evidence that it is a per-chunk cost: fitted on two Llama3-8B cells, it gives
+  every other FPDT cell of Table 3, both models, within a few per cent (``python -m bench
+  steptime``), where the version-3 model, which charged FPDT only its counted calls and copies,
+  was 24-30% fast at 256K-512K.
 
-Fitted constants (``FITTED``): ``eff_matmul``, ``eff_attention``, ``eff_attention_fa2``,
-``latency_s``, by
+Measured constant: ``eff_matmul`` = ``EFF_MATMUL_MEASURED``, the FLOP-weighted rate of the model's
+four bf16 GEMMs (QKV, O, gate/up, down of Llama3-8B at 4096 tokens) on the lent H100
+(``results/gpu/h100-ws1/kernels.ndjson``: 775 TFLOP/s of 989), not fitted since version 4.
+
+Fitted constants (``FITTED``): ``eff_attention``, ``eff_attention_fa2``, ``latency_s`` and
+``ds_fpdt_chunk_s``, by
 ``python -m bench steptime`` on the declared cells ``FIT_CELLS`` of the paper's Table 3 (the
 counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/test_steptime.py``
-checks that refitting reproduces them.
+checks that refitting reproduces them. Until version 3 ``eff_matmul`` was fitted as well and
+the one ``latency_s`` (then 0.9 ms per call) had to absorb FPDT's per-chunk cost too, which made
+every other method's calls 0.9 ms each (UPipe/Ulysses 0.79 on Qwen3-32B at 128K, the paper 0.886).
 
 Checked on a real H100 (``results/gpu/h100-ws1/compare.md``; world size 1, 4 blocks of
-Llama3-8B, torch's SDPA flash; never used to fit): with the version-3 counts the modelled step is
-within -10% to +2% of the real one (Ulysses 64K-256K -0.9 to +1.7%, torch-cp +0.5%, fpdt -4.3%,
-UPipe -4 to -10%, offload -9.3%), and the fitted ``eff_matmul`` (0.70) and ``eff_attention_fa2``
-(0.32) sit at the kernels' measured rates (0.69-0.81 and 0.31-0.36). Before version 3 the model
-was 13-43% fast there with ``eff_matmul`` at 0.43: the counts left out the tiles a simulation skips
-(most of the tiled MLP's and the loss's matmuls at long sequences) and the memory-bound kernels, and
-the fit had absorbed them. UPipe's measured stage cost at world size 1 (1.18x / 1.10x / 1.05x
-Ulysses at 64K / 128K / 256K; modelled 1.05x / 1.03x / 1.02x) is still partly missing.
+Llama3-8B, torch's SDPA flash; never used to fit): with the version-3 counts and constants the
+modelled step was within -10% to +2% of the real one (compare.md, made then); with the version-4
+constants on the same counts it is within -12% to 0% (Ulysses 64K-256K -0.9 / -0.1 / -0.9%,
+torch-cp -0.6%, fpdt -5.4%, UPipe -11.9 / -6.1 / -3.6%, offload -10.3%), and ``eff_attention_fa2``
+(0.32) sits at the kernel's measured rate (0.31-0.36). Before version 3 the model was 13-43% fast
+there with ``eff_matmul`` at 0.43: the counts left out the tiles a simulation skips (most of the
+tiled MLP's and the loss's matmuls at long sequences) and the memory-bound kernels, and the fit had
+absorbed them. UPipe's measured stage cost at world size 1 (1.18x / 1.10x / 1.05x Ulysses at 64K /
+128K / 256K; modelled 1.05x / 1.03x / 1.02x) is still partly missing.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from methods.core.events import CHUNK_PASSES
+
 from .hardware import CommCounter, DevicePreset, LinkModel
 from .stack import scratch_model
 
 # 2: collectives the attention issues (comm_attn.*) are on the critical path; 3: counts weigh the
-# simulated tiles by the skipped ones they stand for, addmm_ FLOPs, the memory-bound kernels' term
-STEPTIME_VERSION = 3
+# simulated tiles by the skipped ones they stand for, addmm_ FLOPs, the memory-bound kernels' term;
+# 4: DeepSpeed FPDT's per-chunk synchronisation (pipeline.chunk_passes), eff_matmul measured, not fitted
+STEPTIME_VERSION = 4
 HOST_LINK_Bps = 32e9 * 16 / 8 * 128 / 130  # PCIe 5.0 x16 per direction (see the module docstring)
 CRITICAL_OPS = ("all_to_all", "barrier")  # waited on before the next kernel
 OVERLAP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "send", "broadcast")  # FSDP2 prefetch, ring P2P
@@ -97,24 +120,26 @@ class StepTimeConstants:
     eff_attention: float  # fraction of the bf16 peak FlashAttention 3 reaches (on the FLOPs it computes)
     eff_attention_fa2: float  # the same for torch's SDPA flash kernel (FlashAttention 2's code)
     latency_s: float  # per collective call: NCCL launch + peer synchronisation
+    ds_fpdt_chunk_s: float = 0.0  # per chunk pass of DeepSpeed's FPDT: its host synchronisations (docstring)
 
     def __post_init__(self) -> None:
         effs = (self.eff_matmul, self.eff_attention, self.eff_attention_fa2)
         if not all(0 < e <= 1 for e in effs):
             raise ValueError(f"efficiencies must be in (0, 1], got {effs}")
-        if self.latency_s < 0:
-            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        if self.latency_s < 0 or self.ds_fpdt_chunk_s < 0:
+            raise ValueError(f"latency_s and ds_fpdt_chunk_s must be >= 0, got {self.latency_s}, "
+                             f"{self.ds_fpdt_chunk_s}")
 
 
+# the FLOP-weighted rate of Llama3-8B's four GEMMs at 4096 tokens on the lent H100 (775 TFLOP/s of the preset's 989;
+# results/gpu/h100-ws1/kernels.ndjson, bench.steptime_fit.measured_eff_matmul): measured, not fitted (version 4)
+EFF_MATMUL_MEASURED = 0.783165
 # fitted by `python -m bench steptime` on FIT_CELLS (10 cells) from results/fidelity/steptime.jsonl (counts of
-# STEPTIME_VERSION 3). eff_matmul (0.70) and eff_attention_fa2 (0.32) now sit at the kernels' measured H100 rates
-# (0.69-0.81 and 0.31-0.36, results/gpu/h100-ws1/kernels.ndjson); before version 3 the counts left out the tiles
-# a simulation skips and the memory-bound kernels, and eff_matmul (0.43) absorbed them. A latency of ~0.9 ms per
-# collective call is far above NCCL's own (~10-50 us): it absorbs what else each call costs (stream
-# synchronisation, the idle gap around a blocking exchange, FPDT's per-chunk host synchronisation): a fitted,
-# not a measured, figure
-FITTED = StepTimeConstants(eff_matmul=0.698164, eff_attention=0.611349, eff_attention_fa2=0.323402,
-                           latency_s=893.897e-6)
+# STEPTIME_VERSION 4), eff_matmul held at EFF_MATMUL_MEASURED. eff_attention_fa2 sits at the kernel's measured H100
+# rate (0.31-0.36, kernels.ndjson). latency_s is still above NCCL's own (~10-50 us per call): a fitted, not a
+# measured, figure. Before version 4 a single latency (0.9 ms) also absorbed DeepSpeed FPDT's per-chunk cost.
+FITTED = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=0.613045, eff_attention_fa2=0.317995,
+                           latency_s=347.317e-6, ds_fpdt_chunk_s=35.9139e-3)
 # what FITTED was before version 3, fitted on the version-2 counts (the tiles a simulation skips left out, no
 # memory-bound bytes): for counts made before version 3 (the planner's cache), which these constants absorbed
 FITTED_V2 = StepTimeConstants(eff_matmul=0.426829, eff_attention=0.614063, eff_attention_fa2=0.315194,
@@ -214,10 +239,16 @@ def attention_kernel(method: str) -> str:
     return "fa2" if scratch_model(method) == "fa2" else "fa3"
 
 
+def ds_fpdt_sync_seconds(counts: dict[str, float], constants: StepTimeConstants) -> float:
+    """DeepSpeed FPDT's per-chunk synchronisation: the chunk passes at ``ds_fpdt_chunk_s`` each."""
+    return counts.get(CHUNK_PASSES, 0) * constants.ds_fpdt_chunk_s
+
+
 def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
-              constants: StepTimeConstants = FITTED, kernel: str = "fa3") -> dict[str, Any]:
+              constants: StepTimeConstants = FITTED, kernel: str = "fa3", ds_fpdt_sync: bool = False) -> dict[str, Any]:
     """The modelled step: ``{"step_time_s", "compute_time_s", "terms", "constants", "version"}``
-    (``kernel``: the attention kernel family, ``attention_kernel(method)``)."""
+    (``kernel``: the attention kernel family, ``attention_kernel(method)``; ``ds_fpdt_sync``: the
+    counts stand for DeepSpeed's FPDT, which adds its per-chunk synchronisation)."""
     if not device.peak_bf16_flops:
         raise ValueError(f"device preset {device.name!r} has no peak_bf16_flops: add it to bench.measure.hardware")
     if kernel not in ("fa3", "fa2"):
@@ -235,12 +266,14 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
     host_offload = offload_b / HOST_LINK_Bps
     host_method = method_b / HOST_LINK_Bps
     exposed_method = max(0.0, host_method - attn)
-    total = compute + comm["critical_s"] + exposed_overlap + host_offload + exposed_method
+    sync = ds_fpdt_sync_seconds(counts, constants) if ds_fpdt_sync else 0.0
+    total = compute + comm["critical_s"] + exposed_overlap + host_offload + exposed_method + sync
     terms = {
         "compute_matmul_s": mm, "compute_attention_s": attn, "compute_memory_bound_s": memory,
         "comm_critical_s": comm["critical_s"], "comm_critical_calls": comm["critical_calls"],
         "comm_overlapped_s": comm["overlapped_s"], "comm_overlapped_exposed_s": exposed_overlap,
         "host_offload_s": host_offload, "host_method_s": host_method, "host_method_exposed_s": exposed_method,
+        "ds_fpdt_sync_s": sync,
     }
     return {"version": STEPTIME_VERSION, "step_time_s": total, "compute_time_s": compute, "terms": terms,
             "constants": {**asdict(constants), "peak_bf16_flops": peak, "host_link_Bps": HOST_LINK_Bps,

@@ -18,6 +18,7 @@ from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
 from bench.measure.stepcount import MemoryTraffic, causal_pairs
 from bench.measure.steptime import (
+    EFF_MATMUL_MEASURED,
     FITTED,
     FITTED_V2,
     STEPTIME_VERSION,
@@ -39,6 +40,8 @@ from bench.steptime_fit import (
     is_fit_cell,
     load_counts,
     main,
+    measured_eff_matmul,
+    modelled_tps,
     paper_cells,
 )
 from bench.training.config import StepConfig
@@ -179,6 +182,40 @@ def test_the_model_refuses_bad_input():
         step_time({}, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, kernel="fa1")
 
 
+def test_fpdt_chunk_passes_are_counted_forward_recompute_and_backward():
+    """One ``pipeline.chunk_passes`` per chunk in each forward (the checkpoint recompute included,
+    which autograd runs on its device thread) and in the backward; K follows ``chunk_tokens``."""
+    def passes(seq_len, **options):
+        trial = Trial.make("fpdt", "tiny-llama", seq_len, 2, options, mode="simulated", device="h100-80g",
+                           step=StepConfig(**{**NO_LEVERS, "ac": True}))
+        r = guarded(measure_simulated, trial)
+        assert r["status"] == "ok", r.get("message")
+        return r["step_counts"]["pipeline.chunk_passes"]
+
+    layers = get_config("tiny-llama").n_layers
+    assert passes(4096, num_chunks=4) == 3 * 4 * layers
+    assert passes(4096, chunk_tokens=512) == 3 * 8 * layers  # K = 4096 / 512
+    assert passes(8192, chunk_tokens=512) == 2 * passes(4096, chunk_tokens=512)
+
+
+def test_ds_fpdt_sync_is_paid_per_chunk_pass_only_for_deepspeeds_fpdt():
+    link, dev = get_link("nvlink-h100"), get_device("h100-80g")
+    counts = {"flops.matmul": 1e15, "pipeline.chunk_passes": 96}
+    c = dataclasses.replace(FITTED, ds_fpdt_chunk_s=0.01)
+    ours = step_time(counts, dev, link, c)
+    ds = step_time(counts, dev, link, c, ds_fpdt_sync=True)
+    assert ds["step_time_s"] - ours["step_time_s"] == pytest.approx(0.96)
+    assert ds["terms"]["ds_fpdt_sync_s"] == pytest.approx(0.96) and ours["terms"]["ds_fpdt_sync_s"] == 0
+    with pytest.raises(ValueError, match="ds_fpdt_chunk_s"):
+        dataclasses.replace(FITTED, ds_fpdt_chunk_s=-1.0)
+
+
+def test_eff_matmul_is_the_measured_gemm_rate():
+    """Not fitted: the FLOP-weighted rate of the committed real H100 GEMM rows."""
+    assert FITTED.eff_matmul == EFF_MATMUL_MEASURED
+    assert measured_eff_matmul() == pytest.approx(EFF_MATMUL_MEASURED, rel=1e-5)
+
+
 def test_latency_is_paid_per_call():
     link, dev = get_link("nvlink-h100"), get_device("h100-80g")
     few = {"comm.all_to_all.8.8.bytes": 1e9, "comm.all_to_all.8.8.calls": 4}
@@ -218,10 +255,24 @@ def test_interpolation_matches_a_direct_simulation(committed):
 def test_the_fit_reproduces_the_committed_constants(committed):
     cells = [c for c in paper_cells() if c["status"] == "ok" and is_fit_cell(c["model"], int(c["seq_len"]))]
     got = fit(cells, committed)
-    assert got.eff_matmul == pytest.approx(FITTED.eff_matmul, rel=1e-3)
+    assert got.eff_matmul == FITTED.eff_matmul  # held at the measured rate
     assert got.eff_attention == pytest.approx(FITTED.eff_attention, rel=1e-3)
     assert got.eff_attention_fa2 == pytest.approx(FITTED.eff_attention_fa2, rel=1e-3)
     assert got.latency_s == pytest.approx(FITTED.latency_s, rel=1e-2, abs=1e-7)
+    assert got.ds_fpdt_chunk_s == pytest.approx(FITTED.ds_fpdt_chunk_s, rel=1e-2)
+
+
+def test_table3_fpdt_cells_count_the_papers_chunks(committed):
+    """The FPDT counts are of the paper's chunk size (65,536 tokens: K = S / 65536 per rank), so the
+    chunk passes grow with the length, and the cell's model pays DeepSpeed's per-chunk term."""
+    from bench.steptime_fit import counts_for
+
+    for model, layers in (("llama3-8b", 32), ("qwen3-32b", 64)):
+        for s in COUNT_LENGTHS[model]:
+            assert committed[(model, "fpdt", s)]["pipeline.chunk_passes"] == 3 * (s // 65536) * layers
+    counts = counts_for(committed, "llama3-8b", "fpdt", 1 << 20)
+    _, res = modelled_tps(counts, "llama3-8b", "fpdt", 1 << 20, FITTED)
+    assert res["terms"]["ds_fpdt_sync_s"] == pytest.approx(3 * 16 * 32 * FITTED.ds_fpdt_chunk_s, rel=1e-6)
 
 
 def test_the_fit_times_steps_as_the_model_does(committed):
@@ -229,11 +280,12 @@ def test_the_fit_times_steps_as_the_model_does(committed):
     from bench.steptime_fit import _step_time_t, _TensorConstants
 
     dev, link = get_device("h100-80g"), get_link("nvlink-h100")
-    fa3 = (FITTED.eff_matmul, FITTED.eff_attention, FITTED.latency_s)
+    fa3 = (FITTED.eff_matmul, FITTED.eff_attention, FITTED.latency_s, FITTED.ds_fpdt_chunk_s)
     twin = _TensorConstants(*(torch.tensor(v, dtype=torch.float64) for v in fa3))
     for counts in committed.values():
-        assert float(_step_time_t(counts, dev, link, twin)) == pytest.approx(
-            step_time(counts, dev, link, FITTED, "fa3")["step_time_s"], rel=1e-12)
+        for ds_fpdt in (False, True):
+            assert float(_step_time_t(counts, dev, link, twin, ds_fpdt)) == pytest.approx(
+                step_time(counts, dev, link, FITTED, "fa3", ds_fpdt_sync=ds_fpdt)["step_time_s"], rel=1e-12)
 
 
 def test_the_command_writes_the_table(committed, tmp_path, capsys):

@@ -54,7 +54,8 @@ def variants(method: str, world_size: int, spec: dict) -> list[dict]:
         "usp-upipe": [{"ulysses_degree": u} for u in (world_size, 2, 1) if world_size % u == 0]
         + ([{"ulysses_degree": 2, "chunk_heads": 4}] if world_size == 4 else []),
         "yc-usp": [{}] + [{"ulysses_degree": u} for u in (world_size, 2, 1) if world_size % u == 0],
-        "fpdt": [{}, {"num_chunks": 1}, {"num_chunks": 4}, {"offload": False}],  # defaults: 2 chunks, offload
+        # defaults: 2 chunks, offload; chunk_tokens 16: K = SEQ_LEN / 16 = 4 chunks per rank
+        "fpdt": [{}, {"num_chunks": 1}, {"num_chunks": 4}, {"offload": False}, {"chunk_tokens": 16}],
         "offload": [{"what": "all"}, {"what": "attention"}],
     }
     out: list[dict] = []

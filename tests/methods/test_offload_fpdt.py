@@ -147,6 +147,10 @@ def test_fpdt_layout_global_chunk_c_on_rank_c_mod_C(pool, ws, num_chunks):
         ("fpdt", {"num_chunks": 2.5}, r"option num_chunks of method 'fpdt' must be an int, got 2\.5 \(float\)"),
         ("fpdt", {"offload": "host"}, r"option offload of method 'fpdt' must be a bool, got 'host' \(str\)"),
         ("fpdt", {"chunks": 2}, r"unknown option\(s\) \['chunks'\] for method 'fpdt'.*num_chunks"),
+        ("fpdt", {"chunk_tokens": 3}, r"fpdt: chunk_tokens=3 must be 0 \(use num_chunks\) or a positive multiple "
+                                      r"of the world size 2"),
+        ("fpdt", {"chunk_tokens": -2}, r"fpdt: chunk_tokens=-2 must be 0"),
+        ("fpdt", {"chunk_tokens": 8, "num_chunks": 4}, r"fpdt: give num_chunks or chunk_tokens, not both"),
     ],
 )
 def test_bad_options_are_refused_with_the_fix(name, options, match):
@@ -162,8 +166,21 @@ def test_fpdt_sequence_must_be_a_multiple_of_world_size_times_chunks():
     block = methods.build("fpdt", SPEC, num_chunks=4)
     with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by 4"):
         block.shard(torch.zeros(1, 30, SPEC.dim), dim=1)
-    with pytest.raises(ValueError, match=r"local sequence length 30 is not divisible by num_chunks=4"):
+    with pytest.raises(ValueError, match=r"local sequence length 30 cannot be cut into num_chunks=4; .*multiple of 4"):
         block(torch.zeros(1, 30, SPEC.dim))
+
+
+def test_fpdt_chunk_tokens_sets_the_chunks_per_rank_from_the_length():
+    """DeepSpeed's knob: K = S / chunk_tokens, so the sequence must be a multiple of chunk_tokens."""
+    cls = methods.get_info("fpdt").cls
+    opts = cls.parse_options(chunk_tokens=16)
+    assert opts.chunks_per_rank(64) == 4 and opts.chunks_per_rank(256) == 16
+    assert cls.seq_multiple(4, opts) == 16
+    with pytest.raises(ValueError, match=r"sequence length 40 is not divisible by 16.*e\.g\. 32"):
+        cls.check_seq_len(40, 2, opts)
+    block = methods.build("fpdt", SPEC, chunk_tokens=16)
+    with pytest.raises(ValueError, match=r"cannot be cut into chunk_tokens=16 \(0 chunks per rank\)"):
+        block(torch.zeros(1, 8, SPEC.dim))
 
 
 def test_fpdt_and_offload_inherit_ulysses_head_constraints():
