@@ -91,7 +91,7 @@ from ..measure import stack as paper_stack
 from ..measure.hardware import get_device
 from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
 from ..measure.steptime import (
-    STEPTIME_VERSION,
+    COUNTS_VERSION,
     attention_kernel,
     constants_for,
     constants_of,
@@ -199,7 +199,7 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
 
 def fresh_counts(trial, workdir: str) -> dict:
     """The step counts of ``trial`` simulated anew (extrapolated as ``sim_scheme`` says), for an entry
-    whose cached simulations predate the counts of ``STEPTIME_VERSION`` (memory figures do not
+    whose cached simulations predate the counts of ``COUNTS_VERSION`` (memory figures do not
     depend on the counting, so the search's answer stands); the new results replace the cached
     ones (the cache file gets the later line, which wins when it is read)."""
     cfg = trial.config()
@@ -416,6 +416,9 @@ LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
     ("+FSDP offload", {"fsdp_offload": True}),  # fp32 masters, gradients, AdamW state and step on the host
     ("+fused norm", {"fused_attn_norm": True}),  # the attention norm inside UPipe's projections, tiled
     ("+2-level AC", {"ac_group": 4}),  # checkpoints of groups of 4 blocks on the host (host: n/4 + 4 inputs)
+    # groups of 2 instead: more host (n/2 + 2 block inputs), less device (one fewer block's FSDP
+    # prefetch during a group's recomputation) and less recompute ((K-1)/K = 1/2 more forward per block)
+    ("+2-level AC g=2", {"ac_group": 2}),
 )
 MAX_COST = 2.0  # a configuration slower than this x UPipe's paper setup is reported, not recommended
 
@@ -486,7 +489,7 @@ def _search_entry(args) -> Entry:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
         entry.step_counts = getattr(best, "step_counts", None)
-        if entry.step_counts and counts_version(entry.step_counts) < STEPTIME_VERSION:
+        if entry.step_counts and counts_version(entry.step_counts) < COUNTS_VERSION:
             entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir)
     if err is not None:
         entry.error = err.message[:160]

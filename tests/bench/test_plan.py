@@ -84,6 +84,8 @@ def test_ladder_goes_on_past_a_lever_the_method_refuses():
     assert step.ac_group == 4 and step.fsdp_offload and step.offload_keep == "none" and not step.fused_attn_norm
     one = {e.label: e for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20)}
     assert one["upipe U=8 +2-level AC"].trial.step.fused_attn_norm  # upipe runs every lever
+    last = one["upipe U=8 +2-level AC g=2"].trial.step  # groups of 2 replace groups of 4, the rest kept
+    assert last.ac_group == 2 and last.fsdp_offload and last.fused_attn_norm and last.offload_keep == "none"
 
 
 def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
@@ -118,7 +120,7 @@ def test_plan_on_a_config_file(tiny_file, tmp_path):
     assert simulated > 0 and f"{simulated} new simulations" in text
     again = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert "0 new simulations" in again.stdout and len(cache.read_text().splitlines()) == simulated
+    assert ": 0 new simulations" in again.stdout and len(cache.read_text().splitlines()) == simulated
     assert [ln for ln in again.stdout.splitlines() if ln.startswith("recommendation")] == \
         [ln for ln in text.splitlines() if ln.startswith("recommendation")]
     assert "on counts of v3" in text
@@ -130,7 +132,7 @@ def test_plan_on_a_config_file(tiny_file, tmp_path):
     cache.write_text("".join(json.dumps(d) + "\n" for d in lines))
     old = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert old.returncode == 0, old.stderr
-    assert "on counts of v3" in old.stdout and "0 new simulations" not in old.stdout
+    assert "on counts of v3" in old.stdout and ": 0 new simulations" not in old.stdout
     assert [ln for ln in old.stdout.splitlines() if ln.startswith("longest context")] == \
         [ln for ln in text.splitlines() if ln.startswith("longest context")]
     assert not (tmp_path / "results").exists()  # a user's plan writes no committed data
