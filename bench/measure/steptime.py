@@ -77,7 +77,7 @@ Fitted constants (``FITTED``): ``eff_attention``, ``eff_attention_fa2``, ``laten
 ``ds_fpdt_chunk_s``, by
 ``python -m bench steptime`` on the declared cells ``FIT_CELLS`` of the paper's Table 3 (the
 counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/test_steptime.py``
-checks that refitting reproduces them. Until version 3 ``eff_matmul`` was fitted as well and
+checks that refitting reproduces them. Through version 3 ``eff_matmul`` was fitted as well and
 the one ``latency_s`` (then 0.9 ms per call) had to absorb FPDT's per-chunk cost too, which made
 every other method's calls 0.9 ms each (UPipe/Ulysses 0.79 on Qwen3-32B at 128K, the paper 0.886).
 

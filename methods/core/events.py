@@ -41,7 +41,7 @@ def counting() -> Iterator[dict[str, float]]:
         yield counts
     finally:
         with _lock:
-            _active.remove(counts)
+            del _active[next(i for i, c in enumerate(_active) if c is counts)]  # by identity: {} == {}
             if _active:
                 for key, value in counts.items():
                     _active[-1][key] = _active[-1].get(key, 0) + value

@@ -370,3 +370,17 @@ def test_collectives_the_attention_issues_are_on_the_critical_path():
     assert hidden["comm_critical_s"] == 0 and hidden["comm_overlapped_exposed_s"] == 0
     assert shown["comm_critical_s"] == pytest.approx(collective_seconds("all_gather", 8e9, 8, 8, link) + 2e-5)
     assert shown["comm_overlapped_s"] == pytest.approx(0, abs=1e-12)
+
+
+def test_events_count_into_the_innermost_counter_and_merge_outward():
+    from methods.core import events
+
+    with events.counting() as outer:
+        with events.counting():  # ends as empty as the outer one (equal dicts): the outer stays on
+            pass
+        with events.counting() as inner:
+            events.note(events.CHUNK_PASSES, 2)
+        assert inner == {events.CHUNK_PASSES: 2}
+        events.note(events.CHUNK_PASSES)
+    assert outer == {events.CHUNK_PASSES: 3}
+    events.note(events.CHUNK_PASSES)  # no counter on: nothing to count into, no error
