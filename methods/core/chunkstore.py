@@ -39,14 +39,19 @@ import torch
 
 from . import hostmem
 
-_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+# (device, the stream constructor in effect) -> the stream. The constructor is part of the key because a
+# simulation (bench.measure.simcuda.runtime) puts its own in place for its duration: a stream made under one
+# simulation is unknown to the next, which would key its copies as the default stream's. On real CUDA the
+# constructor is torch.cuda.Stream itself, so there is one stream per device for the process.
+_COPY_STREAMS: dict[tuple, "torch.cuda.Stream"] = {}
 
 
 def copy_stream(device: torch.device) -> "torch.cuda.Stream":
     """The one side stream of ``device`` that every store copies on (see the module docstring)."""
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return _COPY_STREAMS[device]
+    key = (device, torch.cuda.Stream)
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[key]
 
 
 class ChunkStore:
