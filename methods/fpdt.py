@@ -70,7 +70,7 @@ class FPDTOptions(MethodOptions):
 
     def chunks_per_rank(self, seq_len: int) -> int:
         """K at global length ``seq_len`` (``chunk_tokens`` when set, else ``num_chunks``)."""
-        return seq_len // self.chunk_tokens if self.chunk_tokens else self.num_chunks
+        return chunks_per_rank(self, seq_len)
 
 
 def chunks_per_rank(options: MethodOptions, seq_len: int) -> int:
@@ -299,8 +299,8 @@ class FPDT(AttentionMethod):
 
     def check_local_len(self, n: int) -> None:
         k = self.chunks_for_local(n)
-        if k < 1 or n % k:
-            tokens = getattr(self.options, "chunk_tokens", 0)
+        tokens = getattr(self.options, "chunk_tokens", 0)
+        if k < 1 or n % k or (tokens and n * self.world_size % tokens):  # chunks of exactly chunk_tokens
             what = f"chunk_tokens={tokens} ({k} chunks per rank)" if tokens else f"num_chunks={k}"
             raise ValueError(
                 f"{self.method_name}: local sequence length {n} cannot be cut into {what}; shard a sequence "

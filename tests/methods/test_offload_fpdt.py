@@ -181,6 +181,8 @@ def test_fpdt_chunk_tokens_sets_the_chunks_per_rank_from_the_length():
     block = methods.build("fpdt", SPEC, chunk_tokens=16)
     with pytest.raises(ValueError, match=r"cannot be cut into chunk_tokens=16 \(0 chunks per rank\)"):
         block(torch.zeros(1, 8, SPEC.dim))
+    with pytest.raises(ValueError, match=r"cannot be cut into chunk_tokens=16 \(2 chunks per rank\)"):
+        block(torch.zeros(1, 40, SPEC.dim))  # 2 segments of 20 tokens would pass for 16: refused
 
 
 def test_fpdt_and_offload_inherit_ulysses_head_constraints():
