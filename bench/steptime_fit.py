@@ -203,6 +203,11 @@ def counts_for(all_counts, model: str, method: str, seq_len: int) -> dict[str, f
     return interpolate({s: all_counts[(model, method, s)] for s in COUNT_LENGTHS[model]}, seq_len)
 
 
+def is_ds_fpdt(method: str) -> bool:
+    """Whether the paper's ``method`` ran DeepSpeed's FPDT (its cells pay the per-chunk synchronisation)."""
+    return method == "fpdt"
+
+
 def kernel_of(model: str, method: str) -> str:
     return attention_kernel(implementation(method, SETUPS[model]).method)
 
@@ -211,7 +216,8 @@ def modelled_tps(counts, model: str, method: str, seq_len: int, constants: StepT
     """Tokens/s per GPU of the paper's ``method``; its FPDT is DeepSpeed's, with the per-chunk synchronisation."""
     gpus = SETUPS[model]
     dev = get_device(DEVICE)
-    res = step_time(counts, dev, get_link(dev.link), constants, kernel_of(model, method), ds_fpdt_sync=method == "fpdt")
+    res = step_time(counts, dev, get_link(dev.link), constants, kernel_of(model, method),
+                    ds_fpdt_sync=is_ds_fpdt(method))
     return seq_len / gpus / res["step_time_s"], res
 
 
@@ -223,7 +229,7 @@ def fit(cells: list[dict[str, Any]], all_counts,
     import torch
 
     data = [(counts_for(all_counts, c["model"], c["method"], int(c["seq_len"])), c["model"], int(c["seq_len"]),
-             float(c["tokens_per_s_per_gpu"]), kernel_of(c["model"], c["method"]), c["method"] == "fpdt")
+             float(c["tokens_per_s_per_gpu"]), kernel_of(c["model"], c["method"]), is_ds_fpdt(c["method"]))
             for c in cells]
     logs = torch.tensor([math.log(start.eff_attention), math.log(start.eff_attention_fa2), math.log(start.latency_s),
                          math.log(start.ds_fpdt_chunk_s)], dtype=torch.float64, requires_grad=True)
@@ -270,7 +276,7 @@ def _step_time_t(counts, dev, link, consts, ds_fpdt: bool = False):
     """``step_time``'s total with tensor constants (the same formula, differentiable)."""
     import torch
 
-    from .measure.steptime import CHUNK_PASSES, HOST_LINK_Bps, _comm_terms, memory_bound_seconds
+    from .measure.steptime import HOST_LINK_Bps, _comm_terms, ds_fpdt_sync_seconds, memory_bound_seconds
 
     peak = dev.peak_bf16_flops
     mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (consts.eff_matmul * peak)
@@ -281,7 +287,7 @@ def _step_time_t(counts, dev, link, consts, ds_fpdt: bool = False):
     overlapped = bw["overlapped_s"] + consts.latency_s * bw["overlapped_calls"]
     offload = (counts.get("host.offload.d2h_bytes", 0) + counts.get("host.offload.h2d_bytes", 0)) / HOST_LINK_Bps
     method = (counts.get("host.method.d2h_bytes", 0) + counts.get("host.method.h2d_bytes", 0)) / HOST_LINK_Bps
-    sync = counts.get(CHUNK_PASSES, 0) * consts.ds_fpdt_chunk_s if ds_fpdt else 0.0
+    sync = ds_fpdt_sync_seconds(counts, consts) if ds_fpdt else 0.0
     zero = torch.zeros((), dtype=torch.float64)
     return (compute + critical + torch.maximum(zero, overlapped - compute) + offload
             + torch.maximum(zero, method - attn) + sync)
