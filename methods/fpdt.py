@@ -145,15 +145,19 @@ class _FPDTFunction(torch.autograd.Function):
         live.clear()
 
         block._last_store = weakref.ref(store)
+        # the chunks go through save_for_backward, so that activation checkpointing frees them with the
+        # block's other saved tensors (chunkstore.ChunkStore.hand_over); ctx keeps the emptied store
         ctx.store, ctx.block = store, block
-        ctx.save_for_backward(x, wq, wk, wv, qn, kn, cos, sin)
+        ctx.save_for_backward(x, wq, wk, wv, qn, kn, cos, sin, *store.hand_over())
         return out.flatten(2)
 
     @staticmethod
     def backward(ctx, dout):
         block, store = ctx.block, ctx.store
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
-        x, wq, wk, wv, qn, kn, cos, sin = ctx.saved_tensors
+        x, wq, wk, wv, qn, kn, cos, sin, *chunks = ctx.saved_tensors
+        store.take_back(chunks)
+        del chunks
         b, n, _ = x.shape
         causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks

@@ -24,6 +24,16 @@ Where it runs:
   measures memory, not overlap.
 * Without ``offload`` every tensor stays on its device: the store is then just a dict.
 
+Lifetime between forward and backward (``hand_over``/``take_back``). A method's autograd
+function must not keep the store alive through an attribute of its ``ctx``: under activation
+checkpointing (``torch.utils.checkpoint``, non-reentrant, as the training step runs it) the
+first forward of a block keeps its autograd graph but drops the tensors saved for backward, to
+recompute them. Tensors reachable only from a ``ctx`` attribute escape that, so every
+checkpointed layer's chunks stayed in host memory until its backward (seen in the simulated
+plans: 3 hidden-sized tensors per layer on the host). ``hand_over`` gives the tensors to the
+caller for ``ctx.save_for_backward`` and keeps weak references only, so the checkpoint
+frees them; ``take_back`` restores them in the backward from ``ctx.saved_tensors``.
+
 One side stream per device serves every store (``copy_stream``), not one per store. The CUDA
 caching allocator keeps a pool per stream, and a store is made per forward call: with a stream
 each, the prefetched chunks were cached on up to 32 streams (PyTorch hands its pooled streams
@@ -33,6 +43,7 @@ out in turn), each keeping its own segment. Seen on an H100 (``results/gpu/h100-
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Hashable
 
 import torch
@@ -64,6 +75,30 @@ class ChunkStore:
         self.stream = copy_stream(self.device) if cuda else None
         self._items: dict[Hashable, torch.Tensor] = {}
         self._ready: dict[Hashable, tuple[torch.Tensor, torch.cuda.Event]] = {}
+        self._handed: dict[Hashable, weakref.ref] | None = None  # after hand_over: weak references only
+
+    def hand_over(self) -> list[torch.Tensor]:
+        """The held tensors, in ``keys()`` order, for the caller to save for backward
+        (``ctx.save_for_backward``); the store keeps weak references only (module docstring)."""
+        tensors = list(self._items.values())
+        self._handed = {k: weakref.ref(t) for k, t in self._items.items()}
+        self._items, self._ready = {}, {}
+        return tensors
+
+    def take_back(self, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+        """Hold again the tensors ``hand_over`` gave out (as ``ctx.saved_tensors`` returns them)."""
+        if self._handed is None or len(tensors) != len(self._handed):
+            raise RuntimeError(f"take_back: expected the {len(self._handed or ())} tensors hand_over gave, got "
+                               f"{len(tensors)}")
+        self._items = dict(zip(self._handed, tensors))
+        self._handed = None
+
+    def _held(self) -> dict[Hashable, torch.Tensor]:
+        """The tensors held now: after ``hand_over``, those still alive elsewhere."""
+        if self._handed is None:
+            return self._items
+        alive = ((k, r()) for k, r in self._handed.items())
+        return {k: t for k, t in alive if t is not None}
 
     def _side(self) -> contextlib.AbstractContextManager:
         """The side stream's context on CUDA; a no-op elsewhere."""
@@ -116,20 +151,20 @@ class ChunkStore:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._items
 
-    # -- bookkeeping read by tests and reports
+    # -- bookkeeping read by tests and reports (after hand_over: the tensors still alive)
     def in_host_memory(self, key: Hashable) -> bool:
         """Whether ``key`` is held as an offloaded copy in host memory."""
-        return self.offload and self._items[key].device.type in ("cpu", "meta")
+        return self.offload and self._held()[key].device.type in ("cpu", "meta")
 
     def location(self, key: Hashable) -> torch.device:
-        return self._items[key].device
+        return self._held()[key].device
 
     def is_pinned(self, key: Hashable) -> bool:
-        return self._items[key].is_pinned()
+        return self._held()[key].is_pinned()
 
     def keys(self) -> list[Hashable]:
-        return list(self._items)
+        return list(self._held())
 
     def host_bytes(self) -> int:
         """Bytes held in host memory (offloaded copies only)."""
-        return sum(t.numel() * t.element_size() for k, t in self._items.items() if self.in_host_memory(k))
+        return sum(t.numel() * t.element_size() for k, t in self._held().items() if self.in_host_memory(k))

@@ -4,7 +4,8 @@
   latest forward: with ``what="attention"`` exactly the kernel's q, k, v, out and lse (checked
   byte for byte, one rank and two), with ``what="all"`` those and more, never a parameter.
 * fpdt: the chunk store of a forward holds every K/V segment (and Q, O, LSE) as host-memory
-  copies when ``offload=True``, none when ``offload=False``, and backward empties it.
+  copies when ``offload=True``, none when ``offload=False``, and backward empties it; under
+  activation checkpointing the first forward keeps none of them, and gradients are unchanged.
 * fpdt's layout: rank r holds global chunks r, r+C, ..., and ``unshard`` inverts ``shard``.
 * bad options get ValueErrors naming the option and the fix.
 * on CUDA (skipped here): host copies are pinned and results match the no-offload runs.
@@ -118,6 +119,37 @@ def test_fpdt_offload_keeps_kv_chunks_in_host_memory(pool, ws, num_chunks, causa
         assert r["store_after_backward"] is None, "backward must release the chunk store"
     for r in pool.run(_fpdt_store, False, num_chunks, causal, world_size=ws):
         assert r["kv_keys"] == kv and r["in_host"] == [] and r["host_bytes"] == 0, r
+
+
+def _fpdt_under_checkpoint(group, offload: bool) -> dict:
+    """The store after a checkpointed forward, and gradients with and without the checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    spec = methods.AttnSpec(**SPECS["gqa"], causal=True)
+    block = methods.build("fpdt", spec, group=group, num_chunks=2, offload=offload).double()
+    x0 = block.shard(torch.randn(B, S, spec.dim, dtype=torch.float64), dim=1)
+    out = {}
+    for name, run in (("plain", block), ("checkpointed", lambda x: checkpoint(block, x, use_reentrant=False))):
+        block.zero_grad()
+        x = x0.clone().requires_grad_()
+        y = run(x)
+        out[f"{name}_held_after_forward"] = len(block.last_store.keys())
+        y.pow(2).sum().backward()
+        out[name] = [x.grad] + [p.grad.clone() for p in block.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize("ws", [1, 2])
+def test_fpdt_chunks_are_freed_by_activation_checkpointing(pool, ws, offload):
+    """Under torch's non-reentrant checkpoint the first forward keeps no chunk (they were kept through
+    ctx and stayed on the host for every layer until its backward); the recompute brings them back."""
+    for rank, r in enumerate(pool.run(_fpdt_under_checkpoint, offload, world_size=ws)):
+        assert r["plain_held_after_forward"] > 0, r
+        assert r["checkpointed_held_after_forward"] == 0, f"rank {rank}: checkpoint left chunks alive: {r}"
+        for a, b in zip(r["plain"], r["checkpointed"]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def _fpdt_layout(group, num_chunks: int, seq_len: int) -> tuple[list[int], bool]:
