@@ -15,7 +15,9 @@ stream, and writes
 * ``segments.md`` in DIR: the caching allocator's segments per stream after the timed step
   (``DIR/segments.ndjson``), real.
 
-Usage: ``python scripts/gpu/compare.py results/gpu/h100-ws1`` (about 3 minutes on 2 cores).
+Usage: ``python scripts/gpu/compare.py results/gpu/h100-ws1`` (about 3 minutes on 2 cores);
+``--from-rows`` re-renders the tables from the simulated rows already in DIR (no simulation: after a
+change to the step-time model, which reads only their counts).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from bench.measure.hardware import get_device, get_link  # noqa: E402
-from bench.measure.steptime import FITTED, step_time  # noqa: E402
+from bench.measure.steptime import FITTED, STEPTIME_VERSION, step_time  # noqa: E402
 
 GiB = 2**30
 POOLS = ("shared", "per-stream")
@@ -48,13 +50,17 @@ def opt_args(row: dict) -> list[str]:
     return out
 
 
+def model_arg(row: dict) -> str:
+    """The real run's ``--model`` argument (a name or a config file)."""
+    argv = row["env"]["argv"]
+    return argv[argv.index("--model") + 1]
+
+
 def simulate(row: dict, pools: str) -> dict:
     """The simulated twin of a real or emulated row (same method, options, model, world size,
     length, levers)."""
-    argv = row["env"]["argv"]
-    model = argv[argv.index("--model") + 1]
     cmd = [sys.executable, "-m", "bench", "run", "--mode", "simulated", "--device", "h100-80g",
-           "--world-size", str(row["world_size"]), "--model", model, "--method", row["method"],
+           "--world-size", str(row["world_size"]), "--model", model_arg(row), "--method", row["method"],
            "--seq-len", str(row["seq_len"]), *opt_args(row),
            "--stack", "lean", "--allocator-model", "expandable", "--allocator-pools", pools,
            "--kernel-workspace", "fa2", "--no-save", "--json"]
@@ -79,6 +85,8 @@ def main() -> None:
     parser.add_argument("dir", type=Path)
     parser.add_argument("--pools", nargs="+", choices=POOLS, default=list(POOLS),
                         help="the allocator model's pools to simulate (default: both)")
+    parser.add_argument("--from-rows", action="store_true",
+                        help="render from DIR's simulated rows (in the order written) instead of simulating")
     args = parser.parse_args()
     # real.jsonl, or real.ndjson where the rows must stay out of the analysis figures (which read
     # every results/**/*.jsonl as sweep rows): the simulated rows take the same suffix
@@ -89,15 +97,20 @@ def main() -> None:
         if row["status"] == "ok":
             by_trial[trial_key(row)].append(row)
     sims: dict[tuple, dict[str, dict]] = {}
-    with (args.dir / f"simulated{suffix}").open("w") as f:
-        for n, (key, rows) in enumerate(sorted(by_trial.items()), 1):
-            sims[key] = {}
-            for pools in args.pools:
-                print(f"[{n}/{len(by_trial)}] simulating {key[0]} at {key[1]} tokens, {pools} pools", flush=True)
-                sims[key][pools] = sim = simulate(rows[0], pools)
-                f.write(json.dumps(sim) + "\n")
-    first = next(iter(sims.values()))
-    any_sim = next(iter(first.values()))
+    sim_path = args.dir / f"simulated{suffix}"
+    if args.from_rows:  # written trial by trial (sorted), each in args.pools' order
+        stored = iter(json.loads(line) for line in sim_path.open())
+        for key in sorted(by_trial):
+            sims[key] = {pools: next(stored) for pools in args.pools}
+    else:
+        with sim_path.open("w") as f:
+            for n, (key, rows) in enumerate(sorted(by_trial.items()), 1):
+                sims[key] = {}
+                for pools in args.pools:
+                    print(f"[{n}/{len(by_trial)}] simulating {key[0]} at {key[1]} tokens, {pools} pools", flush=True)
+                    sims[key][pools] = sim = simulate(rows[0], pools)
+                    f.write(json.dumps(sim) + "\n")
+    any_sim = next(iter(next(iter(sims.values())).values()))
     emulated = any(r["mode"] == "emulated" for r in real_rows)
     lines = [
         "# Real H100 against the simulation",
@@ -115,10 +128,10 @@ def main() -> None:
         f"{any_sim['env']['torch']}, lean stack + expandable-segments allocator model + FA2 backward "
         "scratch), with the allocator pools of the column (`shared`: one pool for all streams; "
         "`per-stream`: a pool per stream, as the caching allocator keeps them). "
-        "Modelled step time: `bench.measure.steptime` (version "
-        f"{any_sim['figures']['step_time_model']['version']}) with the constants "
-        "fitted on Table 3 (not on these rows) on the simulation's counts, attention at the FA2 efficiency "
-        "(the kernel that ran).",
+        f"Modelled step time: `bench.measure.steptime` (version {STEPTIME_VERSION}) on the simulation's "
+        "counts, with its constants: the attention efficiencies and the per-call latency fitted on Table 3 "
+        "(not on these rows), `eff_matmul` measured on this device's GEMMs (the kernel table below); "
+        "attention at the FA2 efficiency (the kernel that ran).",
         "",
         "| method | mode | ws | model | tokens | allocated real | sim | Δ | reserved real | "
         + " | ".join(f"sim {p} | Δ" for p in args.pools)
@@ -128,16 +141,16 @@ def main() -> None:
     for key, rows in sorted(by_trial.items(), key=lambda kv: (kv[0][2], kv[0][0] != "ulysses", kv[0])):
         real = rows[0]["figures"]
         sim = sims[key]
-        base = next(iter(sim.values()))["figures"]
+        first = next(iter(sim.values()))
+        base = first["figures"]
         emu = rows[0]["mode"] == "emulated"
         # emulated: the measured compute (its step time adds modelled communication)
-        times = [t for r in rows for t in r["figures"]["step_times_s"]]
-        if emu:
-            times = [t - (r["figures"].get("comm_time_s") or 0.0) for r in rows for t in r["figures"]["step_times_s"]]
+        times = [t - ((r["figures"].get("comm_time_s") or 0.0) if emu else 0.0)
+                 for r in rows for t in r["figures"]["step_times_s"]]
         med = sorted(times)[len(times) // 2]
-        model_s = modelled_step_s(next(iter(sim.values())), compute_only=emu)
+        model_s = modelled_step_s(first, compute_only=emu)
         rr, ra = real["peak_reserved_bytes"], real["peak_bytes"]
-        model_name = Path(rows[0]["env"]["argv"][rows[0]["env"]["argv"].index("--model") + 1]).stem
+        model_name = Path(model_arg(rows[0])).stem
         opts = " ".join(key[3][1::2])
         reserved = " | ".join(f"{sim[p]['figures']['peak_reserved_bytes'] / GiB:.2f} "
                               f"| {pct(sim[p]['figures']['peak_reserved_bytes'], rr)}" for p in args.pools)
@@ -150,13 +163,14 @@ def main() -> None:
         if (args.dir / "kernels.ndjson").exists() else []
     if kernels:
         peak = get_device("h100-80g").peak_bf16_flops
-        header = "| kernel | shape | TFLOP/s | fraction of peak | fitted efficiency |"
+        header = "| kernel | shape | TFLOP/s | fraction of peak | model's efficiency |"
         fa2 = f"eff_attention_fa2 {FITTED.eff_attention_fa2:.3f}"
-        lines += ["", "## Kernel rates (real) against the model's fitted efficiencies", "",
+        lines += ["", "## Kernel rates (real) against the model's efficiencies", "",
                   f"Fraction of the preset's dense bf16 peak ({peak / 1e12:.0f} TFLOP/s); CUDA events, median "
-                  "of 5-10 calls after warm-up. Fitted: `bench.measure.steptime.FITTED`, fitted on Table 3 cells "
-                  "only (never on these rows), so they may absorb other work of the step; they are not kernel "
-                  "rates by construction.", "",
+                  "of 5-10 calls after warm-up. The model's (`bench.measure.steptime.FITTED`): `eff_matmul` is "
+                  "the FLOP-weighted rate of the four GEMMs below (`EFF_MATMUL_MEASURED`, since version 4); the "
+                  "attention efficiencies are fitted on Table 3 cells only (never on these rows), so they may "
+                  "absorb other work of the step: not kernel rates by construction.", "",
                   header, "|---|---|---|---|---|"]
         for k in kernels:
             if k["kind"] == "check":
