@@ -32,6 +32,12 @@ print("   last row:", r.get("method"), r.get("seq_len"), r.get("status"), "alloc
       "reserved", gib(f.get("peak_reserved_bytes")), "GiB; step", f.get("step_time_s"), (r.get("message") or "")[:300])'
 }
 
+emu_trial() {  # emu_trial WS MODEL TAG TIMEOUT_S ARGS...: an emulated trial (rank 0 of WS), segments tagged TAG
+  local ws=$1 emu_model=$2 tag=$3; shift 3
+  MODE=emulated WS=$ws MODEL=$emu_model SEGMENTS_TAG="$tag" \
+    PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" trial "$@"
+}
+
 for phase in "$@"; do
   case $phase in
     env)
@@ -60,24 +66,19 @@ for phase in "$@"; do
     emu128)  # the 128K anchor (docs/paper.md): Llama3-8B, 32 blocks, rank 0 of 8, paper levers;
       # segments per stream too when SEGMENTS_OUT is set (the segments phase's hook)
       for m in ulysses upipe; do
-        MODE=emulated WS=8 MODEL=llama3-8b SEGMENTS_TAG="$m 128K ws8" \
-          PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
-          trial 420 --method $m --seq-len 128K --warmup 1 --iters 5
+        emu_trial 8 llama3-8b "$m 128K ws8" 420 --method $m --seq-len 128K --warmup 1 --iters 5
       done ;;
     emulong)  # the same at longer lengths, memory only (one step after the first): $EMU_LENS
       # (default 256K), $EMU_METHODS (default ulysses upipe)
       for len in ${EMU_LENS:-256K}; do for m in ${EMU_METHODS:-ulysses upipe}; do
-        MODE=emulated WS=8 MODEL=llama3-8b SEGMENTS_TAG="$m $len ws8" \
-          PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
-          trial 560 --method $m --seq-len "$len" --warmup 1 --iters 1 --smoke
+        emu_trial 8 llama3-8b "$m $len ws8" 560 --method $m --seq-len "$len" --warmup 1 --iters 1 --smoke
       done; done ;;
     emu16)  # Fig. 5's UPipe points: our usp-upipe (Ulysses degree 8 x ring 2), rank 0 of 16,
       # memory only, at $EMU_LENS (default 512K), of $EMU_MODEL (default llama3-8b; qwen3-32b at
       # 128K is the other 128K anchor)
       for len in ${EMU_LENS:-512K}; do
-        MODE=emulated WS=16 MODEL=${EMU_MODEL:-llama3-8b} SEGMENTS_TAG="usp-upipe $len ws16 ${EMU_MODEL:-llama3-8b}" \
-          PYTHONPATH="${SEGMENTS_OUT:+scripts/gpu/snap}${PYTHONPATH:+:$PYTHONPATH}" \
-          trial 560 --method usp-upipe --opt ulysses_degree=8 --seq-len "$len" --warmup 1 --iters 1 --smoke
+        emu_trial 16 "${EMU_MODEL:-llama3-8b}" "usp-upipe $len ws16 ${EMU_MODEL:-llama3-8b}" 560 \
+          --method usp-upipe --opt ulysses_degree=8 --seq-len "$len" --warmup 1 --iters 1 --smoke
       done ;;
     *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128 emulong emu16)"; exit 2 ;;
   esac
