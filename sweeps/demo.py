@@ -42,7 +42,8 @@ WHY_DIFFERENT = {
     "ring": "ours: own zigzag ring, simulated under the paper stack (modelled allocator reserve, CUDA context and "
             "NCCL buffers); paper: yunchang's ring, measured peak reserved",
     "ulysses": "ours: own Ulysses, simulated under the paper stack; paper: yunchang's Ulysses, measured (OOM at 4M)",
-    "fpdt": "ours: own FPDT-style method, capped by the preset's host memory per GPU; paper: DeepSpeed's FPDT",
+    "fpdt": "ours: own FPDT-style method at its default 2 chunks per rank, simulated under the paper stack; paper: "
+            "DeepSpeed's FPDT in chunks of 64K tokens (python -m bench fidelity checks that one at 4M)",
     "upipe": "paper's 5M is the longest it ran (a lower bound); ours: simulated under the paper stack",
     "offload": "Ulysses with every saved activation offloaded: not a method of the paper",
 }

@@ -14,6 +14,10 @@ the host, FSDP2's CPU offload of the sharded model state, the attention norm fus
 UPipe's projections, two-level checkpoints of groups of 4 blocks (what each does:
 ``bench/training/config.py``); a lever the method refuses (across nodes, usp-upipe has no
 fused attention norm) is reported skipped and not carried to the later rungs (``ladder``).
+Last, sequence chunks (``sequence_chunked``): FPDT's chunk pipeline (``fpdt`` with
+``chunk_tokens`` = the granularity, K/V chunks on the host) with every lever of the ladder it
+runs, for where the attention stage is the limit (across nodes, usp-upipe's ring holds the
+stage's ring-local K/V, their fp32 gradient sums and the blocks in flight).
 For each, the simulated maximum context under the **paper stack** (``--stack``;
 ``bench.measure.stack``: the allocator's reserved peak against the device less the CUDA
 context, offloads against the preset's host memory per GPU) at a coarse granularity
@@ -421,6 +425,7 @@ LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
     ("+2-level AC g=2", {"ac_group": 2}),
 )
 MAX_COST = 2.0  # a configuration slower than this x UPipe's paper setup is reported, not recommended
+SEQUENCE_CHUNKED = "fpdt"  # the method whose sequence chunks the last beyond-the-paper entry uses
 
 
 def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
@@ -460,7 +465,23 @@ def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, st
         name = out[0].label if nodes == 1 else f"usp-upipe u={gpus // nodes} U={gpus // nodes}"
         rungs = ladder(lambda levers: runs(entry("", base, dict(opts), **levers)))
         out += [entry(f"{name} {label}", base, dict(opts), **levers) for label, levers in rungs]
+        out.append(sequence_chunked(entry, granularity))
     return out
+
+
+def sequence_chunked(entry, granularity: int) -> Entry:
+    """Issue 18's last lever, for when the attention stage is the limit: the sequence in chunks of
+    ``granularity`` tokens through FPDT's pipeline (``methods.fpdt``: one chunk's Q/K/V/O on the
+    device at a time, the others on the host), with the levers of every ``LADDER`` rung it runs
+    (``entry``: ``entries``' constructor). The chunk size is the search's granularity, so every
+    length it probes is a whole number of chunks."""
+    opts = {"chunk_tokens": granularity}
+    levers: dict[str, Any] = {}
+    for _, rung in ladder(lambda lv: runs(entry("", SEQUENCE_CHUNKED, dict(opts), **lv))):
+        if runs(entry("", SEQUENCE_CHUNKED, dict(opts), **rung)):
+            levers = rung
+    held = [label for label, lever in LADDER if lever.items() <= levers.items()]  # g=2 replaced groups of 4
+    return entry(f"{SEQUENCE_CHUNKED} chunks={human(granularity)} {' '.join(held)}", SEQUENCE_CHUNKED, opts, **levers)
 
 
 def runs(e: Entry) -> bool:
