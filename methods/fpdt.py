@@ -155,9 +155,9 @@ class _FPDTFunction(torch.autograd.Function):
     def backward(ctx, dout):
         block, store = ctx.block, ctx.store
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
-        x, wq, wk, wv, qn, kn, cos, sin, *chunks = ctx.saved_tensors
-        store.take_back(chunks)
-        del chunks
+        x, wq, wk, wv, qn, kn, cos, sin, *stored = ctx.saved_tensors
+        store.take_back(stored)
+        del stored
         b, n, _ = x.shape
         causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
