@@ -99,7 +99,13 @@ def main() -> None:
     sims: dict[tuple, dict[str, dict]] = {}
     sim_path = args.dir / f"simulated{suffix}"
     if args.from_rows:  # written trial by trial (sorted), each in args.pools' order
-        stored = iter(json.loads(line) for line in sim_path.open())
+        if not sim_path.exists():
+            sys.exit(f"compare.py: --from-rows needs {sim_path}; run without --from-rows to simulate")
+        rows = [json.loads(line) for line in sim_path.open()]
+        if len(rows) != len(by_trial) * len(args.pools):
+            sys.exit(f"compare.py: {sim_path} holds {len(rows)} rows, not one per real trial and pool "
+                     f"({len(by_trial)} x {len(args.pools)}); run without --from-rows to simulate")
+        stored = iter(rows)
         for key in sorted(by_trial):
             sims[key] = {pools: next(stored) for pools in args.pools}
     else:
