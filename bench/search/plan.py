@@ -476,10 +476,12 @@ def sequence_chunked(entry, granularity: int) -> Entry:
     (``entry``: ``entries``' constructor). The chunk size is the search's granularity, so every
     length it probes is a whole number of chunks."""
     opts = {"chunk_tokens": granularity}
-    levers: dict[str, Any] = {}
-    for _, rung in ladder(lambda lv: runs(entry("", SEQUENCE_CHUNKED, dict(opts), **lv))):
-        if runs(entry("", SEQUENCE_CHUNKED, dict(opts), **rung)):
-            levers = rung
+
+    def accepts(levers: dict[str, Any]) -> bool:
+        return runs(entry("", SEQUENCE_CHUNKED, dict(opts), **levers))
+
+    # the rungs are cumulative over the levers accepted before them: the last accepted rung holds them all
+    levers = next((rung for _, rung in reversed(ladder(accepts)) if accepts(rung)), {})
     held = [label for label, lever in LADDER if lever.items() <= levers.items()]  # g=2 replaced groups of 4
     return entry(f"{SEQUENCE_CHUNKED} chunks={human(granularity)} {' '.join(held)}", SEQUENCE_CHUNKED, opts, **levers)
 
