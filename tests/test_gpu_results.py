@@ -59,3 +59,23 @@ def test_comparison_covers_every_real_trial(folder, name, mode):
     for method, seq, ws, model in real:
         cells = f" | {mode} | {ws} | {Path(model).stem} | {seq // 1024}K |"
         assert any(line.startswith(f"| {method}") and cells in line for line in lines), (method, seq, ws)
+
+
+def test_compare_from_rows_rerenders_the_committed_table_and_refuses_a_mismatch(tmp_path):
+    """``compare.py --from-rows`` gives the committed table from the stored simulated rows, and a
+    one-line error (not a StopIteration, not a mispairing) when they are not one per trial and pool."""
+    import shutil
+    import subprocess
+
+    for name in ("real.jsonl", "simulated.jsonl", "kernels.ndjson"):
+        shutil.copy(FOLDER / name, tmp_path / name)
+    script = [sys.executable, str(ROOT / "scripts" / "gpu" / "compare.py"), str(tmp_path), "--from-rows"]
+    out = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "compare.md").read_text() == (FOLDER / "compare.md").read_text()
+    out = subprocess.run(script + ["--pools", "shared"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0 and "not one per real trial and pool" in out.stderr
+    assert "Traceback" not in out.stderr
+    (tmp_path / "simulated.jsonl").unlink()
+    out = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode != 0 and "--from-rows needs" in out.stderr and "Traceback" not in out.stderr

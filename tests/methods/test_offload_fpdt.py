@@ -152,6 +152,21 @@ def test_fpdt_chunks_are_freed_by_activation_checkpointing(pool, ws, offload):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_chunk_store_take_back_refuses_what_hand_over_did_not_give():
+    from methods.core.chunkstore import ChunkStore
+
+    store = ChunkStore("cpu", offload=False)
+    store.put("k", torch.ones(2))
+    held = store.hand_over()
+    assert store.keys() == ["k"]  # still alive in `held`
+    with pytest.raises(RuntimeError, match="expected the 1 tensors hand_over gave, got 2"):
+        store.take_back(held + held)
+    store.take_back(held)
+    assert torch.equal(store.get("k"), torch.ones(2))
+    del held
+    assert store.keys() == ["k"]  # held again after take_back
+
+
 def _fpdt_layout(group, num_chunks: int, seq_len: int) -> tuple[list[int], bool]:
     block = methods.build("fpdt", SPEC, group=group, num_chunks=num_chunks)
     pos = torch.arange(seq_len)
