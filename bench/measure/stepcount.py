@@ -281,6 +281,12 @@ class _LocalOpsMode(_FlopCounterMode):
         return self.counter._count_flops(packet, out, args, kwargs)
 
 
+def in_shape_propagation() -> bool:
+    """Whether DTensor's shape propagation is running (inside ``StepCounter.counting``): the ops
+    it runs on global-shape fake tensors are not a rank's kernels."""
+    return _LocalOpsMode.propagating > 0
+
+
 @contextlib.contextmanager
 def _marking_shape_propagation() -> Iterator[None]:
     """Mark the span of DTensor's shape propagation (``_LocalOpsMode.propagating``)."""

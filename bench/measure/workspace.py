@@ -20,13 +20,22 @@ levers), applied only in simulated mode:
 ``S'`` is the length rounded up to 128 and ``d'`` the head dim rounded up to 32 (no change
 for the paper's 128). The buffers are allocated just before the backward op runs and freed
 when it returns, so the memory tracker sees them exactly while the kernel would hold them.
+
+The buffers are sized on the kernels a rank runs. An SDPA op on DTensors (``torch-cp``: torch's
+context parallel) carries the tensors' *global* shape; the mode hands it back to DTensor, whose
+handler runs the ring's local kernels, and those come back through the mode and are sized here;
+DTensor's shape propagation of the global op (``stepcount.in_shape_propagation``) is not a kernel.
+Until 2026-11-25 the global op was sized instead: Llama3-8B at 1M tokens on 8 ranks was charged
+16 GiB per block's backward instead of the local Q's 2 GiB.
 """
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..training.config import KERNEL_WORKSPACES
+from .stepcount import in_shape_propagation
 
 MODELS = KERNEL_WORKSPACES
 
@@ -78,8 +87,12 @@ class KernelWorkspace(TorchDispatchMode):
         self.peak_call_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # a DTensor's shape is the global one: hand the op back to DTensor, whose handler
+            # (torch-cp: torch's ring) runs the local kernels, which come back through here
+            return NotImplemented
         kwargs = kwargs or {}
-        if func not in self.ops or self.model == "none":
+        if func not in self.ops or self.model == "none" or in_shape_propagation():
             return func(*args, **kwargs)
         q, k = args[1], args[2]
         shapes = workspace_shapes(self.model, q, k)
