@@ -41,6 +41,19 @@ dK/dV (or segment i's dQ) is complete it is exchanged back and pushed through a
 recomputed projection of that chunk only (so RoPE and QK-norm are differentiated exactly).
 Attention is only ever materialised for one (i, j) block.
 
+UPipe's head stages inside the pipeline (``chunk_heads`` = U > 0; issue 18's "UPipe stages that
+also chunk the sequence"). The whole pipeline above runs once per stage of U query heads, with
+UPipe's GQA-aware schedule (``upipe.plan_stages``: a stage projects and exchanges the K/V heads of
+its group, or reuses the previous stage's; U a multiple of C), so a chunk on the device holds U/C
+heads instead of H/C. Store keys carry the stage (Q/O/LSE/dO/dQ) or the K/V group (K/V); the
+backward takes the K/V groups one at a time, accumulating a segment's dK/dV over the group's
+stages before exchanging it back. U = 0 (default) is FPDT: one stage of every head.
+
+The block's RMSNorm inside the method (``fused_attn_norm``; ``forward(..., input_norm=(w, eps))``,
+as ``upipe``): the function saves the block input, and each chunk is normed as it is projected
+(forward) or re-projected (backward, under autograd, so the norm weight's gradient comes out of
+the same recomputation); the normed input never exists at full length, one chunk of it at most.
+
 The store is ``chunkstore.ChunkStore``: on CPU, host memory is where tensors already live,
 so offloading keeps them as they are and the side stream is a no-op; the code path (and the
 store's bookkeeping, which the tests read) is the same.
@@ -51,15 +64,17 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .core import comm, events
-from .core.base import AttentionMethod, MethodOptions, head_rows, project
+from .core.base import AttentionMethod, MethodOptions, head_rows, index_tensor, project
 from .core.chunkstore import ChunkStore
 from .core.kernels import merge_partials
 from .core.layouts import cyclic_shard, cyclic_unshard
 from .core.registry import register
 from .core.spec import AttnSpec
 from .ulysses import replicated_kv_heads
+from .upipe import Stage, plan_stages
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,7 @@ class FPDTOptions(MethodOptions):
     num_chunks: int = 2  # K: chunks per rank (the pipeline's depth), when chunk_tokens is 0
     offload: bool = True  # keep Q/K/V/O/LSE chunks in host memory between uses
     chunk_tokens: int = 0  # > 0: K = S / chunk_tokens (DeepSpeed's FPDT chunk size; the paper: 65536)
+    chunk_heads: int = 0  # U > 0: UPipe's head stages inside the pipeline (U query heads at a time); 0: all heads
 
     def chunks_per_rank(self, seq_len: int) -> int:
         """K at global length ``seq_len`` (``chunk_tokens`` when set, else ``num_chunks``)."""
@@ -85,77 +101,99 @@ def _no_store() -> None:
 
 
 # ----------------------------------------------------------------------- autograd function
+def _normed(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The projections' input for a chunk ``x`` of the block input: ``x`` itself, or with the
+    block's RMSNorm folded in (``fused_attn_norm``) that norm of the chunk alone, so that the
+    normed input never exists at full length (as ``bench.model.decoder``'s RMSNorm computes it)."""
+    return x if norm_weight is None else F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+
+
 class _FPDTFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, qn, kn, cos, sin, block):
+    def forward(ctx, x, wq, wk, wv, qn, kn, cos, sin, norm_weight, eps, block):
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
         b, n, _ = x.shape
         causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
-        wk_e, wv_e = head_rows(wk, block.kv_heads, d), head_rows(wv, block.kv_heads, d)
         store = ChunkStore(x.device, block.options.offload)
         keep = any(ctx.needs_input_grad)
         out = x.new_empty(b, n, spec.n_heads, d)
         live: dict = {}  # the K/V segment just produced: used from the device, not re-fetched
 
-        def produce_kv(i):
+        def produce_kv(g, i, wk_g, wv_g):
             sl = rows[i]
-            k = comm.seq_to_head_(project(x[:, sl], wk_e, d, kn, cos[sl], sin[sl]), group)
-            v = comm.seq_to_head_(project(x[:, sl], wv_e, d), group)
-            store.put(("k", i), k)
-            store.put(("v", i), v)
+            xi = _normed(x[:, sl], norm_weight, eps)
+            k = comm.seq_to_head_(project(xi, wk_g, d, kn, cos[sl], sin[sl]), group)
+            v = comm.seq_to_head_(project(xi, wv_g, d), group)
+            del xi
+            store.put(("k", g, i), k)
+            store.put(("v", g, i), v)
             live.clear()
-            live[("k", i)], live[("v", i)] = k, v
+            live[("k", g, i)], live[("v", g, i)] = k, v
 
         def fetch(key):
             return live[key] if key in live else store.get(key)
 
-        def attend(i, kv_segments):
+        def attend(s, g, i, kv_segments, wq_s, heads):
             sl = rows[i]
-            q = comm.seq_to_head_(project(x[:, sl], wq, d, qn, cos[sl], sin[sl]), group)
+            q = comm.seq_to_head_(project(_normed(x[:, sl], norm_weight, eps), wq_s, d, qn, cos[sl], sin[sl]), group)
             acc = lse = None
             for pos, j in enumerate(kv_segments):
                 if pos + 1 < len(kv_segments):  # the next K/V segment travels while this one is used
                     for name in ("k", "v"):
-                        if (name, kv_segments[pos + 1]) not in live:
-                            store.prefetch((name, kv_segments[pos + 1]))
-                o, lse_b = kernel.forward(q, fetch(("k", j)), fetch(("v", j)), causal and i == j, scale)
+                        if (name, g, kv_segments[pos + 1]) not in live:
+                            store.prefetch((name, g, kv_segments[pos + 1]))
+                o, lse_b = kernel.forward(q, fetch(("k", g, j)), fetch(("v", g, j)), causal and i == j, scale)
                 acc, lse = merge_partials(acc, lse, o, lse_b)
                 del o, lse_b
             o = acc.to(x.dtype)
             del acc
-            out[:, sl] = comm.head_to_seq_(o, group)
+            if heads is None:
+                out[:, sl] = comm.head_to_seq_(o, group)
+            else:
+                out[:, sl].index_copy_(2, heads, comm.head_to_seq_(o, group))
             if keep:
-                store.put(("q", i), q)
-                store.put(("o", i), o)
-                store.put(("lse", i), lse)
+                store.put(("q", s, i), q)
+                store.put(("o", s, i), o)
+                store.put(("lse", s, i), lse)
 
-        events.note(events.CHUNK_PASSES, chunks)  # the step-time model's per-chunk cost (core.events)
-        if causal:
-            for i in range(chunks):
-                produce_kv(i)
-                attend(i, list(range(i + 1)))
-        else:
-            for i in range(chunks):
-                produce_kv(i)
+        events.note(events.CHUNK_PASSES, chunks * len(block.stages))  # the step-time model's per-chunk cost
+        g = -1
+        for s, stage in enumerate(block.stages):
+            new_group = stage.kv_heads is not None
+            if new_group:
+                g += 1
+                wk_g, wv_g = head_rows(wk, stage.kv_heads, d), head_rows(wv, stage.kv_heads, d)
+            wq_s = head_rows(wq, stage.q_heads, d)
+            heads = None if block.single_stage else index_tensor(stage.q_heads, x.device)
             live.clear()
-            for i in range(chunks):
-                attend(i, list(range(chunks)))
+            if causal:
+                for i in range(chunks):
+                    if new_group:
+                        produce_kv(g, i, wk_g, wv_g)
+                    attend(s, g, i, list(range(i + 1)), wq_s, heads)
+            else:
+                if new_group:
+                    for i in range(chunks):
+                        produce_kv(g, i, wk_g, wv_g)
+                live.clear()
+                for i in range(chunks):
+                    attend(s, g, i, list(range(chunks)), wq_s, heads)
         live.clear()
 
         block._last_store = weakref.ref(store)
         # the chunks go through save_for_backward, so that activation checkpointing frees them with the
         # block's other saved tensors (chunkstore.ChunkStore.hand_over); ctx keeps the emptied store
-        ctx.store, ctx.block = store, block
-        ctx.save_for_backward(x, wq, wk, wv, qn, kn, cos, sin, *store.hand_over())
+        ctx.store, ctx.block, ctx.eps = store, block, eps
+        ctx.save_for_backward(x, wq, wk, wv, qn, kn, cos, sin, norm_weight, *store.hand_over())
         return out.flatten(2)
 
     @staticmethod
     def backward(ctx, dout):
-        block, store = ctx.block, ctx.store
+        block, store, eps = ctx.block, ctx.store, ctx.eps
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
-        x, wq, wk, wv, qn, kn, cos, sin, *stored = ctx.saved_tensors
+        x, wq, wk, wv, qn, kn, cos, sin, norm_weight, *stored = ctx.saved_tensors
         store.take_back(stored)
         del stored
         b, n, _ = x.shape
@@ -163,72 +201,92 @@ class _FPDTFunction(torch.autograd.Function):
         d, cs = spec.head_dim, n // chunks
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
         dout = dout.reshape(b, n, spec.n_heads, d)
-        events.note(events.CHUNK_PASSES, chunks)
-        for i in range(chunks):
-            store.put(("do", i), comm.seq_to_head_(dout[:, rows[i]].contiguous(), group))
+        stages = block.stages
+        events.note(events.CHUNK_PASSES, chunks * len(stages))
+        for s, stage in enumerate(stages):
+            heads = None if block.single_stage else index_tensor(stage.q_heads, x.device)
+            for i in range(chunks):
+                do = dout[:, rows[i]] if heads is None else dout[:, rows[i]].index_select(2, heads)
+                store.put(("do", s, i), comm.seq_to_head_(do.contiguous(), group))
+                del do
         del dout
 
         def leaf(t):
             return None if t is None else t.detach().requires_grad_()
 
-        wq_l, wk_l, wv_l, qn_l, kn_l = leaf(wq), leaf(wk), leaf(wv), leaf(qn), leaf(kn)
+        wq_l, wk_l, wv_l, qn_l, kn_l, nw_l = leaf(wq), leaf(wk), leaf(wv), leaf(qn), leaf(kn), leaf(norm_weight)
         dx = torch.zeros_like(x)
         grads = {name: torch.zeros_like(t, dtype=torch.float32) for name, t in
-                 (("wq", wq), ("wk", wk), ("wv", wv), ("qn", qn), ("kn", kn)) if t is not None}
+                 (("wq", wq), ("wk", wk), ("wv", wv), ("qn", qn), ("kn", kn), ("norm", norm_weight))
+                 if t is not None}
 
         def through_projection(i, outputs, out_grads, leaves):
-            """Push gradients of chunk i's projections (recomputed) into dx and the weights."""
+            """Push gradients of chunk i's projections (recomputed, with the folded norm if any)
+            into dx and the weights."""
             sl = rows[i]
             x_l = x[:, sl].detach().requires_grad_()
+            leaves = leaves + [("norm", nw_l)]
             with torch.enable_grad():
-                made = [f(x_l, cos[sl], sin[sl]) for f in outputs]
+                xi = _normed(x_l, nw_l, eps)
+                made = [f(xi, cos[sl], sin[sl]) for f in outputs]
             named = [(name, t) for name, t in leaves if t is not None]
             got = torch.autograd.grad(made, [x_l] + [t for _, t in named], out_grads)
             dx[:, sl] += got[0]
             for (name, _), g in zip(named, got[1:]):
                 grads[name] += g
 
-        def q_proj(x_l, c, s):
-            return project(x_l, wq_l, d, qn_l, c, s)
+        # stages that share a K/V group, in order: the group's dK/dV gather over all of them
+        groups: list[tuple[list[int], list[int]]] = []
+        for s, stage in enumerate(stages):
+            if stage.kv_heads is not None:
+                groups.append((stage.kv_heads, []))
+            groups[-1][1].append(s)
 
-        def k_proj(x_l, c, s):
-            return project(x_l, head_rows(wk_l, block.kv_heads, d), d, kn_l, c, s)
+        for g, (kv_heads, members) in enumerate(groups):
+            def k_proj(x_l, c, s_, kv_heads=kv_heads):
+                return project(x_l, head_rows(wk_l, kv_heads, d), d, kn_l, c, s_)
 
-        def v_proj(x_l, c, s):
-            return project(x_l, head_rows(wv_l, block.kv_heads, d), d)
+            def v_proj(x_l, c, s_, kv_heads=kv_heads):
+                return project(x_l, head_rows(wv_l, kv_heads, d), d)
 
-        for j in range(chunks):
-            k, v = store.get(("k", j)), store.get(("v", j))
-            dk = torch.zeros_like(k, dtype=torch.float32)
-            dv = torch.zeros_like(v, dtype=torch.float32)
-            q_segments = list(range(j, chunks)) if causal else list(range(chunks))
-            for pos, i in enumerate(q_segments):
-                if pos + 1 < len(q_segments):
-                    for name in ("q", "o", "do", "lse", "dq"):
-                        store.prefetch((name, q_segments[pos + 1]))
-                q, o, do, lse = (store.get((name, i)) for name in ("q", "o", "do", "lse"))
-                dq_ij, dk_ij, dv_ij = kernel.backward(do, q, k, v, o, lse, causal and i == j, scale)
-                del q, o, do, lse
-                dk += dk_ij
-                dv += dv_ij
-                dq = store.get(("dq", i)) + dq_ij if ("dq", i) in store else dq_ij.float()
-                del dk_ij, dv_ij, dq_ij
-                last_kv = i if causal else chunks - 1
-                if j == last_kv:  # segment i's dQ is complete: exchange it back and project
-                    for name in ("q", "o", "do", "lse", "dq"):
-                        store.pop((name, i))
-                    dq = comm.head_to_seq_(dq.to(x.dtype), group)
-                    through_projection(i, [q_proj], [dq], [("wq", wq_l), ("qn", qn_l)])
-                else:
-                    store.put(("dq", i), dq)
-                del dq
-            store.pop(("k", j))
-            store.pop(("v", j))
-            del k, v
-            dk = comm.head_to_seq_(dk.to(x.dtype), group)
-            dv = comm.head_to_seq_(dv.to(x.dtype), group)
-            through_projection(j, [k_proj, v_proj], [dk, dv], [("wk", wk_l), ("wv", wv_l), ("kn", kn_l)])
-            del dk, dv
+            for j in range(chunks):
+                k, v = store.get(("k", g, j)), store.get(("v", g, j))
+                dk = torch.zeros_like(k, dtype=torch.float32)
+                dv = torch.zeros_like(v, dtype=torch.float32)
+                q_segments = list(range(j, chunks)) if causal else list(range(chunks))
+                work = [(s, i) for s in members for i in q_segments]
+                for pos, (s, i) in enumerate(work):
+                    if pos + 1 < len(work):
+                        for name in ("q", "o", "do", "lse", "dq"):
+                            store.prefetch((name, *work[pos + 1]))
+                    q, o, do, lse = (store.get((name, s, i)) for name in ("q", "o", "do", "lse"))
+                    dq_ij, dk_ij, dv_ij = kernel.backward(do, q, k, v, o, lse, causal and i == j, scale)
+                    del q, o, do, lse
+                    dk += dk_ij
+                    dv += dv_ij
+                    dq = store.get(("dq", s, i)) + dq_ij if ("dq", s, i) in store else dq_ij.float()
+                    del dk_ij, dv_ij, dq_ij
+                    last_kv = i if causal else chunks - 1
+                    if j == last_kv:  # segment i's dQ of stage s is complete: exchange it back and project
+                        for name in ("q", "o", "do", "lse", "dq"):
+                            store.pop((name, s, i))
+                        dq = comm.head_to_seq_(dq.to(x.dtype), group)
+                        q_heads = stages[s].q_heads
+
+                        def q_proj(x_l, c, s_, q_heads=q_heads):
+                            return project(x_l, head_rows(wq_l, q_heads, d), d, qn_l, c, s_)
+
+                        through_projection(i, [q_proj], [dq], [("wq", wq_l), ("qn", qn_l)])
+                    else:
+                        store.put(("dq", s, i), dq)
+                    del dq
+                store.pop(("k", g, j))
+                store.pop(("v", g, j))
+                del k, v
+                dk = comm.head_to_seq_(dk.to(x.dtype), group)
+                dv = comm.head_to_seq_(dv.to(x.dtype), group)
+                through_projection(j, [k_proj, v_proj], [dk, dv], [("wk", wk_l), ("wv", wv_l), ("kn", kn_l)])
+                del dk, dv
 
         ctx.store = None
 
@@ -236,7 +294,7 @@ class _FPDTFunction(torch.autograd.Function):
             return None if like is None else grads[name].to(like.dtype)
 
         return (dx, cast("wq", wq), cast("wk", wk), cast("wv", wv), cast("qn", qn), cast("kn", kn),
-                None, None, None)
+                None, None, cast("norm", norm_weight), None, None)
 
 
 @register(
@@ -252,6 +310,17 @@ class FPDT(AttentionMethod):
         cls.check_head_split(spec, world_size, cls.method_name)
         cls.check_num_chunks(options.num_chunks)
         cls.check_chunk_tokens(options, world_size)
+        cls.check_chunk_heads(spec, world_size, options)
+
+    @classmethod
+    def check_chunk_heads(cls, spec: AttnSpec, world_size: int, options: FPDTOptions) -> None:
+        u, c, h = getattr(options, "chunk_heads", 0), world_size, spec.n_heads
+        if isinstance(u, bool) or not isinstance(u, int) or u < 0 or (u and (u % c or h % u)):
+            valid = [k * c for k in range(1, h // c + 1) if h % (k * c) == 0]
+            raise ValueError(
+                f"{cls.method_name}: chunk_heads={u!r} must be 0 (all heads at once) or a multiple of the world "
+                f"size {c} that divides n_heads={h} (UPipe's head stages: U/C heads per rank); valid: {valid}"
+            )
 
     @classmethod
     def check_chunk_tokens(cls, options: FPDTOptions, world_size: int) -> None:
@@ -282,6 +351,10 @@ class FPDT(AttentionMethod):
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec, group, **options)
         self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, self.world_size, self.method_name))
+        u = getattr(self.options, "chunk_heads", 0)
+        # one stage of every head (FPDT), or UPipe's GQA-aware stages of U heads
+        self.stages = plan_stages(spec, self.world_size, u) if u else [Stage(list(range(spec.n_heads)), self.kv_heads)]
+        self.single_stage = not u
         self._last_store = _no_store
 
     # -- layout: global chunk c on rank c % C (cyclic)
@@ -311,11 +384,18 @@ class FPDT(AttentionMethod):
                 f"whose length is a multiple of {self.seq_multiple(self.world_size, self.options)}"
             )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    accepts_input_norm = True  # forward(x, ..., input_norm=(weight, eps)): fused_attn_norm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """``input_norm=(weight, eps)``: ``x`` is the block input before its RMSNorm, which runs on
+        each chunk as the chunk is projected (forward) or re-projected (backward), so the normed
+        input never exists at full length (``fused_attn_norm``)."""
         self.check_local_len(x.shape[1])
         cos, sin = self.rope_for(x, positions)
+        norm_weight, eps = input_norm if input_norm is not None else (None, 0.0)
         out = _FPDTFunction.apply(
             x, self.wq.weight, self.wk.weight, self.wv.weight,
-            self.q_norm_weight, self.k_norm_weight, cos, sin, self,
+            self.q_norm_weight, self.k_norm_weight, cos, sin, norm_weight, eps, self,
         )
         return self.wo(out)

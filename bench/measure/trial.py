@@ -226,7 +226,7 @@ class Trial:
                              f"{cfg.n_layers} layers; use --ac-group 1..{cfg.n_layers}")
         if self.step.fused_attn_norm and not getattr(self.method_cls(), "accepts_input_norm", False):
             raise ValueError(f"fused_attn_norm: method {self.method!r} cannot run the block's RMSNorm inside its "
-                             f"projections (only upipe can); drop fused_attn_norm")
+                             f"projections (only upipe and fpdt can); drop fused_attn_norm")
         if self.mode != Mode.SIMULATED:
             defaults = {f.name: f.default for f in dataclasses.fields(StepConfig)}
             for name, what, instead, fix in SIMULATION_ONLY:

@@ -409,7 +409,7 @@ class Decoder(nn.Module):
         only methods that declare ``accepts_input_norm`` can."""
         if on and not getattr(self.attention_module(), "accepts_input_norm", False):
             raise ValueError(f"fused_attn_norm: method {self.method!r} cannot run the block's RMSNorm inside "
-                             f"its projections (only upipe can); drop fused_attn_norm")
+                             f"its projections (only upipe and fpdt can); drop fused_attn_norm")
         for layer in self.layers:
             block = layer
             while not isinstance(block, Block):

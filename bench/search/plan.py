@@ -473,8 +473,11 @@ def sequence_chunked(entry, granularity: int) -> Entry:
     """Issue 18's last lever, for when the attention stage is the limit: the sequence in chunks of
     ``granularity`` tokens through FPDT's pipeline (``methods.fpdt``: one chunk's Q/K/V/O on the
     device at a time, the others on the host), with the levers of every ``LADDER`` rung it runs
-    (``entry``: ``entries``' constructor). The chunk size is the search's granularity, so every
-    length it probes is a whole number of chunks."""
+    (``entry``: ``entries``' constructor), UPipe's fused attention norm included (fpdt norms each
+    chunk as it projects it). The chunk size is the search's granularity, so every length it probes
+    is a whole number of chunks. fpdt's UPipe head stages inside the chunks (``chunk_heads``) are
+    not set: at the limits of the committed plans the attention holds none of the peak (a chunk
+    of one rank's heads is 1 GiB at 1M tokens), and each stage is another pass over the chunks."""
     opts = {"chunk_tokens": granularity}
 
     def accepts(levers: dict[str, Any]) -> bool:

@@ -89,9 +89,11 @@ def test_new_levers_at_their_defaults_keep_old_rows_identity():
     assert StepConfig(fsdp_offload=True).levers()["fsdp_offload"] is True
 
 
-def test_fused_attn_norm_step_equals_plain_single_device_step(pool):
-    got = pool.run(cp_step, "upipe", {**ALL_ON, "fused_attn_norm": True}, world_size=2)[0]
-    _close(got, _ref("upipe"))
+@pytest.mark.parametrize("method", ["upipe", "fpdt"])
+def test_fused_attn_norm_step_equals_plain_single_device_step(pool, method):
+    """upipe folds the norm into its projections tile by tile; fpdt into each chunk's."""
+    got = pool.run(cp_step, method, {**ALL_ON, "fused_attn_norm": True}, world_size=2)[0]
+    _close(got, _ref(method))
 
 
 def test_norm_tiles_equal_autograd_through_the_plain_norm():
@@ -127,6 +129,24 @@ def test_fused_attn_norm_removes_the_saved_normed_input():
     plain, fused = sim(seq), sim(seq, fused_attn_norm=True)
     # the normed input [1, S/C, dim] bf16 the attention saved is gone from the peak
     assert plain["peak_bytes"] - fused["peak_bytes"] == pytest.approx(hidden, rel=0.01)
+
+
+def test_fused_attn_norm_removes_fpdts_saved_normed_input():
+    """fpdt saves the block input and norms each chunk as it projects it: the full-length normed
+    input, which the attention would save, is gone from the peak (under the paper stack, the
+    default of simulated runs, the peak is in a block's attention backward, where it was saved)."""
+    from bench.model.config import get_config
+
+    seq = 262144
+    hidden = seq // 2 * get_config("tiny-llama").dim * 2
+
+    def fpdt(**levers):
+        trial = Trial.make("fpdt", "tiny-llama", seq, 2, mode="simulated", device="h100-80g",
+                           options={"num_chunks": 8}, step=StepConfig(stack="paper", **levers))
+        return measure_simulated(trial)["peak_bytes"]
+
+    saved = fpdt() - fpdt(fused_attn_norm=True)
+    assert hidden * 3 // 4 <= saved <= hidden
 
 
 def test_fused_attn_norm_is_refused_for_methods_that_cannot_run_it():

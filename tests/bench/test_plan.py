@@ -90,14 +90,15 @@ def test_ladder_goes_on_past_a_lever_the_method_refuses():
 
 def test_sequence_chunked_entry_takes_every_lever_fpdt_runs():
     """The last entry: FPDT's chunk pipeline in chunks of the granularity (every probed length a whole
-    number of chunks) with the ladder's levers that fpdt accepts (not the fused norm, upipe's only)."""
+    number of chunks) with every lever of the ladder, fpdt accepting each (the fused norm since it norms
+    each chunk as it projects it)."""
     for gpus, nodes, gran in ((8, 1, 1 << 20), (16, 2, 1 << 20), (4, 1, 256 << 10)):
         last = entries("llama3-8b", gpus, nodes, "h100-80g", gran)[-1]
         step = last.trial.step
         assert last.method == "fpdt" and last.trial.options.chunk_tokens == gran and runs(last)
         assert step.ac_group == 2 and step.fsdp_offload and step.offload_keep == "none" and step.rope_table == "none"
-        assert not step.fused_attn_norm
-        assert last.label.endswith("+our RoPE +offload all +FSDP offload +2-level AC g=2"), last.label
+        assert step.fused_attn_norm
+        assert last.label.endswith("+our RoPE +offload all +FSDP offload +fused norm +2-level AC g=2"), last.label
     assert not any(e.method == "fpdt" and e.trial.options.chunk_tokens
                    for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, beyond=False))
 

@@ -55,7 +55,9 @@ def variants(method: str, world_size: int, spec: dict) -> list[dict]:
         + ([{"ulysses_degree": 2, "chunk_heads": 4}] if world_size == 4 else []),
         "yc-usp": [{}] + [{"ulysses_degree": u} for u in (world_size, 2, 1) if world_size % u == 0],
         # defaults: 2 chunks, offload; chunk_tokens 16: K = SEQ_LEN / 16 = 4 chunks per rank
-        "fpdt": [{}, {"num_chunks": 1}, {"num_chunks": 4}, {"offload": False}, {"chunk_tokens": 16}],
+        # chunk_heads C: UPipe's head stages (one head per rank at a time) inside the chunk pipeline
+        "fpdt": [{}, {"num_chunks": 1}, {"num_chunks": 4}, {"offload": False}, {"chunk_tokens": 16},
+                 {"chunk_heads": world_size}],
         "offload": [{"what": "all"}, {"what": "attention"}],
     }
     out: list[dict] = []

@@ -106,7 +106,8 @@ def _fpdt_store(group, offload: bool, num_chunks: int, causal: bool) -> dict:
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("ws,num_chunks", [(1, 4), (2, 2), (4, 2)])
 def test_fpdt_offload_keeps_kv_chunks_in_host_memory(pool, ws, num_chunks, causal):
-    kv = sorted((name, i) for name in ("k", "v") for i in range(num_chunks))
+    # keys (name, K/V group, segment): without head stages there is one K/V group
+    kv = sorted((name, 0, i) for name in ("k", "v") for i in range(num_chunks))
     # held per rank after forward, over all segments (head layout, fp32): q and o with H/C heads,
     # k and v with G_e/C heads (G_e = max(G, C): KV heads replicated when fewer than ranks), lse
     h, g_eff, d = SPEC.n_heads // ws, max(SPEC.n_kv_heads, ws) // ws, SPEC.head_dim
