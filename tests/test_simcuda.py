@@ -154,3 +154,24 @@ def test_chunk_stores_share_one_copy_stream():
         with torch.cuda.stream(first.stream):
             assert simcuda.stream_id() > 0
     assert ChunkStore("cpu", offload=True).stream is None
+
+
+def test_prefetched_chunks_are_allocated_on_the_compute_stream():
+    """A chunk coming back from the host is allocated on the compute stream and filled on the side
+    stream: the caching allocator keeps a pool per stream, and copies allocated on the side stream
+    stayed cached in a pool the compute stream never reuses (docs: methods/core/chunkstore.py)."""
+    from bench.measure.allocator import ALLOC, TraceRecorder
+    from methods.core.chunkstore import ChunkStore
+
+    simcuda.require()
+    with FakeTensorMode(), simcuda.runtime():
+        store = ChunkStore("cuda:0", offload=True)
+        store.put("k", torch.empty(1 << 20, device="cuda:0"))
+        recorder = TraceRecorder()
+        with recorder:
+            store.prefetch("k")
+            back = store.get("k")
+        assert back.device.type == "cuda" and back.shape == (1 << 20,)
+    device_allocs = [e for e in recorder.trace.events if e.action == ALLOC and e.device.startswith("cuda")]
+    assert [e.nbytes for e in device_allocs] == [4 << 20]
+    assert device_allocs[0].stream == 0, "the prefetched copy was allocated on the side stream"
