@@ -74,7 +74,7 @@ from .core.layouts import cyclic_shard, cyclic_unshard
 from .core.registry import register
 from .core.spec import AttnSpec
 from .ulysses import replicated_kv_heads
-from .upipe import Stage, plan_stages
+from .upipe import Stage, UPipe, UPipeOptions, plan_stages
 
 
 @dataclass(frozen=True)
@@ -314,13 +314,18 @@ class FPDT(AttentionMethod):
 
     @classmethod
     def check_chunk_heads(cls, spec: AttnSpec, world_size: int, options: FPDTOptions) -> None:
-        u, c, h = getattr(options, "chunk_heads", 0), world_size, spec.n_heads
-        if isinstance(u, bool) or not isinstance(u, int) or u < 0 or (u and (u % c or h % u)):
-            valid = [k * c for k in range(1, h // c + 1) if h % (k * c) == 0]
+        """U = 0 (FPDT's one stage), or a stage size UPipe itself accepts (its checks, as usp-upipe runs them)."""
+        u = getattr(options, "chunk_heads", 0)
+        if isinstance(u, bool) or not isinstance(u, int) or u < 0:
             raise ValueError(
-                f"{cls.method_name}: chunk_heads={u!r} must be 0 (all heads at once) or a multiple of the world "
-                f"size {c} that divides n_heads={h} (UPipe's head stages: U/C heads per rank); valid: {valid}"
+                f"{cls.method_name}: chunk_heads={u!r} must be 0 (all heads at once) or UPipe's stage size U "
+                f"(a multiple of the world size {world_size} that divides n_heads={spec.n_heads})"
             )
+        if u:
+            try:
+                UPipe.validate(spec, world_size, UPipeOptions(chunk_heads=u))
+            except ValueError as err:
+                raise ValueError(f"{cls.method_name}: chunk_heads runs UPipe's head stages; {err}") from None
 
     @classmethod
     def check_chunk_tokens(cls, options: FPDTOptions, world_size: int) -> None:

@@ -199,11 +199,26 @@ def test_fpdt_layout_global_chunk_c_on_rank_c_mod_C(pool, ws, num_chunks):
                                       r"of the world size 2"),
         ("fpdt", {"chunk_tokens": -2}, r"fpdt: chunk_tokens=-2 must be 0"),
         ("fpdt", {"chunk_tokens": 8, "num_chunks": 4}, r"fpdt: give num_chunks or chunk_tokens, not both"),
+        ("fpdt", {"chunk_heads": -2}, r"fpdt: chunk_heads=-2 must be 0 \(all heads at once\) or UPipe's stage size"),
+        ("fpdt", {"chunk_heads": 3}, r"fpdt: chunk_heads runs UPipe's head stages; upipe: chunk_heads=3 is not a "
+                                     r"multiple of the world size 2.*chunk_heads=2 or 4"),
+        ("fpdt", {"chunk_heads": 6}, r"fpdt: chunk_heads runs UPipe's head stages; upipe: chunk_heads=6 must divide "
+                                     r"n_heads=8.*\[2, 4, 8\]"),
     ],
 )
 def test_bad_options_are_refused_with_the_fix(name, options, match):
     with pytest.raises(ValueError, match=match):
         methods.validate(name, SPEC, 2, **options)
+
+
+def test_fpdt_head_stages_take_upipes_gqa_check():
+    """24 query heads over 8 KV heads (3 per KV head) at world size 2: stages of 4 heads give each rank
+    2 query heads, which neither divides 3 nor is a multiple of it; UPipe's schedule refuses that."""
+    spec = methods.AttnSpec(dim=96, n_heads=24, n_kv_heads=8, head_dim=4)
+    with pytest.raises(ValueError, match=r"fpdt: chunk_heads runs UPipe's head stages; upipe: "
+                                         r"chunk_heads/world_size=2 query heads per rank and 3 query heads"):
+        methods.validate("fpdt", spec, 2, chunk_heads=4)
+    methods.validate("fpdt", spec, 2, chunk_heads=6)  # 3 per rank: one KV head's queries
 
 
 def test_fpdt_sequence_must_be_a_multiple_of_world_size_times_chunks():
