@@ -179,6 +179,24 @@ def test_capacity_pressure_unmaps_free_pages_expandable():
     assert m.reserved == m.peak_reserved == 100 * MiB
 
 
+def test_an_expandable_segment_spans_the_device_not_the_capacity_left():
+    """The virtual range of an expandable segment is 1 1/8 of the device's total memory
+    (find_expandable_block: prop.totalGlobalMem), whatever part of it the allocator may map. A
+    40/20/40 MiB layout in a 100 MiB capacity, the 40s freed and unmapped by a release: the
+    80 MiB that then fit physically (20 + 80) extend the segment past the live block on a
+    device-sized range; a range sized on the capacity (120 MiB of pages) has no room there, and
+    a second segment is opened (as find_expandable_block does when no range has room)."""
+    for device_bytes, same_segment in ((None, False), (1000 * MiB, True)):
+        m = CachingAllocatorModel(expandable_segments=True, capacity=100 * MiB, device_bytes=device_bytes)
+        a, b, c = m.malloc(40 * MiB), m.malloc(20 * MiB), m.malloc(40 * MiB)
+        m.free(a, 40 * MiB)
+        m.free(c, 40 * MiB)
+        d = m.malloc(80 * MiB)
+        assert m.cache_releases == 1 and m.reserved == 100 * MiB
+        assert (d.segment is b.segment) is same_segment
+        assert (d.addr == b.addr + 20 * MiB) is same_segment
+
+
 @pytest.mark.parametrize("expandable", MODES)
 def test_oom_when_even_the_released_cache_is_not_enough(expandable):
     m = model(expandable, capacity=100 * MiB)

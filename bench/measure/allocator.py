@@ -45,7 +45,8 @@ expandable segments arrived in 2.1). Mechanisms modelled, each with where it liv
   ``reserved`` past it fails.
 * Expandable segments (``expandable_segments:True``, Note [Expandable Segments] and
   ``struct ExpandableSegment``): one segment per pool and stream, a virtual range of 1 1/8
-  of the device memory (``find_expandable_block``), backed by physical pages of
+  of the device's total memory (``find_expandable_block``: ``prop.totalGlobalMem``, not what
+  the allocator may map; ``device_bytes``), backed by physical pages of
   ``kSmallBuffer`` (2 MiB, small pool) or ``kLargeBuffer`` (20 MiB, large pool) mapped on
   demand. ``try_allocate_expandable_block`` takes the lowest-address unmapped range (with
   the free block just before it) that has room, and maps the pages the request needs
@@ -345,9 +346,11 @@ class CachingAllocatorModel:
 
     _ALIGN = 1 << 30  # distance between the (fictitious) base addresses of segments
 
-    def __init__(self, expandable_segments: bool = False, capacity: int | None = None) -> None:
+    def __init__(self, expandable_segments: bool = False, capacity: int | None = None,
+                 device_bytes: int | None = None) -> None:
         self.expandable = expandable_segments
         self.capacity = capacity
+        self.device_bytes = device_bytes if device_bytes is not None else capacity
         self._pools: dict[tuple[bool, int], _Pool] = {}
         self._next_addr = self._ALIGN
         self.allocated = self.reserved = self.live_rounded = 0
@@ -531,8 +534,9 @@ class CachingAllocatorModel:
             if has_room(c):
                 return c
         page = K_SMALL_BUFFER if pool.small else K_LARGE_BUFFER
-        # address space for 1 1/8 of the device memory (unlimited: 1 PiB)
-        space = (self.capacity + self.capacity // 8) if self.capacity is not None else 1 << 50
+        # address space for 1 1/8 of the device's total memory (prop.totalGlobalMem, whatever part of it
+        # the allocator may map; unknown: 1 PiB)
+        space = (self.device_bytes + self.device_bytes // 8) if self.device_bytes is not None else 1 << 50
         space = -(-space // page) * page
         segment = _Segment(self._next_addr, space, page)
         self._next_addr += -(-space // self._ALIGN) * self._ALIGN
@@ -635,9 +639,11 @@ def record_step(step: Callable[[], None], *external) -> tuple[dict[str, MemoryPe
 
 
 def replay(trace: Trace, device: str, expandable_segments: bool = True,
-           capacity: int | None = None, per_stream: bool = True) -> ReplayResult:
-    """``trace``'s events on ``device`` through a fresh ``CachingAllocatorModel``."""
-    return CachingAllocatorModel(expandable_segments, capacity).replay(trace.events, device, per_stream)
+           capacity: int | None = None, per_stream: bool = True, device_bytes: int | None = None) -> ReplayResult:
+    """``trace``'s events on ``device`` through a fresh ``CachingAllocatorModel`` (``device_bytes``:
+    the device's total memory, which sizes an expandable segment's address space; default
+    ``capacity``)."""
+    return CachingAllocatorModel(expandable_segments, capacity, device_bytes).replay(trace.events, device, per_stream)
 
 
 def allocator_peaks(step: Callable[[], None], *external, device: str, expandable_segments: bool = True,

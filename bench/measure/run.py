@@ -122,12 +122,47 @@ def simulated_device(trial: Trial) -> torch.device:
     return torch.device("cuda", 0)
 
 
-def measure_simulated(trial: Trial) -> dict[str, Any]:
+TRACE_KEY = "allocator_trace"  # measure_simulated(keep_trace=True): (trace, device, trial), for replay_with_reserve
+
+
+def _replayed(trial: Trial, trace, device_key: str, collectives: dict[str, float],
+              reserve: int = 0) -> dict[str, Any]:
+    """The allocator figures of ``trace`` replayed against what the allocator may map: the
+    device less what lives outside it (the CUDA context; under the paper stack NCCL's buffers
+    too), less ``reserve`` bytes held by something the trace does not contain."""
+    t0 = time.perf_counter()
+    nccl = stack.nccl_buffer_bytes(collectives) if trial.step.stack == "paper" else 0
+    capacity = stack.usable_bytes(trial.preset(), "paper", nccl=nccl) - reserve
+    replayed = replay(trace, device_key, expandable_segments=trial.step.allocator_model == "expandable",
+                      capacity=capacity, per_stream=trial.step.allocator_pools == "per-stream",
+                      device_bytes=trial.preset().capacity())
+    return {"peak_reserved_bytes": replayed.peak_reserved + reserve,
+            "allocator": {"model": trial.step.allocator_model, "pools": trial.step.allocator_pools,
+                          "peak_allocated_bytes": replayed.peak_allocated + reserve,
+                          "events": replayed.events, "replay_s": time.perf_counter() - t0,
+                          "cache_releases": replayed.cache_releases, "oom": replayed.oom,
+                          **({"reserve_bytes": reserve} if reserve else {})}}
+
+
+def replay_with_reserve(result: dict[str, Any], reserve: int) -> dict[str, Any]:
+    """``result``'s allocator figures (``peak_reserved_bytes``, ``allocator``) replayed again from
+    its trace (``measure_simulated(keep_trace=True)``) as if ``reserve`` more bytes were held on the
+    device for the whole step: what a deeper model's extra layers hold (their sharded parameters,
+    gradients and optimizer state; ``bench.search.extrapolate``). The caching allocator then meets
+    its capacity earlier and, as the real one does, releases its cached blocks and retries before
+    it fails, so the deeper model's reserved peak is not the shallow one's plus ``reserve``."""
+    trace, device_key, trial = result[TRACE_KEY]
+    collectives = {k: v for k, v in (result.get("step_counts") or {}).items() if k.startswith("comm.")}
+    return _replayed(trial, trace, device_key, collectives, reserve)
+
+
+def measure_simulated(trial: Trial, keep_trace: bool = False) -> dict[str, Any]:
     """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated).
 
     Where no flash-attn is installed, ``fake_flash_attn`` supplies one (installed before the
     method is built, so that the libraries it wraps import it) whose kernels allocate what
-    flash-attn's do, scratch included."""
+    flash-attn's do, scratch included. ``keep_trace``: the result also carries the allocation
+    trace under ``TRACE_KEY`` (not a row field; :func:`replay_with_reserve` replays it again)."""
     step, stack_notes = stack.apply(trial.step, trial.method)
     trial = dataclasses.replace(trial, step=step)  # the step as the accounting stack runs it
     device = simulated_device(trial)
@@ -168,18 +203,9 @@ def measure_simulated(trial: Trial) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     collectives = comm_counts(counter, trial.link_model().ranks_per_node)
     if allocator != "none":
-        t0 = time.perf_counter()
-        # the allocator may map what the device has less what lives outside it (the CUDA context;
-        # under the paper stack NCCL's buffers too)
-        nccl = stack.nccl_buffer_bytes(collectives) if trial.step.stack == "paper" else 0
-        replayed = replay(trace, device_key, expandable_segments=allocator == "expandable",
-                          capacity=stack.usable_bytes(trial.preset(), "paper", nccl=nccl),
-                          per_stream=trial.step.allocator_pools == "per-stream")
-        extra = {"peak_reserved_bytes": replayed.peak_reserved,
-                 "allocator": {"model": allocator, "pools": trial.step.allocator_pools,
-                               "peak_allocated_bytes": replayed.peak_allocated,
-                               "events": replayed.events, "replay_s": time.perf_counter() - t0,
-                               "cache_releases": replayed.cache_releases, "oom": replayed.oom}}
+        extra = _replayed(trial, trace, device_key, collectives)
+        if keep_trace:
+            extra[TRACE_KEY] = (trace, device_key, trial)  # the trial as the stack ran it
     return {
         **extra,
         "peak_bytes": device_peak.total if device_peak else 0,
@@ -419,6 +445,10 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
             f"{allocator.get('pools', 'shared')} pools, bench.measure.allocator; "
             f"its allocated peak {allocator['peak_allocated_bytes'] / GiB:.2f} GiB, "
             f"{allocator['cache_releases']} cache releases, replay {allocator['replay_s']:.2f} s)")
+        if allocator.get("reserve_bytes"):
+            notes.append(f"extrapolated model: the larger simulation's trace replayed again with "
+                         f"{allocator['reserve_bytes'] / GiB:.2f} GiB of the further layers held on the device, "
+                         f"{allocator['cache_releases']} cache releases (bench.search.extrapolate.under_pressure)")
         if allocator["oom"]:
             notes.append(f"the modelled allocator ran out of the device's memory (the reserved peak is up to "
                          f"that point; under the lean stack the allocated peak decides the status): {allocator['oom']}")
