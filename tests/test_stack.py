@@ -81,6 +81,21 @@ def test_a_paper_row_records_its_stack_and_is_judged_on_reserved_memory():
     assert any("paper stack: allocator" in n for n in row.notes)
     lean = run_trial(Trial.make("upipe", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g"))
     assert "stack" not in lean.levers and lean.figures.peak_reserved_bytes is None
+    # term 8: the cuBLAS workspaces are live device storage throughout the step (category "other")
+    workspaces = sum(stack.cublas_workspace_sizes(get_device("h100-80g")))
+    assert any("paper stack: cublas_workspace (4 workspaces" in n for n in row.notes)
+    assert row.figures.peak_by_category["other"] - lean.figures.peak_by_category.get("other", 0) == workspaces
+
+
+def test_cublas_workspaces_follow_the_device():
+    """32 MiB per handle on sm90 (H100, H200), 8 MiB + 128 KiB on others, each with cuBLASLt's 1 MiB;
+    two handles (the forward's thread and autograd's); none on a CPU."""
+    mib = 2**20
+    assert stack.cublas_workspace_sizes(get_device("h100-80g")) == (32 * mib, mib, 32 * mib, mib)
+    assert stack.cublas_workspace_sizes(get_device("h200-141g")) == (32 * mib, mib, 32 * mib, mib)
+    a100 = 8 * mib + 128 * 1024
+    assert stack.cublas_workspace_sizes(get_device("a100-80g")) == (a100, mib, a100, mib)
+    assert stack.cublas_workspace_sizes(get_device("cpu")) == ()
 
 
 def test_stack_is_refused_outside_simulation():

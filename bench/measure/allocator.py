@@ -73,7 +73,8 @@ defer a free until other streams are done, ``insert_events``/``process_events``)
 free here completes at once, on the stream it was allocated on. Nor the ``max_split_size_mb``,
 ``roundup_power2_divisions`` and ``garbage_collection_threshold`` options, the memory
 fraction (``set_fraction``), the free-memory callbacks, CUDA graph private pools, IPC,
-memory the allocator does not manage (CUDA context, NCCL and cuBLAS workspaces), and
+memory the allocator does not manage (CUDA context, NCCL's buffers; cuBLAS's workspaces it does
+manage: the paper stack adds them, ``bench.measure.stack``), and
 allocations that kernels make and free internally (a fake kernel allocates its outputs
 only). Tensors that exist before the step (parameters, optimizer state) enter the trace as
 initial allocations in the order the tracker meets them, not in the order and with the

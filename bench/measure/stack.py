@@ -75,6 +75,18 @@ step before it runs, or in the budget by :func:`usable_bytes`:
    and span count once (the counts do not tell communicators of the same ranks apart; TorchTitan
    makes one per mesh dimension, so this is a lower bound).
 
+8. ``cublas_workspace``: the cuBLAS and cuBLASLt workspaces, which PyTorch allocates through
+   the caching allocator (``getNewWorkspace`` and ``getNewCUDABlasLtWorkspace`` in
+   ``aten/src/ATen/cuda/CublasHandlePool.cpp``) once per cuBLAS handle and stream, on the first
+   GEMM, and keeps for the process's life: ``CUBLAS_WORKSPACE_CONFIG``'s default, 32 MiB on
+   sm90 (H100, H200: ``4096 * 8 * 1024``) and 8 MiB + 128 KiB elsewhere, plus cuBLASLt's
+   1 MiB (``CUBLASLT_WORKSPACE_SIZE``'s default, capped at the cuBLAS size). Handles are per
+   thread (a thread-local pool window): the forward runs on the Python thread, the backward
+   (and the checkpoints' recomputation) on autograd's thread for the device, both on the
+   compute stream, so two of each (:func:`cublas_workspace_sizes`). They enter the simulated
+   step as live device storage before it starts, in allocated and reserved alike, as
+   ``max_memory_allocated`` counts them on a GPU (simulated GPU code path only).
+
 Not modelled (named so that a residual can be attributed): NVLink SHARP (NVLS) buffers (no
 NVLS algorithm under ``NCCL_ALGO=RING``); Liger's fused
 linear cross-entropy, the paper's loss, which our chunked loss stands in for (CUDA/Triton
@@ -138,6 +150,9 @@ PAPER_TERMS: tuple[Term, ...] = (
     Term("nccl_buffers", f"NCCL's connection buffers ({NCCL_CONNECTION_BYTES // MiB} MiB per peer and channel) "
          "for the collectives the step issued, taken off the capacity",
          "NVIDIA/nccl#1685 (8 x H100 all-to-all: +3.28 GB, 32 channels per pair); nccl src/graph/paths.cc"),
+    Term("cublas_workspace", "cuBLAS (32 MiB on sm90) and cuBLASLt (1 MiB) workspaces per handle and stream, "
+         "two handles (forward thread, autograd's thread) on the compute stream, through the caching allocator",
+         "pytorch aten/src/ATen/cuda/CublasHandlePool.cpp (parseChosenWorkspaceSize, getNewWorkspace)"),
 )
 
 # methods whose library calls flash-attn itself: the fake flash-attn allocates its scratch
@@ -182,6 +197,26 @@ def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
         changes["rope_table"] = "checkpointed"
         notes.append("paper stack: rope_table (TorchTitan's freqs_cis over the whole sequence on every rank)")
     return dataclasses.replace(step, **changes), notes
+
+
+SM90_PRESETS = ("h100-80g", "h200-141g")  # compute capability 9.0: the 32 MiB cuBLAS workspace default
+CUBLAS_THREADS = 2  # term 8: handles are per thread: the forward's and autograd's device thread
+CUBLASLT_WORKSPACE = MiB  # CUBLASLT_WORKSPACE_SIZE's default (1024 KiB)
+
+
+def cublas_workspace_sizes(preset: DevicePreset) -> tuple[int, ...]:
+    """Term 8: the device storages cuBLAS's and cuBLASLt's workspaces hold on one rank of
+    ``preset`` (none on a CPU)."""
+    if preset.kind != "cuda":
+        return ()
+    cublas = 4096 * 8 * 1024 if preset.name in SM90_PRESETS else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return (cublas, min(CUBLASLT_WORKSPACE, cublas)) * CUBLAS_THREADS
+
+
+def cublas_note(preset: DevicePreset) -> str:
+    sizes = cublas_workspace_sizes(preset)
+    return (f"paper stack: cublas_workspace ({len(sizes)} workspaces, {sum(sizes) / MiB:.2f} MiB in all, "
+            "held through the caching allocator)")
 
 
 def nccl_buffer_bytes(counts: dict[str, float] | None) -> int:
