@@ -18,6 +18,7 @@ from bench.measure import hardware, stack
 from bench.measure.run import guarded, measure_simulated, run_trial
 from bench.measure.trial import Trial
 from bench.model.config import get_config
+from bench.search import plan
 from bench.search.extrapolate import extrapolate, layer_extrapolated_runner
 from bench.training.config import StepConfig
 
@@ -57,7 +58,7 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
     model fits only because the allocator releases its cache (per-stream pools keep FSDP2's
     buffers cached on its streams) and retries. The extrapolated row must fit too, with about
     the same reserved peak; the slack rule alone (4-layer slack added to the extrapolated peak)
-    puts it past the capacity."""
+    puts it past the capacity. The planner's extrapolation judges it the same way."""
     path = tmp_path / "mid7.json"  # Llama3-8B-sized layers, few tokens: FSDP's buffers make the slack
     path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "name": "mid7", "n_layers": 7, "dim": 4096,
                                 "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "ffn_dim": 14336}))
@@ -83,6 +84,10 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
     page = 20 << 20
     assert abs(extra.figures.peak_reserved_bytes - full["peak_reserved_bytes"]) <= 2 * page
     assert any("further layers held" in n and "cache releases" in n for n in extra.notes)
+    # the planner (its cache keeps no traces) simulates the larger step again for the replay
+    point = plan.extrapolated(trial("tight"), str(tmp_path))
+    assert point.status == "ok", point.message
+    assert point.row.figures.peak_reserved_bytes == extra.figures.peak_reserved_bytes
 
 
 def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
