@@ -41,9 +41,10 @@ and extrapolates (``bench.search.extrapolate.extrapolate``: peaks, host peak, ca
 counts; the reserved peak keeps the 4-layer run's slack over the allocated one), then judges
 the result as a row is judged (``bench.measure.run.build_row``). Where that slack alone takes
 an exactly simulated length past the capacity (the allocated peak fits), the 4-layer step is
-simulated again with its allocation trace, which is replayed with the further layers' bytes
-held (``bench.search.extrapolate.under_pressure``: the allocator releases its cache before it
-fails, as the real one does); the cache keeps no traces. Inside the search, a length
+simulated again with its allocation trace (and the 3-layer step with it, so the two come from
+the same code), which is replayed with the further layers' bytes held
+(``bench.search.extrapolate.under_pressure``: the allocator releases its cache before it fails,
+as the real one does); the cache keeps no traces. Inside the search, a length
 may reuse the per-layer increments measured at another length (one 3-layer simulation); the
 longest fitting length is always simulated with both, and the shortest failing one too unless
 the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py``
@@ -299,13 +300,14 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     if exact and not how.whole and _past_capacity_by_slack(trial, row):
         # the slack rule passes the capacity where the live bytes do not: the allocator would release
         # its cache and retry (bench.search.extrapolate.under_pressure), so replay the larger
-        # simulation's trace (simulated again: the cache keeps no trace) with the further layers held
-        t = dataclasses.replace(trial, model=layer_variant(cfg, how.layers[1], workdir))
-        high = guarded(measure_simulated, t, True)
-        if high["status"] == "ok":
-            result = under_pressure(high, extrapolate(r3, high, how.units, how.low))
-            high.pop(TRACE_KEY, None)
+        # simulation's trace with the further layers held. Both simulations run again (the cache
+        # keeps no trace, and a pair from one code version keeps the per-layer increment exact)
+        low_t, high_t = (dataclasses.replace(trial, model=layer_variant(cfg, n, workdir)) for n in how.layers)
+        low, high = guarded(measure_simulated, low_t), guarded(measure_simulated, high_t, True)
+        if low["status"] == high["status"] == "ok":
+            result = under_pressure(high, extrapolate(low, high, how.units, how.low))
             row = build_row(trial, {**result, "status": "ok"}, 0.0)
+        high.pop(TRACE_KEY, None)
     f = row.figures
     _, compared = budgeted_peak(trial, f)
     host_usable = f.host_usable_bytes
