@@ -175,6 +175,7 @@ def under_pressure(high: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     would pass the capacity, the modelled allocator meets it, releases its cached blocks and
     retries, as the real one does, so the model fits unless what is live (page-rounded) does
     not. Without a trace (lean stack), ``out`` unchanged."""
+    out = {k: v for k, v in out.items() if k != TRACE_KEY}  # extrapolate() copied the larger result
     if TRACE_KEY not in high or not out.get("allocator"):
         return out
     reserve = max(0, out["peak_bytes"] - high["peak_bytes"])

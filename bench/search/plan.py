@@ -44,7 +44,8 @@ an exactly simulated length past the capacity (the allocated peak fits), the 4-l
 simulated again with its allocation trace (and the 3-layer step with it, so the two come from
 the same code), which is replayed with the further layers' bytes held
 (``bench.search.extrapolate.under_pressure``: the allocator releases its cache before it fails,
-as the real one does); the cache keeps no traces. Inside the search, a length
+as the real one does); the cache keeps no traces, but it keeps the outcome, under the whole
+model's key with ``PRESSURE_KEY`` appended. Inside the search, a length
 may reuse the per-layer increments measured at another length (one 3-layer simulation); the
 longest fitting length is always simulated with both, and the shortest failing one too unless
 the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py``
@@ -302,12 +303,19 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         # its cache and retry (bench.search.extrapolate.under_pressure), so replay the larger
         # simulation's trace with the further layers held. Both simulations run again (the cache
         # keeps no trace, and a pair from one code version keeps the per-layer increment exact)
-        low_t, high_t = (dataclasses.replace(trial, model=layer_variant(cfg, n, workdir)) for n in how.layers)
-        low, high = guarded(measure_simulated, low_t), guarded(measure_simulated, high_t, True)
-        if low["status"] == high["status"] == "ok":
-            result = under_pressure(high, extrapolate(low, high, how.units, how.low))
+        stored = _CACHE.key(trial, cfg.name, cfg.n_layers) + PRESSURE_KEY if _CACHE is not None else None
+        replayed = _CACHE.get(stored) if stored else None
+        if replayed is None:
+            low_t, high_t = (dataclasses.replace(trial, model=layer_variant(cfg, n, workdir)) for n in how.layers)
+            low, high = guarded(measure_simulated, low_t), guarded(measure_simulated, high_t, True)
+            if low["status"] == high["status"] == "ok":
+                replayed = under_pressure(high, extrapolate(low, high, how.units, how.low))
+                if stored:
+                    _CACHE.put(stored, replayed)
+            high.pop(TRACE_KEY, None)
+        if replayed is not None:
+            result = replayed
             row = build_row(trial, {**result, "status": "ok"}, 0.0)
-        high.pop(TRACE_KEY, None)
     f = row.figures
     _, compared = budgeted_peak(trial, f)
     host_usable = f.host_usable_bytes
@@ -322,6 +330,9 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     p.step_counts = result.get("step_counts") or {}  # type: ignore[attr-defined]
     p.row = row  # type: ignore[attr-defined]
     return p
+
+
+PRESSURE_KEY = " under_pressure"  # SimCache key suffix: the whole model's figures from the pressure replay
 
 
 def _past_capacity_by_slack(trial, row) -> bool:

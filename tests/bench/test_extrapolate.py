@@ -84,10 +84,17 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
     page = 20 << 20
     assert abs(extra.figures.peak_reserved_bytes - full["peak_reserved_bytes"]) <= 2 * page
     assert any("further layers held" in n and "cache releases" in n for n in extra.notes)
-    # the planner (its cache keeps no traces) simulates the larger step again for the replay
+    # the planner (its cache keeps no traces) simulates the steps again for the replay, and caches
+    # the outcome: a second plan over the same cache simulates nothing
+    monkeypatch.setattr(plan, "_CACHE", plan.SimCache(tmp_path / "sims.ndjson"))
     point = plan.extrapolated(trial("tight"), str(tmp_path))
     assert point.status == "ok", point.message
     assert point.row.figures.peak_reserved_bytes == extra.figures.peak_reserved_bytes
+    misses = plan._CACHE.misses
+    monkeypatch.setattr(plan, "_CACHE", plan.SimCache(tmp_path / "sims.ndjson"))
+    again = plan.extrapolated(trial("tight"), str(tmp_path))
+    assert plan._CACHE.misses == 0 and plan._CACHE.hits == 3 and misses == 3
+    assert again.status == "ok" and again.row.figures.peak_reserved_bytes == point.row.figures.peak_reserved_bytes
 
 
 def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
