@@ -35,7 +35,8 @@ for the whole step is conservative (the gradients of blocks not yet reached do n
 Checked against full simulations (Llama3-8B torch-cp at 1M on 8 ranks: the slack rule says 76.93
 GiB, over the 75.65 usable; the whole 32-layer step fits after 2 cache releases; the test
 ``test_extrapolation_under_pressure_agrees_with_full_simulation``). The planner
-(``bench.search.plan``) keeps the slack rule: its cached simulations hold no trace.
+(``bench.search.plan``) keeps the slack rule for its cached simulations, which hold no trace, and
+replays under pressure only where the slack alone takes a length past the capacity.
 
 Group extrapolation (two-level checkpoints, ``StepConfig.ac_group = K > 1``;
 ``bench.training.nested``): the rule above does not hold over layers, because the forward
