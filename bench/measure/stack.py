@@ -14,7 +14,8 @@ specs, recorded in every simulated row's levers; rows without it are ``lean``):
   (zero) until a 128K anchor needs it.
 
 The terms of the paper stack (:data:`PAPER_TERMS`), each applied by :func:`apply` to the trial's
-step before it runs, or in the budget by :func:`usable_bytes`:
+step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the simulation itself
+(``bench.measure.run.measure_simulated``):
 
 1. ``allocator``: the step's device allocations and frees replayed through a model of
    PyTorch's CUDA caching allocator with ``expandable_segments:True``
