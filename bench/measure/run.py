@@ -152,8 +152,7 @@ def replay_with_reserve(result: dict[str, Any], reserve: int) -> dict[str, Any]:
     its capacity earlier and, as the real one does, releases its cached blocks and retries before
     it fails, so the deeper model's reserved peak is not the shallow one's plus ``reserve``."""
     trace, device_key, trial = result[TRACE_KEY]
-    collectives = {k: v for k, v in (result.get("step_counts") or {}).items() if k.startswith("comm.")}
-    return _replayed(trial, trace, device_key, collectives, reserve)
+    return _replayed(trial, trace, device_key, result.get("step_counts") or {}, reserve)  # NCCL reads its comm keys
 
 
 def measure_simulated(trial: Trial, keep_trace: bool = False) -> dict[str, Any]:

@@ -187,8 +187,21 @@ def under_pressure(high: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         return {**out, "allocator": {**out["allocator"], "oom": oom, "reserve_bytes": reserve,
                                      "cache_releases": alloc["cache_releases"]}}
     return {**out, "peak_reserved_bytes": max(replayed["peak_reserved_bytes"], out["peak_bytes"]),
-            "allocator": {**out["allocator"], "oom": out["allocator"].get("oom"), "reserve_bytes": reserve,
-                          "cache_releases": alloc["cache_releases"]}}
+            "allocator": {**out["allocator"], "reserve_bytes": reserve, "cache_releases": alloc["cache_releases"]}}
+
+
+def simulated_pair(trial: Trial, how: Scheme, directory: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The two shallow simulations ``how`` names (the larger one keeping its trace) and the model
+    extrapolated from them and replayed under pressure (``under_pressure``); ``None`` for the
+    latter if either simulation failed with an error."""
+    cfg = trial.config()
+    shallow = [dataclasses.replace(trial, model=layer_variant(cfg, n, directory)) for n in how.layers]
+    results = [guarded(measure_simulated, t, i == 1) for i, t in enumerate(shallow)]
+    out = None
+    if not any(r["status"] == "error" for r in results):
+        out = under_pressure(results[1], extrapolate(results[0], results[1], how.units, how.low))
+    results[1].pop(TRACE_KEY, None)
+    return results, out
 
 
 def layer_extrapolated_runner(workdir: str | None = None) -> Callable[[Trial], Row]:
@@ -208,12 +221,9 @@ def layer_extrapolated_runner(workdir: str | None = None) -> Callable[[Trial], R
             if how.size > 1 and result["status"] != "error":
                 result["stack_notes"] = list(result.get("stack_notes") or []) + [how.describe()]
             return build_row(trial, result, time.perf_counter() - t0)
-        shallow = [dataclasses.replace(trial, model=layer_variant(cfg, n, directory)) for n in how.layers]
-        results = [guarded(measure_simulated, t, i == 1) for i, t in enumerate(shallow)]
+        results, extrapolated = simulated_pair(trial, how, directory)
         failed = next((r for r in results if r["status"] == "error"), None)
-        result = failed or under_pressure(results[1], extrapolate(results[0], results[1], how.units, how.low))
-        for r in results:
-            r.pop(TRACE_KEY, None)
+        result = failed or extrapolated
         if not failed:
             result["status"] = "ok"  # the budget is judged on the extrapolated figures (build_row)
             rule = (f"figure({cfg.n_layers}) = figure(3) + (figure(4) - figure(3)) x {cfg.n_layers - LOW}, "

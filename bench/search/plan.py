@@ -99,7 +99,7 @@ from records import GiB, human, read_rows, requested_options
 
 from ..measure import stack as paper_stack
 from ..measure.hardware import get_device
-from ..measure.run import HOST_OOM, TRACE_KEY, budgeted_peak, build_row, guarded, measure_simulated
+from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
 from ..measure.steptime import (
     COUNTS_VERSION,
     attention_kernel,
@@ -113,7 +113,7 @@ from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
-from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme, under_pressure
+from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme, simulated_pair
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
@@ -298,7 +298,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         p.load = float("inf")  # type: ignore[attr-defined]
         return p
     row = build_row(trial, {**result, "status": "ok"}, 0.0)
-    if exact and not how.whole and _past_capacity_by_slack(trial, row):
+    if exact and not how.whole and _past_capacity_by_slack(trial, row, result):
         # the slack rule passes the capacity where the live bytes do not: the allocator would release
         # its cache and retry (bench.search.extrapolate.under_pressure), so replay the larger
         # simulation's trace with the further layers held. Both simulations run again (the cache
@@ -306,13 +306,11 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         stored = _CACHE.key(trial, cfg.name, cfg.n_layers) + PRESSURE_KEY if _CACHE is not None else None
         replayed = _CACHE.get(stored) if stored else None
         if replayed is None:
-            low_t, high_t = (dataclasses.replace(trial, model=layer_variant(cfg, n, workdir)) for n in how.layers)
-            low, high = guarded(measure_simulated, low_t), guarded(measure_simulated, high_t, True)
-            if low["status"] == high["status"] == "ok":
-                replayed = under_pressure(high, extrapolate(low, high, how.units, how.low))
-                if stored:
-                    _CACHE.put(stored, replayed)
-            high.pop(TRACE_KEY, None)
+            pair, replayed = simulated_pair(trial, how, workdir)
+            if any(r["status"] != "ok" for r in pair):
+                replayed = None
+            elif stored:
+                _CACHE.put(stored, replayed)
         if replayed is not None:
             result = replayed
             row = build_row(trial, {**result, "status": "ok"}, 0.0)
@@ -335,13 +333,13 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
 PRESSURE_KEY = " under_pressure"  # SimCache key suffix: the whole model's figures from the pressure replay
 
 
-def _past_capacity_by_slack(trial, row) -> bool:
+def _past_capacity_by_slack(trial, row, result: dict) -> bool:
     """A paper-stack row out of device memory only because its reserved peak (the slack rule's)
     passes the capacity: the allocated peak fits and the replay itself did not run out."""
     f = row.figures
     return (row.status == "oom" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
-            and f.peak_bytes <= f.usable_bytes < f.peak_reserved_bytes and not row.message.startswith(HOST_OOM)
-            and "ran out" not in row.message)
+            and f.peak_bytes <= f.usable_bytes < f.peak_reserved_bytes
+            and not (result.get("allocator") or {}).get("oom"))
 
 
 def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
