@@ -114,6 +114,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp-offload", action="store_true",
                    help="FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients and AdamW state on the host, "
                    "optimizer step on the host")
+    p.add_argument("--ring-barrier", action="store_true",
+                   help="a barrier after every ring step, as the paper's ring code (its vendored yunchang, UPipe's "
+                   "ring) does; the paper stack turns it on for yc-ring, yc-usp and usp-upipe")
     p.add_argument("--fused-attn-norm", action="store_true",
                    help="the attention's RMSNorm inside the method's projections, tiled (upipe only): the normed "
                    "input is never stored")
@@ -251,6 +254,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
             allocator_model=args.allocator_model, offload_keep=args.offload_keep,
             allocator_pools=args.allocator_pools or paper_stack.allocator_pools(stack),
             fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
+            ring_barrier=args.ring_barrier,
             ac_group=args.ac_group, **levers,
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,

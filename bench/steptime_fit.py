@@ -89,12 +89,13 @@ def as_paper_runs(step: StepConfig, method: str) -> StepConfig:
     accounted): checkpoints of all blocks but the first offloaded (``offload_first_only``: more host
     traffic), DeepSpeed's TiledMLP (``tiled_mlp_deepspeed``: the same FLOPs as ours, both recompute
     each tile's forward in backward, but its own elementwise work) and TorchTitan's RoPE table
-    (``rope_table``: offloaded with every offloaded block's input, more host traffic). The allocator
+    (``rope_table``: offloaded with every offloaded block's input, more host traffic) and the paper's
+    ring code's barrier after every ring step (``ring_step_barrier``: more collective calls). The allocator
     and scratch models change memory only, not the counts (``tests/bench/test_steptime.py`` checks
     this equals the paper stack's counts)."""
     paper, _ = stack.apply(dataclasses.replace(step, stack="paper"), method)
     return dataclasses.replace(step, offload_keep=paper.offload_keep, tiled_mlp_impl=paper.tiled_mlp_impl,
-                               rope_table=paper.rope_table)
+                               rope_table=paper.rope_table, ring_barrier=paper.ring_barrier)
 
 
 def trial(model: str, method: str, seq_len: int) -> Trial:

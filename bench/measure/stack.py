@@ -87,6 +87,15 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
    compute stream, so two of each (:func:`cublas_workspace_sizes`). They enter the simulated
    step as live device storage before it starts, in allocated and reserved alike, as
    ``max_memory_allocated`` counts them on a GPU (simulated GPU code path only).
+9. ``ring_step_barrier``: a barrier over the ring's group after every ring step
+   (``StepConfig.ring_barrier``, ``methods.core.ringsync``), for the methods that stand for the
+   paper's ring code (:data:`PAPER_RING_METHODS`: yunchang's Ring and USP, and UPipe 8 x 2).
+   Source: the authors' vendored yunchang (``long-context-attention/yunchang/ring/utils.py``) and
+   UPipe's ring (``untied_ulysses/flash_attn_utils.py``) both end ``RingComm.wait`` with
+   ``dist.barrier(group=self._process_group)``; pip yunchang does not. It changes what runs
+   (one ``c10d::barrier`` per ring step: step time, ``bench.measure.steptime``) and, through
+   term 7, the NCCL buffers of the ring group's all-reduce where nothing else ran a ring
+   collective on it (USP and UPipe 8 x 2's two-rank ring across the nodes).
 
 Not modelled (named so that a residual can be attributed): NVLink SHARP (NVLS) buffers (no
 NVLS algorithm under ``NCCL_ALGO=RING``); Liger's fused
@@ -151,6 +160,10 @@ PAPER_TERMS: tuple[Term, ...] = (
     Term("nccl_buffers", f"NCCL's connection buffers ({NCCL_CONNECTION_BYTES // MiB} MiB per peer and channel) "
          "for the collectives the step issued, taken off the capacity",
          "NVIDIA/nccl#1685 (8 x H100 all-to-all: +3.28 GB, 32 channels per pair); nccl src/graph/paths.cc"),
+    Term("ring_step_barrier", "a barrier over the ring's group after every ring step (yunchang's Ring and USP, "
+         "UPipe 8 x 2)",
+         "authors' long-context-attention/yunchang/ring/utils.py and untied_ulysses/flash_attn_utils.py "
+         "(RingComm.wait: dist.barrier(group))"),
     Term("cublas_workspace", "cuBLAS (32 MiB on sm90) and cuBLASLt (1 MiB) workspaces per handle and stream, "
          "two handles (forward thread, autograd's thread) on the compute stream, through the caching allocator",
          "pytorch aten/src/ATen/cuda/CublasHandlePool.cpp (parseChosenWorkspaceSize, getNewWorkspace)"),
@@ -159,6 +172,8 @@ PAPER_TERMS: tuple[Term, ...] = (
 # methods whose library calls flash-attn itself: the fake flash-attn allocates its scratch
 LIBRARY_KERNELS = ("yc-ulysses", "yc-ring", "yc-usp", "rfa-zigzag", "ds-fpdt")
 SDPA_METHODS = ("torch-cp",)
+# methods that stand for the ring code the paper ran, which synchronises every ring step (term 9)
+PAPER_RING_METHODS = ("yc-ring", "yc-usp", "usp-upipe")
 # methods whose paper runs did not use TorchTitan's model code (term 5 does not apply)
 OUTSIDE_TORCHTITAN = ("fpdt", "ds-fpdt", "ds-ulysses-hf")
 
@@ -197,6 +212,9 @@ def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
     if step.rope_table == "auto" and method not in OUTSIDE_TORCHTITAN and step.scope == "model":
         changes["rope_table"] = "checkpointed"
         notes.append("paper stack: rope_table (TorchTitan's freqs_cis over the whole sequence on every rank)")
+    if not step.ring_barrier and method in PAPER_RING_METHODS:
+        changes["ring_barrier"] = True
+        notes.append("paper stack: ring_step_barrier (a barrier after every ring step, as the paper's ring code)")
     return dataclasses.replace(step, **changes), notes
 
 

@@ -56,7 +56,7 @@ OFFLOAD_KEEPS = ("first_last", "first", "none")
 # fields added after rows were committed: a row records them only away from their default
 LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
                "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table", "ac_group",
-               "allocator_pools")
+               "allocator_pools", "ring_barrier")
 # simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
 # away from its default such a setting is refused outside simulated mode (Trial.validate)
 SIMULATION_ONLY = (
@@ -101,6 +101,7 @@ class StepConfig:
     rope_table: str = "auto"  # auto (the stack decides) | none | checkpointed (TorchTitan's table, a block argument)
     ac_group: int = 1  # blocks per outer checkpoint (bench.training.nested); 1: one checkpoint per block
     allocator_pools: str = "shared"  # simulation only, with allocator_model: shared | per-stream (ALLOCATOR_POOLS)
+    ring_barrier: bool = False  # a barrier after every ring step, as the paper's ring code (methods.core.ringsync)
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():

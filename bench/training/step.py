@@ -40,6 +40,8 @@
 * AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1).
 * ``kernel_workspace`` (simulation only): the attention kernel's backward scratch buffers,
   which fake kernels do not allocate (``bench.measure.workspace``: ``none``, ``fa2``, ``fa3``).
+* ``ring_barrier``: a barrier after every ring step's wait, for the whole step (forward and
+  backward), as the ring code the paper ran does (``methods.core.ringsync``); numerics unchanged.
 
 Two scopes: ``model`` (embedding -> blocks -> loss, backward, optimizer step) and
 ``attention`` (one attention block forward + backward on random input, weights in the
@@ -51,6 +53,7 @@ on one rank with a fake process group (emulated) and under FakeTensorMode (simul
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,7 +68,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import methods
-from methods.core import comm
+from methods.core import comm, ringsync
 
 from ..model.config import ModelConfig
 from ..model.decoder import Decoder
@@ -378,6 +381,15 @@ def attention_step(case: AttentionCase) -> None:
 def step_fn(scope: str, built, batch: Batch | None, step: StepConfig, group) -> Callable[[], Any]:
     """A zero-argument callable that runs one step of either scope."""
     if scope == "attention":
-        return lambda: attention_step(built)
-    model, opt = built
-    return lambda: model_step(model, opt, batch, step, group)
+        run = functools.partial(attention_step, built)
+    else:
+        model, opt = built
+        run = functools.partial(model_step, model, opt, batch, step, group)
+    if not step.ring_barrier:
+        return run
+
+    def synchronised():  # the whole step, so that the backward's ring steps are covered too
+        with ringsync.ring_step_barriers():
+            return run()
+
+    return synchronised

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import ringsync
+
 Group = "dist.ProcessGroup | None"
 
 
@@ -233,3 +235,5 @@ class RingComm:
         for req in self._reqs:
             req.wait()
         self._reqs = []
+        if ringsync.enabled() and self.size > 1:  # the paper's ring code synchronises every step
+            ringsync.barrier(self.group)
