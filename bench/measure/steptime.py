@@ -42,6 +42,17 @@ a measurement). The terms, each a named mechanism:
   FSDP2's all-gathers (prefetched one block ahead) and reduce-scatters (issued on their own
   stream), and ring attention's P2P sends (posted before the block's kernel runs) **overlap
   compute**: only what exceeds the compute is exposed, ``max(0, overlapped − compute)``.
+* **The paper's ring-step barriers** (paper stack term 9, ``methods.core.ringsync``): the ring
+  code the paper ran ends every ring step with ``dist.barrier(group)``; the counts have them
+  (``comm.barrier.*``, bytes 0), on the critical path (``CRITICAL_OPS``: the host waits for it),
+  each at ``barrier_s`` (fitted) instead of ``latency_s``: ``4R - 3`` per layer and ring pass
+  (forward R-1, its recomputation R-1, backward 2R-1) for a ring of R, per UPipe stage for
+  UPipe 8 x 2. A barrier costs more than an asynchronous collective's launch: NCCL's
+  ``barrier`` waits on the host for the one-element all-reduce, so the device drains its queue
+  and idles while the host launches the next ring step. One figure for every group is a
+  simplification: the fit takes it from Ring's eight-rank ring in one node (Llama3-8B 128K);
+  validated on Ring's sixteen ranks over two nodes (Qwen3-32B 128K: +3.9%, was +36.7% with no
+  barrier counted) and over-charged on UPipe 8 x 2's two-rank rings (Qwen3-32B 128K: -10.5%).
 * **host traffic** through the host link (``HOST_LINK_Bps``: PCIe 5.0 x16, 32 GT/s per lane x 16
   lanes with 128b/130b coding = 63.0 GB/s per direction, PCI-SIG PCIe 5.0 base specification;
   each H100 SXM has its own x16 link to the host in a DGX/HGX H100). Checkpoint offload
@@ -73,8 +84,8 @@ Measured constant: ``eff_matmul`` = ``EFF_MATMUL_MEASURED``, the FLOP-weighted r
 four bf16 GEMMs (QKV, O, gate/up, down of Llama3-8B at 4096 tokens) on the lent H100
 (``results/gpu/h100-ws1/kernels.ndjson``: 775 TFLOP/s of 989), not fitted since version 4.
 
-Fitted constants (``FITTED``): ``eff_attention``, ``eff_attention_fa2``, ``latency_s`` and
-``ds_fpdt_chunk_s``, by
+Fitted constants (``FITTED``): ``eff_attention``, ``eff_attention_fa2``, ``latency_s``,
+``ds_fpdt_chunk_s`` and ``barrier_s``, by
 ``python -m bench steptime`` on the declared cells ``FIT_CELLS`` of the paper's Table 3 (the
 counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/test_steptime.py``
 checks that refitting reproduces them. Through version 3 ``eff_matmul`` was fitted as well and
@@ -83,14 +94,15 @@ every other method's calls 0.9 ms each (UPipe/Ulysses 0.79 on Qwen3-32B at 128K,
 
 Checked on a real H100 (``results/gpu/h100-ws1/compare.md``; world size 1, 4 blocks of
 Llama3-8B, torch's SDPA flash; never used to fit): with the version-3 counts and constants the
-modelled step was within -10% to +2% of the real one (compare.md, made then); with the version-4
-constants on the same counts it is within -12% to 0% (Ulysses 64K-256K -0.9 / -0.1 / -0.9%,
-torch-cp -0.6%, fpdt -5.4%, UPipe -11.9 / -6.1 / -3.6%, offload -10.3%), and ``eff_attention_fa2``
-(0.32) sits at the kernel's measured rate (0.31-0.36). Before version 3 the model was 13-43% fast
-there with ``eff_matmul`` at 0.43: the counts left out the tiles a simulation skips (most of the
-tiled MLP's and the loss's matmuls at long sequences) and the memory-bound kernels, and the fit had
-absorbed them. UPipe's measured stage cost at world size 1 (1.18x / 1.10x / 1.05x Ulysses at 64K /
-128K / 256K; modelled 1.05x / 1.03x / 1.02x) is still partly missing.
+modelled step was within -10% to +2% of the real one (compare.md, made then); with the version-5
+constants on the same counts it is within -12% to 0% (Ulysses 64K-256K -1.0 / -0.2 / -1.1%,
+torch-cp -0.8%, fpdt -5.5%, UPipe -12.0 / -6.4 / -4.2%, offload -10.4%; no ring there, so no
+barrier), and ``eff_attention_fa2`` (0.32) sits at the kernel's measured rate (0.31-0.36).
+Before version 3 the model was 13-43% fast there with ``eff_matmul`` at 0.43: the counts left out
+the tiles a simulation skips (most of the tiled MLP's and the loss's matmuls at long sequences) and
+the memory-bound kernels, and the fit had absorbed them. UPipe's measured stage cost at world size
+1 (1.18x / 1.10x / 1.05x Ulysses at 64K / 128K / 256K; modelled 1.05x / 1.03x / 1.02x) is still
+partly missing.
 """
 from __future__ import annotations
 
@@ -104,8 +116,9 @@ from .stack import scratch_model
 
 # 2: collectives the attention issues (comm_attn.*) are on the critical path; 3: counts weigh the
 # simulated tiles by the skipped ones they stand for, addmm_ FLOPs, the memory-bound kernels' term;
-# 4: DeepSpeed FPDT's per-chunk synchronisation (pipeline.chunk_passes), eff_matmul measured, not fitted
-STEPTIME_VERSION = 4
+# 4: DeepSpeed FPDT's per-chunk synchronisation (pipeline.chunk_passes), eff_matmul measured, not fitted;
+# 5: the paper's ring-step barriers (comm.barrier.*) at their own fitted barrier_s
+STEPTIME_VERSION = 5
 # the counts' own version (what bench.measure.stepcount counts): 3 since the memory-bound bytes. Version 4 of the
 # model added pipeline.chunk_passes, which only the DeepSpeed-FPDT term reads (the Table 3 model, on counts it
 # collects itself), so counts of version 3 are complete for everything else and need no re-simulation
@@ -125,14 +138,15 @@ class StepTimeConstants:
     eff_attention_fa2: float  # the same for torch's SDPA flash kernel (FlashAttention 2's code)
     latency_s: float  # per collective call: NCCL launch + peer synchronisation
     ds_fpdt_chunk_s: float = 0.0  # per chunk pass of DeepSpeed's FPDT: its host synchronisations (docstring)
+    barrier_s: float = 0.0  # per ring-step barrier of the paper's ring code: all-reduce, host wait, relaunch
 
     def __post_init__(self) -> None:
         effs = (self.eff_matmul, self.eff_attention, self.eff_attention_fa2)
         if not all(0 < e <= 1 for e in effs):
             raise ValueError(f"efficiencies must be in (0, 1], got {effs}")
-        if self.latency_s < 0 or self.ds_fpdt_chunk_s < 0:
-            raise ValueError(f"latency_s and ds_fpdt_chunk_s must be >= 0, got {self.latency_s}, "
-                             f"{self.ds_fpdt_chunk_s}")
+        if self.latency_s < 0 or self.ds_fpdt_chunk_s < 0 or self.barrier_s < 0:
+            raise ValueError(f"latency_s, ds_fpdt_chunk_s and barrier_s must be >= 0, got {self.latency_s}, "
+                             f"{self.ds_fpdt_chunk_s}, {self.barrier_s}")
 
 
 # the FLOP-weighted rate of Llama3-8B's four GEMMs at 4096 tokens on the lent H100 (775 TFLOP/s of the preset's 989;
@@ -142,8 +156,10 @@ EFF_MATMUL_MEASURED = 0.783165
 # STEPTIME_VERSION 4), eff_matmul held at EFF_MATMUL_MEASURED. eff_attention_fa2 sits at the kernel's measured H100
 # rate (0.31-0.36, kernels.ndjson). latency_s is still above NCCL's own (~10-50 us per call): a fitted, not a
 # measured, figure. Before version 4 a single latency (0.9 ms) also absorbed DeepSpeed FPDT's per-chunk cost.
-FITTED = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=0.613045, eff_attention_fa2=0.317995,
-                           latency_s=347.317e-6, ds_fpdt_chunk_s=35.9139e-3)
+# barrier_s, per barrier of the paper's ring code (paper stack term 9), is fitted by Ring's 928 barriers in the
+# Llama3-8B 128K fit cell; charged at latency_s instead, the fit doubled the latency of every call (696 us).
+FITTED = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=0.630307, eff_attention_fa2=0.318587,
+                           latency_s=459.679e-6, ds_fpdt_chunk_s=36.4536e-3, barrier_s=1218.39e-6)
 # what FITTED was before version 3, fitted on the version-2 counts (the tiles a simulation skips left out, no
 # memory-bound bytes): for counts made before version 3 (the planner's cache), which these constants absorbed
 FITTED_V2 = StepTimeConstants(eff_matmul=0.426829, eff_attention=0.614063, eff_attention_fa2=0.315194,
@@ -214,14 +230,20 @@ def collective_seconds(op: str, nbytes: float, size: int, in_node: int, link: Li
     return 0.0
 
 
-def _comm_terms(counts: dict[str, float], link: LinkModel, latency_s: float) -> dict[str, float]:
-    out = {"critical_s": 0.0, "overlapped_s": 0.0, "critical_calls": 0.0, "overlapped_calls": 0.0}
+def _comm_terms(counts: dict[str, float], link: LinkModel, latency_s: float, barrier_s: float) -> dict[str, float]:
+    """Critical and overlapped communication: bandwidth time plus ``latency_s`` per call, ``barrier_s``
+    per barrier (``barrier_calls``, also among ``critical_calls``)."""
+    out = {"critical_s": 0.0, "overlapped_s": 0.0, "critical_calls": 0.0, "overlapped_calls": 0.0,
+           "barrier_calls": 0.0}
     for key, nbytes in counts.items():
         if not key.startswith("comm") or not key.endswith(".bytes"):
             continue
         kind, op, size, in_node, _ = key.split(".")
         calls = counts.get(key[:-len("bytes")] + "calls", 0)
-        t = collective_seconds(op, nbytes, int(size), int(in_node), link) + calls * latency_s
+        t = collective_seconds(op, nbytes, int(size), int(in_node), link) + calls * (
+            barrier_s if op == "barrier" else latency_s)
+        if op == "barrier":
+            out["barrier_calls"] += calls
         if kind == "comm_attn":  # counted under comm.* as overlapped: move it to the critical path
             out["overlapped_s"] -= t
             out["overlapped_calls"] -= calls
@@ -263,7 +285,7 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
     attn = counts.get("flops.attention", 0) / (eff_attn * peak)
     memory = memory_bound_seconds(counts, device)
     compute = mm + attn + memory
-    comm = _comm_terms(counts, link, constants.latency_s)
+    comm = _comm_terms(counts, link, constants.latency_s, constants.barrier_s)
     exposed_overlap = max(0.0, comm["overlapped_s"] - compute)
     offload_b = counts.get("host.offload.d2h_bytes", 0) + counts.get("host.offload.h2d_bytes", 0)
     method_b = counts.get("host.method.d2h_bytes", 0) + counts.get("host.method.h2d_bytes", 0)
@@ -275,6 +297,7 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
     terms = {
         "compute_matmul_s": mm, "compute_attention_s": attn, "compute_memory_bound_s": memory,
         "comm_critical_s": comm["critical_s"], "comm_critical_calls": comm["critical_calls"],
+        "comm_barrier_calls": comm["barrier_calls"],
         "comm_overlapped_s": comm["overlapped_s"], "comm_overlapped_exposed_s": exposed_overlap,
         "host_offload_s": host_offload, "host_method_s": host_method, "host_method_exposed_s": exposed_method,
         "ds_fpdt_sync_s": sync,

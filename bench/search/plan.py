@@ -751,7 +751,8 @@ def render(res: dict[str, Any]) -> str:
         f"(longest that every method fits); source per row: measured = results/ real rows, "
         f"model = bench.measure.steptime on counts of v{version} (counted FLOPs at eff {consts.eff_matmul:.2f} "
         f"matmul / {consts.eff_attention:.2f} attention, collectives through the link model with "
-        f"{consts.latency_s * 1e6:.0f} us per call, host copies over PCIe 5 x16"
+        f"{consts.latency_s * 1e6:.0f} us per call ({consts.barrier_s * 1e6:.0f} us per ring-step barrier of the "
+        f"paper's ring code), host copies over PCIe 5 x16"
         + (", memory-bound kernels at the HBM bandwidth)" if version >= 3 else
            "; counts made before v3: the constants fitted on such counts, bench.measure.steptime.FITTED_V2)"),
         "",

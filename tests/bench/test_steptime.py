@@ -225,6 +225,19 @@ def test_latency_is_paid_per_call():
         == pytest.approx(396 * 1e-4)
 
 
+def test_a_barrier_costs_barrier_s_on_the_critical_path_not_latency_s():
+    """The paper's ring-step barriers (paper stack term 9) are priced at their own constant and
+    waited on (the fit's twin prices them alike: ``test_the_fit_times_steps_as_the_model_does``)."""
+    link, dev = get_link("nvlink-h100"), get_device("h100-80g")
+    base = {"flops.matmul": 1e15, "comm.send.8.8.bytes": 1e9, "comm.send.8.8.calls": 8}
+    synced = {**base, "comm.barrier.8.8.bytes": 0, "comm.barrier.8.8.calls": 100}
+    c = StepTimeConstants(0.5, 0.5, 0.5, 1e-5, 0.0, 3e-3)
+    extra = step_time(synced, dev, link, c)["step_time_s"] - step_time(base, dev, link, c)["step_time_s"]
+    assert extra == pytest.approx(100 * 3e-3)  # not hidden behind compute as the sends are
+    terms = step_time(synced, dev, link, c)["terms"]
+    assert terms["comm_barrier_calls"] == 100 and terms["comm_critical_calls"] == 100
+
+
 def test_scale_counts_by_leading_power():
     c = scale_counts({"flops.attention": 4.0, "flops.matmul": 2.0, "comm.x.8.8.calls": 3,
                       "comm.x.8.8.bytes": 10.0, "host.offload.d2h_calls": 5}, 100, 200)
@@ -260,6 +273,7 @@ def test_the_fit_reproduces_the_committed_constants(committed):
     assert got.eff_attention_fa2 == pytest.approx(FITTED.eff_attention_fa2, rel=1e-3)
     assert got.latency_s == pytest.approx(FITTED.latency_s, rel=1e-2, abs=1e-7)
     assert got.ds_fpdt_chunk_s == pytest.approx(FITTED.ds_fpdt_chunk_s, rel=1e-2)
+    assert got.barrier_s == pytest.approx(FITTED.barrier_s, rel=1e-2)
 
 
 def test_table3_fpdt_cells_count_the_papers_chunks(committed):
@@ -280,7 +294,7 @@ def test_the_fit_times_steps_as_the_model_does(committed):
     from bench.steptime_fit import _step_time_t, _TensorConstants
 
     dev, link = get_device("h100-80g"), get_link("nvlink-h100")
-    fa3 = (FITTED.eff_matmul, FITTED.eff_attention, FITTED.latency_s, FITTED.ds_fpdt_chunk_s)
+    fa3 = (FITTED.eff_matmul, FITTED.eff_attention, FITTED.latency_s, FITTED.ds_fpdt_chunk_s, FITTED.barrier_s)
     twin = _TensorConstants(*(torch.tensor(v, dtype=torch.float64) for v in fa3))
     for counts in committed.values():
         for ds_fpdt in (False, True):
