@@ -95,7 +95,9 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
    ``dist.barrier(group=self._process_group)``; pip yunchang does not. It changes what runs
    (one ``c10d::barrier`` per ring step: step time, ``bench.measure.steptime``) and, through
    term 7, the NCCL buffers of the ring group's all-reduce where nothing else ran a ring
-   collective on it (USP and UPipe 8 x 2's two-rank ring across the nodes).
+   collective on it (USP and UPipe 8 x 2's two-rank ring across the nodes). Term 7 counts that
+   ring with the 32 channels of a ring inside an NVSwitch node; NCCL probably gives a ring of one
+   rank per node fewer (its network channels), so there it may over-count by up to 0.4 GiB.
 
 Not modelled (named so that a residual can be attributed): NVLink SHARP (NVLS) buffers (no
 NVLS algorithm under ``NCCL_ALGO=RING``); Liger's fused
