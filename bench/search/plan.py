@@ -161,7 +161,7 @@ class SimCache:
 
     # step fields added after the committed cache was written: keyed only away from their default,
     # so that the committed keys (which lack them) still name the same simulations
-    LATE_STEP_FIELDS = {"allocator_pools": "shared"}
+    LATE_STEP_FIELDS = {"allocator_pools": "shared", "ring_barrier": False}
 
     @staticmethod
     def key(trial: Trial, name: str, n_layers: int) -> str:

@@ -190,15 +190,17 @@ def test_simulation_cache_reads_committed_and_writes_only_the_users(tmp_path):
 def test_the_committed_plan_cache_still_answers_the_committed_plans_trials():
     """A step field added later must not change the keys of the committed cache (every trial would miss,
     and the committed plans would take an hour again): the 8-GPU plan's UPipe base trial at 3 layers, 4M,
-    is in it."""
+    is in it (a pool per stream), and the 16-GPU plan's USP x UPipe base trial (one shared pool)."""
     committed = Path(__file__).resolve().parents[2] / "results" / "plan" / "sims.ndjson"
     cache = SimCache(None, (committed,))
     trial = Trial.make("upipe", "llama3-8b", 4 << 20, 8, device="h100-80g", mode="simulated",
                        step=StepConfig(stack="paper"))
-    assert cache.get(SimCache.key(trial, "llama3-8b", 3)) is not None  # shared pool (the 16-GPU plans' kind)
     per_stream = dataclasses.replace(trial, step=dataclasses.replace(trial.step, allocator_pools="per-stream"))
     assert SimCache.key(per_stream, "llama3-8b", 3) != SimCache.key(trial, "llama3-8b", 3)
     assert cache.get(SimCache.key(per_stream, "llama3-8b", 3)) is not None  # the 8-GPU plan's default
+    shared = Trial.make("usp-upipe", "llama3-8b", 4 << 20, 16, {"ulysses_degree": 8}, device="h100-80g",
+                        mode="simulated", step=StepConfig(stack="paper"))
+    assert cache.get(SimCache.key(shared, "llama3-8b", 3)) is not None  # shared pool (the 16-GPU plans' kind)
 
 
 def test_plan_pools_reach_every_paper_stack_trial():
