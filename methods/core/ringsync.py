@@ -25,7 +25,8 @@ the same, as the vendored copy does (when yunchang is imported: its wrappers imp
 are built, before the step). Scopes nest (a count under a lock); yunchang's own method is
 bound back when the last one ends. Nothing in site-packages is edited. The barriers pass through
 the dispatcher as ``c10d::barrier``, so the benchmark's ``CommCounter`` counts them
-(``comm.barrier.*``) and the step-time model charges each as a collective on the critical path.
+(``comm.barrier.*``) and the step-time model charges each on the critical path at its own fitted
+cost (``barrier_s``, ``bench.measure.steptime``).
 
 The paper stack turns it on for the methods that stand for the paper's ring code
 (``bench.measure.stack``, term 9).
