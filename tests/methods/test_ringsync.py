@@ -9,6 +9,7 @@ yunchang's own ``RingComm.wait`` is back once the scope ends.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 
@@ -20,6 +21,18 @@ from methods.core import ringsync
 from tests.methods.cases import SPECS, TOLERANCE, check_against_reference
 
 HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
+
+
+@pytest.fixture
+def fresh_yunchang():
+    """yunchang imported in this process only while a test runs: it records at import whether
+    flash-attn is present, and later tests (tests/test_fake_flash_attn.py) check what a process
+    that never imported it sees (as tests/methods/test_yc_fa3.py does)."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name == "yunchang" or name.startswith("yunchang."):
+            del sys.modules[name]
 
 
 def ring_steps_of_one_pass(ring_degree: int) -> int:
@@ -81,7 +94,7 @@ def _barrier_calls(method: str, options: dict, **step) -> float:
     return sum(v for k, v in r["step_counts"].items() if k.startswith("comm.barrier.") and k.endswith(".calls"))
 
 
-def test_the_paper_stack_synchronises_the_papers_ring_code_only():
+def test_the_paper_stack_synchronises_the_papers_ring_code_only(fresh_yunchang):
     layers = 4  # tiny-llama
     per_layer = ring_steps_of_one_pass(4) + 3  # the checkpointed block's forward runs again: R-1 more
     assert _barrier_calls("ring", {}, stack="paper") == 0  # ours: no barrier unless asked
@@ -97,7 +110,7 @@ def test_the_paper_stack_synchronises_the_papers_ring_code_only():
 
 
 @pytest.mark.skipif(not HAS_YUNCHANG, reason="yunchang is not installed (pip install yunchang)")
-def test_yunchangs_wait_is_its_own_again_after_the_scope():
+def test_yunchangs_wait_is_its_own_again_after_the_scope(fresh_yunchang):
     from yunchang.ring import utils
 
     own = utils.RingComm.wait
