@@ -109,7 +109,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "first, or none (every block's on the host); the paper stack turns first_last into first")
     p.add_argument("--ac-group", type=positive_int, default=1, metavar="K",
                    help="two-level checkpointing (Chen et al. 2016): blocks in groups of K under an outer "
-                   "checkpoint, so the host holds about n/K + K block inputs instead of n; up to one more "
+                   "checkpoint, so the host holds about n/K + K - 1 block inputs instead of n; up to one more "
                    "forward per block (1: one checkpoint per block)")
     p.add_argument("--fsdp-offload", action="store_true",
                    help="FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients and AdamW state on the host, "
@@ -343,7 +343,7 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
         raise UsageError(f"python -m bench {what}: error: {err}") from None
     if extrapolate and trial.step.ac_group > 1:
         raise UsageError(f"python -m bench {what}: error: --extrapolate-layers extrapolates linearly in the layers, "
-                         f"and --ac-group's host peak (about n/K + K checkpoints) is not; drop one of them")
+                         f"and --ac-group's host peak (about n/K + K - 1 checkpoints) is not; drop one of them")
     if extrapolate and trial.mode != "simulated":
         raise UsageError(f"python -m bench {what}: error: --extrapolate-layers extrapolates simulations; "
                          f"it cannot stand in for a {trial.mode} run: drop it or use --mode simulated")

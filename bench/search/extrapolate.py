@@ -61,6 +61,18 @@ carries, the reserved peak again taking the larger simulation's slack (``scheme`
 rule; ``tests/bench/test_plan.py`` checks it against a full simulation). When ``K`` does not
 divide ``L`` (the last group is shorter: not identical groups) or the model has too few groups
 to gain anything (``n <= g + 1``), the model is simulated whole.
+
+Limits. Both rules extrapolate the peak of the two simulations, i.e. the step's heaviest moment
+at that depth. The rules are exact while that moment stays the heaviest at the full depth. Each
+moment grows linearly, but not all at the same rate: without ``fsdp_offload`` the sharded
+gradients of the blocks already done accumulate on the device over the backward, so a moment
+late in the backward grows faster with depth than one early in it, and where the shallow
+simulations peak early and the two moments are close the full model peaks late, above the
+extrapolation. Measured on a tiny model where gradients are large next to activations
+(``test_group_extrapolation_matches_full_simulation``: 10 layers, ``first_last``, 32768 tokens):
+0.8% under. At the lengths the searches reach, the activations of one block's backward are tens
+of GiB against a few GiB of gradients, and the planner's two-level rungs run with
+``fsdp_offload`` (gradients on the host).
 """
 from __future__ import annotations
 

@@ -16,12 +16,14 @@ What is stored where (torch's nested-checkpoint rules, ``torch/utils/checkpoint.
   ``K-1`` blocks, torch's early stop ends it at the last block's input), which re-creates the
   group's ``K`` block inputs; those are the outer checkpoint's recomputed tensors and go to
   the host (``_OffloadRecomputed``), then each block's backward recomputes that block as at
-  ``K=1``. Host: about ``n/K + K`` block inputs; device: one block's working set plus the
-  group input being recomputed from, as at ``K=1``.
+  ``K=1``. The first of them is the group's own input, which the outer checkpoint already
+  keeps until the group's backward ends: it is stored as that kept copy, not copied again
+  (``CheckpointedGroup.held_copy``). Host: about ``n/K + K - 1`` block inputs; device: one
+  block's working set plus the group input being recomputed from, as at ``K=1``.
 
 Cost (for the step-time model): ``K-1`` more block forwards per group, i.e. up to one more
-forward per block (``(K-1)/K``), and the host traffic of ``K`` more block inputs per group
-(down and up once each).
+forward per block (``(K-1)/K``), and the host traffic of ``K-1`` more block inputs down and
+``K`` up per group.
 
 The offload of the recomputed inputs cannot be a saved-tensor hook pushed by the inner block,
 as at ``K=1``: such a hook would take the inner inputs away from the parent checkpoint (in the
@@ -33,9 +35,11 @@ tensor it stores moves to the host.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 
@@ -44,6 +48,47 @@ def group_bounds(n_layers: int, size: int) -> list[range]:
     if not 1 <= size <= n_layers:
         raise ValueError(f"ac_group must be between 1 and n_layers={n_layers}, got {size}")
     return [range(start, min(n_layers, start + size)) for start in range(0, n_layers, size)]
+
+
+def same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same data. A tensor reaches an inner checkpoint as a new
+    tensor object over the same storage: torch's saved tensors unpack as new variables, and
+    FSDP2's pre-forward passes a block's inputs that need gradients through an autograd function."""
+    if a is b:
+        return True
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset()
+            and a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+
+
+class FetchedCopies:
+    """Device tensors that an offload's ``unpack`` made -> the host tensors they were copied from.
+
+    Held weakly on both sides, so nothing here keeps memory alive: the device side by its
+    storage (``StorageWeakRef``: the tensor object itself is dropped at once, when torch wraps the
+    unpacked data in a new variable; a storage that died cannot be mistaken for a new one at the
+    same address while the weak reference holds its control block), the host side by the tensor
+    object, which the checkpoint's saved tensor holds as long as it is needed.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[StorageWeakRef, tuple, weakref.ref]] = []
+
+    @staticmethod
+    def _view(t: torch.Tensor) -> tuple:
+        return t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
+
+    def _live(self) -> list[tuple[StorageWeakRef, tuple, weakref.ref]]:
+        self._entries = [e for e in self._entries if not e[0].expired() and e[2]() is not None]
+        return self._entries
+
+    def add(self, device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
+        self._live().append((StorageWeakRef(device_tensor.untyped_storage()), self._view(device_tensor),
+                             weakref.ref(host_tensor)))
+
+    def get(self, t: torch.Tensor) -> torch.Tensor | None:
+        cdata, view = t.untyped_storage()._cdata, self._view(t)
+        return next((host() for ref, v, host in self._live() if ref.cdata == cdata and v == view), None)
 
 
 class _OffloadRecomputed:
@@ -57,8 +102,8 @@ class _OffloadRecomputed:
     recomputed device tensor, so the ``K`` re-created block inputs wait on the host.
     """
 
-    def __init__(self, offload, recompute: bool) -> None:
-        self.offload, self.recompute = offload, recompute
+    def __init__(self, offload, recompute: bool, group: CheckpointedGroup | None = None) -> None:
+        self.offload, self.recompute, self.group = offload, recompute, group
 
     def __enter__(self) -> None:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -67,6 +112,9 @@ class _OffloadRecomputed:
         pack, unpack = top
         if self.recompute:
             def wrapped_pack(t):
+                held = self.group.held_copy(t) if self.group is not None else None
+                if held is not None:  # the group's own input: stored as the copy already kept
+                    return pack(held)
                 packed = self.offload.pack(t)
                 return pack(packed[1] if isinstance(packed, tuple) else packed)
 
@@ -100,12 +148,33 @@ class CheckpointedGroup(nn.Module):
         self.outer, self.inner = outer, inner
 
     def _run(self, x: torch.Tensor, positions: torch.Tensor, *rope_table: torch.Tensor) -> torch.Tensor:
+        # the arguments of this run (the forward's, then the recomputation's): see held_copy
+        self._args = [weakref.ref(a) for a in (x, positions, *rope_table)]
         for block in self.blocks:
             x = block(x, positions, *rope_table)
         return x
 
+    def held_copy(self, t: torch.Tensor) -> torch.Tensor | None:
+        """What the outer checkpoint already keeps of ``t``, if ``t`` is an argument of the
+        group's recomputation (the group's input, positions, RoPE table), else ``None``.
+
+        The first block of the group saves the group's input again. Offloaded, that was a second
+        host copy of a tensor whose first copy the outer checkpoint holds until the group's
+        backward ends (one block input of host memory, and its device-to-host copy, per group).
+        Instead it is stored as that same copy: the host tensor it was unpacked from
+        (``HostOffload.host_copy``), or, when the outer keeps the group's input on the device,
+        the device tensor itself, which the outer's saved input already holds.
+        """
+        arg = next((a for a in (ref() for ref in getattr(self, "_args", ())) if a is not None and same_data(a, t)),
+                   None)
+        if arg is None:
+            return None
+        if self.outer is None:
+            return t
+        return self.outer.host_copy(arg)
+
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return _OffloadRecomputed(self.inner, False), _OffloadRecomputed(self.inner, True)
+        return _OffloadRecomputed(self.inner, False), _OffloadRecomputed(self.inner, True, self)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *rope_table: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():

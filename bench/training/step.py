@@ -73,7 +73,7 @@ from methods.core import comm, ringsync
 from ..model.config import ModelConfig
 from ..model.decoder import Decoder
 from .config import StepConfig
-from .nested import CheckpointedGroup, group_bounds
+from .nested import CheckpointedGroup, FetchedCopies, group_bounds
 
 # --------------------------------------------------------------------------- offload
 
@@ -88,6 +88,9 @@ class HostOffload:
 
     def __init__(self, host: str = "cpu", pin: bool = False) -> None:
         self.host, self.pin = torch.device(host), pin
+        # what ``unpack`` handed back -> the host copy it came from, while both live
+        # (``bench.training.nested``: a group's recomputed input is stored as that copy again)
+        self._fetched = FetchedCopies()
 
     def pack(self, t: torch.Tensor):
         if t.device == self.host or (self.host.type == "cpu" and t.device.type == "cpu"):
@@ -107,8 +110,18 @@ class HostOffload:
             return torch.empty(t.shape, dtype=t.dtype, device=device)
         return t.to(device, non_blocking=self.pin)
 
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor that ``t``'s data was unpacked from by these hooks (``None``: none)."""
+        return self._fetched.get(t)
+
+    def _unpack_remembering(self, packed):
+        t = self.unpack(packed)
+        if isinstance(packed, tuple) and t is not packed[1]:
+            self._fetched.add(t, packed[1])
+        return t
+
     def __call__(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self._unpack_remembering)
 
 
 class CheckpointedBlock(nn.Module):
