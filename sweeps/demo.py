@@ -44,7 +44,7 @@ WHY_DIFFERENT = {
     "ulysses": "ours: own Ulysses, simulated under the paper stack; paper: yunchang's Ulysses, measured (OOM at 4M)",
     "fpdt": "ours: own FPDT-style method at its default 2 chunks per rank, simulated under the paper stack; paper: "
             "DeepSpeed's FPDT in chunks of 64K tokens (python -m bench fidelity checks that one at 4M)",
-    "upipe": "paper's 5M is the longest it ran (a lower bound); ours: simulated under the paper stack",
+    "upipe": "paper: the longest it ran (5M fits; a lower bound); ours: simulated under the paper stack",
     "offload": "Ulysses with every saved activation offloaded: not a method of the paper",
 }
 
@@ -65,7 +65,9 @@ def summary() -> None:
         print(f"  {_human(seq):>5}: {cells}   upipe/ulysses {ratio:.2f}")
     print("  (each the median of the timed steps of one run on a shared 2-core host; the rows keep every step and the"
           " host's load: read as 'no method is much slower', not as a ranking)")
-    rows = [r for r in read_rows(OUT / "demo-maxctx-llama3-8b.jsonl", on_error="warn") if r.kind == "max_context"]
+    searched = read_rows(OUT / "demo-maxctx-llama3-8b.jsonl", on_error="warn")
+    rows = [r for r in searched if r.kind == "max_context"]
+    failed = [r for r in searched if r.kind == "trial" and r.status != "ok"]
     steps = sorted({(r.search or {}).get("step") for r in rows} - {None})
     print(f"[simulated, Llama3-8B, 8 x h100-80g, paper's levers] max context: ours (paper); search step "
           f"{', '.join(human(s) for s in steps) or '—'} (the committed paper-stack searches use 256K)")
@@ -78,8 +80,22 @@ def summary() -> None:
         ours = f"<{_human(step)}" if found == 0 and r.status == "ok" and step else _human(found)
         print(f"  {r.method:<8} {ours:>6}  ({PAPER_MAX_CONTEXT.get(r.method, '—')})"
               + ("" if r.status == "ok" else f"  [{r.status}: {r.message.splitlines()[0][:80]}]"))
+        stop = _first_failure(failed, r.method, found or 0)
+        if stop is not None:  # what ended the search: the device, the host memory, an error
+            print(f"           stops at {_human(stop.seq_len)}: {_one_line(stop.message)}")
         if r.method in WHY_DIFFERENT:
             print(f"           {WHY_DIFFERENT[r.method]}")
+
+
+def _first_failure(failed: list, method: str, found: int):
+    """The search's probe that failed at the shortest length above what it found, if any."""
+    above = [r for r in failed if r.method == method and r.seq_len > found]
+    return min(above, key=lambda r: r.seq_len) if above else None
+
+
+def _one_line(message: str, width: int = 150) -> str:
+    line = (message or "").splitlines()[0] if message else "(no message)"
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def main() -> int:

@@ -20,8 +20,16 @@ def test_summary(tmp_path, monkeypatch, capsys):
         make_row(method="upipe", figures=Figures(max_context=6 << 20), **search),
         make_row(method="offload", figures=Figures(max_context=0), **search),
     ])
+    probe = dict(kind="trial", model="llama3-8b", world_size=8, device="h100-80g", options={})
+    host = "host memory: offloads of 232.65 GiB per rank exceed the usable 230.40 GiB of host memory per GPU"
+    append_rows(tmp_path / "demo-maxctx-llama3-8b.jsonl", [
+        make_row(method="upipe", status="oom", message="device: out of memory", seq_len=8 << 20, **probe),
+        make_row(method="upipe", status="oom", message=host, seq_len=7 << 20, **probe),
+        make_row(method="upipe", status="oom", message="an earlier search's", seq_len=5 << 20, **probe),
+    ])
     demo.summary()
     out = capsys.readouterr().out
     assert "2K: ulysses 0.500  upipe 0.550   upipe/ulysses 1.10" in out
     assert "upipe        6M  (5M)" in out
+    assert f"stops at 7M: {host}" in out  # the shortest failing probe above the answer says why
     assert "offload     <1M  (not in paper)" in out  # nothing fits at the first step: below it, not "none"
