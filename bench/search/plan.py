@@ -453,8 +453,8 @@ LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
     ("+offload all", {"offload_keep": "none"}),  # first and last block's checkpoints on the host too
     ("+FSDP offload", {"fsdp_offload": True}),  # fp32 masters, gradients, AdamW state and step on the host
     ("+fused norm", {"fused_attn_norm": True}),  # the attention norm inside UPipe's projections, tiled
-    ("+2-level AC", {"ac_group": 4}),  # checkpoints of groups of 4 blocks on the host (host: n/4 + 4 inputs)
-    # groups of 2 instead: more host (n/2 + 2 block inputs), less device (one fewer block's FSDP
+    ("+2-level AC", {"ac_group": 4}),  # checkpoints of groups of 4 blocks on the host (host: n/4 + 3 inputs)
+    # groups of 2 instead: more host (n/2 + 1 block inputs), less device (one fewer block's FSDP
     # prefetch during a group's recomputation) and less recompute ((K-1)/K = 1/2 more forward per block)
     ("+2-level AC g=2", {"ac_group": 2}),
 )
