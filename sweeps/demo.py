@@ -94,7 +94,7 @@ def _first_failure(failed: list, method: str, found: int):
 
 
 def _one_line(message: str, width: int = 150) -> str:
-    line = (message or "").splitlines()[0] if message else "(no message)"
+    line = message.splitlines()[0] if message else "(no message)"
     return line if len(line) <= width else line[: width - 3] + "..."
 
 

@@ -50,15 +50,12 @@ def group_bounds(n_layers: int, size: int) -> list[range]:
     return [range(start, min(n_layers, start + size)) for start in range(0, n_layers, size)]
 
 
-def same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same data. A tensor reaches an inner checkpoint as a new
-    tensor object over the same storage: torch's saved tensors unpack as new variables, and
-    FSDP2's pre-forward passes a block's inputs that need gradients through an autograd function."""
-    if a is b:
-        return True
-    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-            and a.storage_offset() == b.storage_offset()
-            and a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+def data_key(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same data: their storage and the view of it. A tensor reaches an
+    inner checkpoint as a new tensor object over the same storage: torch's saved tensors unpack as
+    new variables, and FSDP2's pre-forward passes a block's inputs that need gradients through an
+    autograd function."""
+    return t.untyped_storage()._cdata, t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
 
 
 class FetchedCopies:
@@ -74,21 +71,17 @@ class FetchedCopies:
     def __init__(self) -> None:
         self._entries: list[tuple[StorageWeakRef, tuple, weakref.ref]] = []
 
-    @staticmethod
-    def _view(t: torch.Tensor) -> tuple:
-        return t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
-
     def _live(self) -> list[tuple[StorageWeakRef, tuple, weakref.ref]]:
         self._entries = [e for e in self._entries if not e[0].expired() and e[2]() is not None]
         return self._entries
 
     def add(self, device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
-        self._live().append((StorageWeakRef(device_tensor.untyped_storage()), self._view(device_tensor),
+        self._live().append((StorageWeakRef(device_tensor.untyped_storage()), data_key(device_tensor),
                              weakref.ref(host_tensor)))
 
     def get(self, t: torch.Tensor) -> torch.Tensor | None:
-        cdata, view = t.untyped_storage()._cdata, self._view(t)
-        return next((host() for ref, v, host in self._live() if ref.cdata == cdata and v == view), None)
+        key = data_key(t)
+        return next((host() for _, k, host in self._live() if k == key), None)
 
 
 class _OffloadRecomputed:
@@ -165,7 +158,8 @@ class CheckpointedGroup(nn.Module):
         (``HostOffload.host_copy``), or, when the outer keeps the group's input on the device,
         the device tensor itself, which the outer's saved input already holds.
         """
-        arg = next((a for a in (ref() for ref in getattr(self, "_args", ())) if a is not None and same_data(a, t)),
+        key = data_key(t)
+        arg = next((a for a in (ref() for ref in getattr(self, "_args", ())) if a is not None and data_key(a) == key),
                    None)
         if arg is None:
             return None
@@ -179,7 +173,8 @@ class CheckpointedGroup(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *rope_table: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self._run(x, positions, *rope_table)
-        ctx = self.outer() if self.outer is not None else contextlib.nullcontext()
+        # the outer's hooks remember what they unpack (HostOffload.host_copy, read by held_copy)
+        ctx = self.outer(remember=True) if self.outer is not None else contextlib.nullcontext()
         # torch's determinism check compares each recomputed tensor's device with the forward's:
         # the host copies differ there by design, so it is off when they are offloaded
         extra: dict[str, object] = ({"context_fn": self._contexts, "determinism_check": "none"}

@@ -120,8 +120,11 @@ class HostOffload:
             self._fetched.add(t, packed[1])
         return t
 
-    def __call__(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self._unpack_remembering)
+    def __call__(self, remember: bool = False):
+        """The hooks; ``remember``: also record what ``unpack`` hands back (``host_copy``), which
+        only a group's outer checkpoint needs (``bench.training.nested``)."""
+        return torch.autograd.graph.saved_tensors_hooks(
+            self.pack, self._unpack_remembering if remember else self.unpack)
 
 
 class CheckpointedBlock(nn.Module):
