@@ -44,7 +44,7 @@ from .search.autochunk import run
 from .search.extrapolate import layer_extrapolated_runner
 from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
-from .training.config import ALLOCATOR_POOLS, OFFLOAD_KEEPS, ROPE_TABLES, StepConfig
+from .training.config import ALLOCATOR_POOLS, ATTENTION_MATHS, OFFLOAD_KEEPS, ROPE_TABLES, StepConfig
 from .training.presets import expand
 
 QUICK_ANCHOR = "128k-llama3-8b-upipe-x8"
@@ -117,6 +117,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ring-barrier", action="store_true",
                    help="a barrier after every ring step, as the paper's ring code (its vendored yunchang, UPipe's "
                    "ring) does; the paper stack turns it on for yc-ring, yc-usp and usp-upipe")
+    p.add_argument("--attention-math", choices=list(ATTENTION_MATHS), default="compute",
+                   help="emulated mode only: skip answers the attention kernels with zeros of their real shapes "
+                   "and holds their scratch (bench.measure.skipmath), so a long-context step's real memory is "
+                   "measured without hours of attention; values and the loss are then meaningless")
     p.add_argument("--fused-attn-norm", action="store_true",
                    help="the attention's RMSNorm inside the method's projections, tiled (upipe only): the normed "
                    "input is never stored")
@@ -254,7 +258,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
             allocator_model=args.allocator_model, offload_keep=args.offload_keep,
             allocator_pools=args.allocator_pools or paper_stack.allocator_pools(stack),
             fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
-            ring_barrier=args.ring_barrier,
+            ring_barrier=args.ring_barrier, attention_math=args.attention_math,
             ac_group=args.ac_group, **levers,
         )
         return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,

@@ -53,6 +53,8 @@ from . import fake_flash_attn, launch, simcuda, stack
 from .allocator import record_step, replay
 from .hardware import CommCounter
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
+from .skipmath import NOTE as SKIP_NOTE
+from .skipmath import SkipAttentionMath
 from .stepcount import StepCounter
 from .steptime import comm_counts, figures_from_counts
 from .timing import MIN_TIMED_STEPS, HostLoad, StepStats, host_shared, slowest_rank_steps
@@ -226,9 +228,11 @@ def measure_simulated(trial: Trial, keep_trace: bool = False) -> dict[str, Any]:
     }
 
 
-def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, Any]:
+def measure_on_device(trial: Trial, group, device: torch.device,
+                      around_step: contextlib.AbstractContextManager | None = None) -> dict[str, Any]:
     """Build, warm up, measure memory and time ``trial.iters`` steps on real tensors; the
-    host's load average is read before and after the timed steps (``bench.measure.timing``)."""
+    host's load average is read before and after the timed steps (``bench.measure.timing``).
+    ``around_step``: a reusable context every step runs in (``SkipAttentionMath``)."""
     if trial.threads:
         torch.set_num_threads(trial.threads)
     built, batch = _build(trial, group, device, host="cpu", fake=False)
@@ -238,7 +242,12 @@ def measure_on_device(trial: Trial, group, device: torch.device) -> dict[str, An
         # size 8 of Llama3-8B, 32 GB). A training job builds on meta or loads shards, and the
         # simulation replays the step through a fresh allocator: release them first.
         torch.cuda.empty_cache()
-    run = step_fn(trial.step.scope, built, batch, trial.step, group)
+    step = step_fn(trial.step.scope, built, batch, trial.step, group)
+
+    def run():
+        with around_step if around_step is not None else contextlib.nullcontext():
+            return step()
+
     counter = CommCounter()
     _sync(device)
     with counter:  # the first step builds optimizer state and caches; it counts the collectives
@@ -299,9 +308,23 @@ def real_rank(group, trial: Trial) -> dict[str, Any]:
 
 
 def _emulated(trial: Trial) -> dict[str, Any]:
+    """Rank 0 on this device with a fake process group. With ``attention_math="skip"`` the
+    memory-faithful flash-attn stands in where none is installed (as in simulated mode) and every
+    step runs under ``SkipAttentionMath`` (``bench.measure.skipmath``)."""
     device = launch.local_device(trial.preset().kind)
-    with fake_process_group(trial.world_size) as group:
-        return measure_on_device(trial, group, device)
+    if trial.step.attention_math != "skip":
+        with fake_process_group(trial.world_size) as group:
+            return measure_on_device(trial, group, device)
+    needs = fake_flash_attn.needs_it(methods.get_info(trial.method).requires)
+    skip = SkipAttentionMath()
+    with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size) as group:
+        out = measure_on_device(trial, group, device, around_step=skip)
+    if not skip.calls:
+        raise RuntimeError(f"attention_math='skip': no attention kernel of {trial.method!r} was answered "
+                           f"(it calls none that bench.measure.skipmath knows); drop --attention-math skip")
+    out["skipped_calls"] = dict(skip.calls)
+    out["flash_attn_simulated"] = needs and "flash_attn" in added
+    return out
 
 
 # --------------------------------------------------------------------------- rows
@@ -375,6 +398,8 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         notes.append(f"emulated: loss {f.loss} not recorded (collectives of a fake process group "
                      "return unwritten buffers; memory and compute time are still real)")
         f.loss = None
+    if result.get("skipped_calls"):
+        f.loss = None  # the attention returned zeros: the loss is no measurement
     ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
     f.capacity_bytes = preset.capacity(ranks_here)
     accounting = trial.step.stack if trial.mode == "simulated" else "lean"
@@ -469,6 +494,9 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if trial.mode == "emulated":
         notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
                      "modelled communication (no overlap)")
+    if result.get("skipped_calls"):
+        calls = ", ".join(f"{name} x{n}" for name, n in sorted(result["skipped_calls"].items()))
+        notes.append(f"{SKIP_NOTE} (calls answered over the warm-up and timed steps: {calls})")
     if trial.step.scope == "attention":
         notes.append("scope attention: one attention block forward + backward; levers other than dtype unused")
     if result.get("threads") and trial.mode != "simulated":

@@ -202,9 +202,16 @@ class Trial:
         self.link_model()
         # simulated mode supplies a memory-faithful flash-attn where none is installed
         simulated = self.mode == Mode.SIMULATED
-        provided = fake_flash_attn.PROVIDES if simulated else ()
+        skip_math = self.step.attention_math == "skip"
+        if skip_math and self.mode != Mode.EMULATED:
+            raise ValueError(f"attention_math='skip' skips the attention kernels' arithmetic to measure an emulated "
+                             f"rank's memory; in {self.mode} mode it would falsify the run: use --mode emulated, "
+                             f"or drop --attention-math skip")
+        # simulated mode (and an emulated run that skips the attention arithmetic) supplies a
+        # memory-faithful flash-attn where none is installed
+        provided = fake_flash_attn.PROVIDES if simulated or skip_math else ()
         methods.validate(self.method, cfg.attn_spec(), self.world_size, provided=provided, **self.opts)
-        if simulated and fake_flash_attn.needs_it(methods.get_info(self.method).requires):
+        if (simulated or skip_math) and fake_flash_attn.needs_it(methods.get_info(self.method).requires):
             fake_flash_attn.check_fresh()
         if check_seq_len and self.kind == Kind.TRIAL:
             self.method_cls().check_seq_len(self.seq_len, self.world_size, self.options)

@@ -51,12 +51,16 @@ ROPE_TABLES = ("auto", "none", "checkpointed")
 # which blocks keep their activation checkpoint on the device when ac_offload is on ("none": every
 # block's checkpoint goes to the host, the first and the last included)
 OFFLOAD_KEEPS = ("first_last", "first", "none")
+# emulated only: "skip" answers the attention kernels with zeros of their real shapes and holds their
+# scratch, so a long-context step's real memory is measured without its hours of attention
+# (bench.measure.skipmath)
+ATTENTION_MATHS = ("compute", "skip")
 
 
 # fields added after rows were committed: a row records them only away from their default
 LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
                "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table", "ac_group",
-               "allocator_pools", "ring_barrier")
+               "allocator_pools", "ring_barrier", "attention_math")
 # simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
 # away from its default such a setting is refused outside simulated mode (Trial.validate)
 SIMULATION_ONLY = (
@@ -102,6 +106,7 @@ class StepConfig:
     ac_group: int = 1  # blocks per outer checkpoint (bench.training.nested); 1: one checkpoint per block
     allocator_pools: str = "shared"  # simulation only, with allocator_model: shared | per-stream (ALLOCATOR_POOLS)
     ring_barrier: bool = False  # a barrier after every ring step, as the paper's ring code (methods.core.ringsync)
+    attention_math: str = "compute"  # emulated only: compute | skip (bench.measure.skipmath)
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -138,6 +143,8 @@ class StepConfig:
             raise ValueError(f"sim_device must be one of {list(SIM_DEVICES)}, got {self.sim_device!r}")
         if self.allocator_pools not in ALLOCATOR_POOLS:
             raise ValueError(f"allocator_pools must be one of {list(ALLOCATOR_POOLS)}, got {self.allocator_pools!r}")
+        if self.attention_math not in ATTENTION_MATHS:
+            raise ValueError(f"attention_math must be one of {list(ATTENTION_MATHS)}, got {self.attention_math!r}")
         if self.allocator_model not in ALLOCATOR_MODELS:
             raise ValueError(f"allocator_model must be one of {list(ALLOCATOR_MODELS)}, "
                              f"got {self.allocator_model!r}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
 #   bash scripts/gpu/validate.sh OUT_DIR PHASE...
-# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 (any order, several at once).
+# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip
+# (any order, several at once). $DEVICE: the device preset the rows name (default h100-80g; h200-141g on an H200).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
 # phases emu128, emulong and emu16: `--mode emulated`, the whole Llama3-8B (emu16: $EMU_MODEL) as rank 0 of 8 or 16
@@ -21,7 +22,7 @@ if [ -n "${SEGMENTS_OUT:-}" ]; then mkdir -p "$SEGMENTS_OUT"; fi
 trial() {  # trial TIMEOUT_S ARGS...: one real trial, its output appended to the log
   local limit=$1; shift
   echo "=== $(date +%T) $*" | tee -a "$out/log.txt"
-  timeout "$limit" $py -m bench run --mode "${MODE:-real}" --device h100-80g --world-size "${WS:-1}" --model "${MODEL:-$model}" \
+  timeout "$limit" $py -m bench run --mode "${MODE:-real}" --device "${DEVICE:-h100-80g}" --world-size "${WS:-1}" --model "${MODEL:-$model}" \
       --json --out "$out/real.jsonl" "$@" >>"$out/log.txt" 2>&1
   echo "--- rc=$? $(date +%T)" | tee -a "$out/log.txt"
   tail -n 1 "$out/real.jsonl" 2>/dev/null | $py -c '
@@ -80,6 +81,32 @@ for phase in "$@"; do
         emu_trial 16 "${EMU_MODEL:-llama3-8b}" "usp-upipe $len ws16 ${EMU_MODEL:-llama3-8b}" 560 \
           --method usp-upipe --opt ulysses_degree=8 --seq-len "$len" --warmup 1 --iters 1 --smoke
       done ;;
-    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128 emulong emu16)"; exit 2 ;;
+    emuskip)  # the paper's long-context memory points, emulated with the attention arithmetic skipped
+      # (--attention-math skip, bench.measure.skipmath: the kernels' real outputs and scratch, no
+      # FLOPs), memory only. First the wrapper paths on the 4-block model at 128K (yunchang with the
+      # memory-faithful FA3; our ulysses with torch's flash ops), stopping there unless both answered
+      # forward and backward calls; then Fig. 5's 4M point (USP and UPipe, rank 0 of 16, all 32
+      # blocks), Table 3's Ulysses 4M boundary on 8 ranks with the 4-block model (the fidelity
+      # extrapolates from 3- and 4-block simulations; all 32 blocks' host copies would need 124 GiB
+      # of pinned host memory, which the lent machine lacks), and yunchang's Ulysses at 2M on 8 ranks
+      # with all 32 blocks. RoPE angles computed per block (--rope-table none): TorchTitan's
+      # whole-sequence table, offloaded with every block, would double the host copies.
+      skip="--attention-math skip --offload-keep first --rope-table none --warmup 1 --iters 1 --smoke"
+      emu_trial 8 "$model" "yc-usp 128K ws8 4l skip" 90 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
+        --seq-len 128K $skip
+      emu_trial 8 "$model" "ulysses 128K ws8 4l skip" 90 --method ulysses --seq-len 128K $skip
+      if [ "$(grep -c '_backward x\|bwd x' "$out/real.jsonl" 2>/dev/null)" -lt 2 ]; then
+        echo "emuskip: a 128K trial answered no backward call: the long trials would compute for real; stopping"
+        continue
+      fi
+      emu_trial 16 llama3-8b "yc-usp 4M ws16 skip" 200 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
+        --seq-len 4M --ring-barrier $skip
+      emu_trial 16 llama3-8b "usp-upipe 4M ws16 skip" 200 --method usp-upipe --opt ulysses_degree=8 \
+        --seq-len 4M --ring-barrier $skip
+      emu_trial 8 "$model" "yc-usp 4M ws8 4l skip" 120 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
+        --seq-len 4M $skip
+      emu_trial 8 llama3-8b "yc-usp 2M ws8 skip" 200 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
+        --seq-len 2M $skip ;;
+    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip)"; exit 2 ;;
   esac
 done
