@@ -417,24 +417,46 @@ class RealCheck:
     anchor: Anchor
     row: Row
     source: str  # the file under results/gpu
+    twin: Row | None = None  # the same step simulated (scripts/gpu/compare.py, a pool per stream)
+
+    def levers_away(self) -> str:
+        """The run's levers that differ from ``python -m bench run``'s defaults, as ``name=value``."""
+        defaults = {f.name: f.default for f in dataclasses.fields(StepConfig)}
+        away = {k: v for k, v in (self.row.levers or {}).items() if k in defaults and v != defaults[k]}
+        return ", ".join(f"{k}={v}" for k, v in sorted(away.items()))
+
+
+def _same_trial(row: Row, other: Row) -> bool:
+    return (row.method, dict(row.options), row.model, row.world_size, row.seq_len) == \
+        (other.method, dict(other.options), other.model, other.world_size, other.seq_len)
+
+
+def _twin(row: Row, folder: Path) -> Row | None:
+    """``row``'s simulated twin in ``folder`` (compare.py's ``simulated.*``, per-stream pools)."""
+    for path in (folder / "simulated.jsonl", folder / "simulated.ndjson"):
+        for sim in read_rows(path, on_error="skip"):
+            if _same_trial(sim, row) and (sim.levers or {}).get("allocator_pools") == "per-stream":
+                return sim
+    return None
 
 
 def real_checks(results: list[Result], gpu_dir: Path = GPU_DIR) -> list[RealCheck]:
     """The memory anchors whose trial (method, options, model, ranks, length) was also run on a
     real GPU: rows of ``gpu_dir/*/real.jsonl`` or ``real.ndjson`` (``real``: every rank;
-    ``emulated``: rank 0 of a fake process group), the first ok row of each."""
-    rows: list[tuple[Row, str]] = []
+    ``emulated``: rank 0 of a fake process group), the first ok row of each, with its simulated
+    twin where ``scripts/gpu/compare.py`` wrote one beside it."""
+    rows: list[tuple[Row, Path]] = []
     for path in sorted([*gpu_dir.glob("*/real.jsonl"), *gpu_dir.glob("*/real.ndjson")]):
-        rows += [(row, str(path.relative_to(gpu_dir.parent.parent))) for row in read_rows(path, on_error="skip")]
+        rows += [(row, path) for row in read_rows(path, on_error="skip")]
     out = []
     for r in results:
         a = r.anchor
         if a.kind != "memory":
             continue
-        for row, source in rows:
+        for row, path in rows:
             if (row.status == "ok" and row.method == a.impl.method and dict(row.options) == dict(a.impl.options)
                     and row.model == a.model and row.world_size == a.gpus and row.seq_len == a.seq_len):
-                out.append(RealCheck(a, row, source))
+                out.append(RealCheck(a, row, str(path.relative_to(gpu_dir.parent.parent)), _twin(row, path.parent)))
                 break
     return out
 
@@ -450,17 +472,28 @@ def real_check_lines(checks: list[RealCheck], results: list[Result]) -> list[str
     lines = ["", "## The same trials on a real GPU", "",
              "Memory anchors whose trial was also run on a real GPU (`results/gpu/`, `results/gpu/README.md`). "
              "`emulated`: rank 0 of the job on one GPU with a fake process group (kernels, allocator and "
-             "offloads real; collectives return at once, NCCL's own buffers absent), with the default levers "
-             "of `python -m bench run`. Where the real run's reserved peak agrees with ours and the paper's "
-             "value does not, the residual is a difference between our step and the paper's, not a "
-             "simulation error.", "",
-             "| anchor | paper | real allocated | real reserved | ours (paper stack) | ours (lean) | run |",
-             "|---|---|---|---|---|---|---|"]
+             "offloads real; collectives return at once, NCCL's own buffers absent), with the levers of "
+             "`python -m bench run` and those the run column names; `attention_math=skip`: the attention "
+             "kernels' outputs and scratch allocated at their real shapes without their arithmetic "
+             "(`bench.measure.skipmath`). *Ours, same step*: the run's own step simulated "
+             "(`scripts/gpu/compare.py`: lean stack, expandable-segments allocator model, a pool per stream), "
+             "its reserved peak against the real one. Where that agrees and the paper's value does not, the "
+             "residual is a difference between our step (or the paper stack's terms for TorchTitan's) and "
+             "the paper's, not a simulation error.", "",
+             "| anchor | paper | real allocated | real reserved | ours, same step | ours (paper stack) "
+             "| ours (lean) | run |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in checks:
         f, r = c.row.figures, by_name[c.anchor.name]
+        twin = "-"
+        if c.twin is not None and c.twin.figures.peak_reserved_bytes and f.peak_reserved_bytes:
+            sim = c.twin.figures.peak_reserved_bytes
+            twin = f"{sim / GiB:.2f} GiB ({100 * (sim - f.peak_reserved_bytes) / f.peak_reserved_bytes:+.1f}%)"
+        levers = c.levers_away()
         lines.append(f"| {c.anchor.name} | {c.anchor.paper_gib:.2f} GiB | {_gib_or_dash(f.peak_bytes)} "
-                     f"| {_gib_or_dash(f.peak_reserved_bytes)} | {r.ours('paper')} | {r.ours('lean')} "
-                     f"| {c.row.mode}, {c.row.env.device_name}, torch {c.row.env.torch} (`{c.source}`) |")
+                     f"| {_gib_or_dash(f.peak_reserved_bytes)} | {twin} | {r.ours('paper')} | {r.ours('lean')} "
+                     f"| {c.row.mode}{f' ({levers})' if levers else ''}, {c.row.env.device_name}, "
+                     f"torch {c.row.env.torch} (`{c.source}`) |")
     return lines
 
 

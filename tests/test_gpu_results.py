@@ -15,7 +15,10 @@ from records import read_rows
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "results" / "gpu" / "h100-ws1"
 # (folder, its rows' file, their mode): the emulated rows are .ndjson, out of the analysis' reach
-FOLDERS = [(FOLDER, "real.jsonl", "real"), (ROOT / "results" / "gpu" / "h100-emulated", "real.ndjson", "emulated")]
+FOLDERS = [(FOLDER, "real.jsonl", "real"), (ROOT / "results" / "gpu" / "h100-emulated", "real.ndjson", "emulated"),
+           (ROOT / "results" / "gpu" / "h200-skipmath", "real.ndjson", "emulated")]
+H100 = "NVIDIA H100 80GB HBM3"
+DEVICES = {"h100-ws1": H100, "h100-emulated": H100, "h200-skipmath": "NVIDIA H200"}
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
 import compare  # noqa: E402
 
@@ -24,7 +27,7 @@ import compare  # noqa: E402
 def test_real_rows_say_where_they_ran(folder, name, mode):
     rows = read_rows(folder / name, on_error="raise")
     assert rows and all(r.mode == mode and r.status == "ok" for r in rows)
-    assert {r.env.device_name for r in rows} == {"NVIDIA H100 80GB HBM3"}
+    assert {r.env.device_name for r in rows} == {DEVICES[folder.name]}
     assert all(r.figures.peak_reserved_bytes >= r.figures.peak_bytes > 0 for r in rows)
 
 

@@ -1,8 +1,8 @@
 """Set the real-GPU rows of scripts/gpu/validate.sh beside the simulation of the same trials.
 
 For every distinct real trial in ``DIR/real.jsonl`` (method, sequence length, levers) this
-simulates the same trial (``python -m bench run --mode simulated``, world size 1, the 4-block
-Llama3-8B, the ``h100-80g`` preset, the GPU code path) with the allocator model as the real run
+simulates the same trial (``python -m bench run --mode simulated``: the row's world size, model,
+device preset, options and levers, the GPU code path) with the allocator model as the real run
 set it (expandable segments) and the kernel the real run called (torch's SDPA flash, so the
 FA2 backward scratch model), once with one pool for every stream and once with a pool per
 stream, and writes
@@ -56,24 +56,47 @@ def model_arg(row: dict) -> str:
     return argv[argv.index("--model") + 1]
 
 
+# levers a real row may set away from the CLI's defaults, and how to pass them on to its simulation
+LEVER_ARGS = {"offload_keep": ("--offload-keep", "first_last"), "rope_table": ("--rope-table", "auto"),
+              "ring_barrier": ("--ring-barrier", False)}
+
+
+def lever_args(row: dict) -> list[str]:
+    """The real run's levers (those of ``LEVER_ARGS`` away from their defaults) as arguments."""
+    out = []
+    for name, (flag, default) in LEVER_ARGS.items():
+        value = row["levers"].get(name, default)
+        if value != default:
+            out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def skipped(row: dict) -> bool:
+    """Whether the emulated row skipped the attention arithmetic (bench.measure.skipmath)."""
+    return row["levers"].get("attention_math") == "skip"
+
+
 def simulate(row: dict, pools: str) -> dict:
     """The simulated twin of a real or emulated row (same method, options, model, world size,
-    length, levers)."""
-    cmd = [sys.executable, "-m", "bench", "run", "--mode", "simulated", "--device", "h100-80g",
+    length, levers, device preset)."""
+    cmd = [sys.executable, "-m", "bench", "run", "--mode", "simulated", "--device", row["device"],
            "--world-size", str(row["world_size"]), "--model", model_arg(row), "--method", row["method"],
-           "--seq-len", str(row["seq_len"]), *opt_args(row),
+           "--seq-len", str(row["seq_len"]), *opt_args(row), *lever_args(row),
            "--stack", "lean", "--allocator-model", "expandable", "--allocator-pools", pools,
            "--kernel-workspace", "fa2", "--no-save", "--json"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def modelled_step_s(sim: dict, compute_only: bool = False) -> float:
+def modelled_step_s(sim: dict, compute_only: bool = False, attention: bool = True) -> float:
     """The modelled step on the simulation's counts with the kernel that ran (FA2); its compute
-    part alone for an emulated row, whose collectives took no time."""
+    part alone for an emulated row, whose collectives took no time; without the attention
+    kernels for a row that skipped their arithmetic."""
     counts = sim["figures"]["step_time_model"]["counts"]
-    model = step_time(counts, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, "fa2")
-    return model["compute_time_s" if compute_only else "step_time_s"]
+    device = get_device(sim["device"])
+    model = step_time(counts, device, get_link(device.link), FITTED, "fa2")
+    seconds = model["compute_time_s" if compute_only else "step_time_s"]
+    return seconds if attention else seconds - model["terms"]["compute_attention_s"]
 
 
 def pct(ours: float, real: float) -> str:
@@ -118,18 +141,29 @@ def main() -> None:
                     f.write(json.dumps(sim) + "\n")
     any_sim = next(iter(next(iter(sims.values())).values()))
     emulated = any(r["mode"] == "emulated" for r in real_rows)
+    skips = any(skipped(r) for r in real_rows)
+    device_name = real_rows[0]["env"]["device_name"]
+    levers = ("the levers of `python -m bench run` (FSDP2, checkpoints offloaded but the first block's, "
+              "tiled MLP and norms, chunked loss) with the row's own (`levers` in the real rows; the "
+              "simulation is given the same), the attention arithmetic skipped (`--attention-math skip`, "
+              "`bench.measure.skipmath`: the kernels' outputs and backward scratch allocated at their real "
+              "shapes, no FLOPs; yunchang's flash-attn 3 calls go to `bench.measure.fake_flash_attn`, our "
+              "methods' to torch's SDPA flash ops). Memory is the step after the first" if skips else
+              "the default levers of `python -m bench run` (FSDP2, checkpoints offloaded but the first and last "
+              "block's, tiled MLP and norms, chunked loss), torch's SDPA flash kernel. Memory is the step after "
+              "the first (peaks reset between); a trial run twice gave the same bytes both times")
     lines = [
-        "# Real H100 against the simulation",
+        f"# Real {'H200' if 'H200' in device_name else 'H100'} against the simulation",
         "",
-        f"Real: `bash scripts/gpu/validate.sh OUT ...` on {real_rows[0]['env']['device_name']} "
+        f"Real: `bash scripts/gpu/validate.sh OUT ...` on {device_name} "
         f"(torch {real_rows[0]['env']['torch']}), `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
-        "the default levers of `python -m bench run` (FSDP2, checkpoints offloaded but the first and last "
-        "block's, tiled MLP and norms, chunked loss), torch's SDPA flash kernel. Memory is the step after "
-        "the first (peaks reset between); a trial run twice gave the same bytes both times. "
+        f"{levers}. "
         + ("Mode `emulated` (column ws): rank 0 of a `ws`-rank job on one GPU, with a fake process group: "
            "kernels, allocator and host offloads are real, collectives return at once (their output buffers "
            "are still allocated), so the memory is rank 0's; the time compared is the measured compute "
-           "against the model's compute part (no communication). " if emulated else "")
+           "against the model's compute part (no communication"
+           + ("; where the attention was skipped, without the attention kernels" if skips else "") + "). "
+           if emulated else "")
         + "Simulated: `python scripts/gpu/compare.py` (fake tensors on the GPU code path, torch "
         f"{any_sim['env']['torch']}, lean stack + expandable-segments allocator model + FA2 backward "
         "scratch), with the allocator pools of the column (`shared`: one pool for all streams; "
@@ -154,10 +188,12 @@ def main() -> None:
         times = [t - ((r["figures"].get("comm_time_s") or 0.0) if emu else 0.0)
                  for r in rows for t in r["figures"]["step_times_s"]]
         med = sorted(times)[len(times) // 2]
-        model_s = modelled_step_s(first, compute_only=emu)
+        model_s = modelled_step_s(first, compute_only=emu, attention=not skipped(rows[0]))
         rr, ra = real["peak_reserved_bytes"], real["peak_bytes"]
         model_name = Path(model_arg(rows[0])).stem
         opts = " ".join(key[3][1::2])
+        if skipped(rows[0]):
+            opts = f"{opts}; attention skipped" if opts else "attention skipped"
         reserved = " | ".join(f"{sim[p]['figures']['peak_reserved_bytes'] / GiB:.2f} "
                               f"| {pct(sim[p]['figures']['peak_reserved_bytes'], rr)}" for p in args.pools)
         lines.append(
@@ -202,7 +238,7 @@ def segments_md(folder: Path) -> None:
     path = folder / "segments.ndjson"
     if not path.exists():
         return
-    lines = ["# The caching allocator's segments per stream (real H100)", "",
+    lines = ["# The caching allocator's segments per stream (real GPU: the device of compare.md)", "",
              "`torch.cuda.memory_snapshot()` after the timed step, just before the trial's `empty_cache` "
              "(scripts/gpu/snap/sitecustomize.py). With expandable segments a stream's segment stays mapped "
              "at its largest size until `empty_cache`, so the mapped sizes are what each stream's pool "

@@ -263,3 +263,25 @@ def test_a_memory_anchor_run_on_a_real_gpu_is_shown_beside_it(tiny_results, tmp_
     assert "## The same trials on a real GPU" in md
     assert "| tiny-mem | 0.02 GiB | 0.01 GiB | 0.03 GiB |" in md and "emulated, NVIDIA H100" in md
     assert "on a real GPU" not in fidelity.markdown(results)
+
+
+def test_a_real_runs_simulated_twin_and_its_levers_are_shown(tiny_results, tmp_path):
+    """A real row's simulated twin (compare.py's per-stream row of the same trial beside it) gives
+    the "ours, same step" column with its residual against the real reserved peak; the run column
+    names the run's levers away from the defaults."""
+    results, _ = tiny_results
+    folder = tmp_path / "results" / "gpu" / "h200-x"
+    folder.mkdir(parents=True)
+    levers = {**make_row().levers, "attention_math": "skip", "rope_table": "none"}
+    real = make_row("upipe", TINY, 8 << 10, 4, mode="emulated", peak_gib=0.01, reserved_gib=0.04, levers=levers)
+    twin = make_row("upipe", TINY, 8 << 10, 4, mode="simulated", peak_gib=0.01, reserved_gib=0.03,
+                    levers={**levers, "allocator_pools": "per-stream"})
+    shared = make_row("upipe", TINY, 8 << 10, 4, mode="simulated", peak_gib=0.01, reserved_gib=0.5,
+                      levers={**levers, "allocator_pools": "shared"})
+    write(folder / "real.ndjson", [real])
+    write(folder / "simulated.ndjson", [shared, twin])
+    checks = fidelity.real_checks(results, tmp_path / "results" / "gpu")
+    assert checks[0].twin is not None and checks[0].twin.levers["allocator_pools"] == "per-stream"
+    md = fidelity.markdown(results, checks)
+    assert "| 0.04 GiB | 0.03 GiB (-25.0%) |" in md
+    assert "emulated (attention_math=skip, rope_table=none)" in md
