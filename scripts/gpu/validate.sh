@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
 #   bash scripts/gpu/validate.sh OUT_DIR PHASE...
-# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip
+# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip | emurope
 # (any order, several at once). $DEVICE: the device preset the rows name (default h100-80g; h200-141g on an H200).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
@@ -107,6 +107,18 @@ for phase in "$@"; do
         --seq-len 4M $skip
       emu_trial 8 llama3-8b "yc-usp 2M ws8 skip" 200 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
         --seq-len 2M $skip ;;
-    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip)"; exit 2 ;;
+    emurope)  # the paper stack's TorchTitan RoPE table (--rope-table checkpointed: the whole sequence's
+      # angles on every rank, stored with each block's checkpoint), real, at Fig. 5's 4M point on 16
+      # ranks and Fig. 1's 3M point on 8, with the 4-block model (its host copies fit the machine;
+      # the fidelity command extrapolates from 3- and 4-block simulations), attention arithmetic skipped
+      rope="--attention-math skip --offload-keep first --rope-table checkpointed --warmup 1 --iters 1 --smoke"
+      emu_trial 16 "$model" "yc-usp 4M ws16 4l rope" 90 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
+        --seq-len 4M --ring-barrier $rope
+      emu_trial 16 "$model" "usp-upipe 4M ws16 4l rope" 90 --method usp-upipe --opt ulysses_degree=8 \
+        --seq-len 4M --ring-barrier $rope
+      emu_trial 8 "$model" "yc-usp 3M ws8 4l rope" 90 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
+        --seq-len 3M $rope
+      emu_trial 8 "$model" "upipe 3M ws8 4l rope" 90 --method upipe --seq-len 3M $rope ;;
+    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope)"; exit 2 ;;
   esac
 done
