@@ -38,7 +38,8 @@ POOLS = ("shared", "per-stream")
 
 
 def trial_key(row: dict) -> tuple:
-    return row["method"], row["seq_len"], row["world_size"], tuple(opt_args(row))
+    return row["method"], row["seq_len"], row["world_size"], tuple(opt_args(row)), model_arg(row), \
+        tuple(lever_args(row))
 
 
 def opt_args(row: dict) -> list[str]:
@@ -193,7 +194,9 @@ def main() -> None:
         model_name = Path(model_arg(rows[0])).stem
         opts = " ".join(key[3][1::2])
         if skipped(rows[0]):
-            opts = f"{opts}; attention skipped" if opts else "attention skipped"
+            what = "attention skipped" + (", RoPE table" if rows[0]["levers"].get("rope_table") == "checkpointed"
+                                          else "")
+            opts = f"{opts}; {what}" if opts else what
         reserved = " | ".join(f"{sim[p]['figures']['peak_reserved_bytes'] / GiB:.2f} "
                               f"| {pct(sim[p]['figures']['peak_reserved_bytes'], rr)}" for p in args.pools)
         lines.append(
