@@ -5,8 +5,10 @@ ring-flash-attn: ``rfa-zigzag``; DeepSpeed FPDT: ``ds-fpdt``). flash-attn has no
 so without this module those methods cannot be simulated here. Real flash-attn >= 2.7
 registers its own custom ops with fake implementations, so **a real flash-attn always wins**:
 ``installed()`` does nothing when one is importable (or when something else already sits in
-``sys.modules`` as ``flash_attn``, such as the tests' plain-torch stand-in). It is used only by
-simulated mode (``bench.measure.run.measure_simulated``), never in real or emulated mode.
+``sys.modules`` as ``flash_attn``, such as the tests' plain-torch stand-in). It is used by
+simulated mode (``bench.measure.run.measure_simulated``) and by emulated runs that skip the
+attention arithmetic (``--attention-math skip``: ``bench.measure.skipmath`` answers its kernels
+on real tensors), never in real mode or in an emulated run that computes.
 
 What it provides (``install``/``installed``): the module tree ``flash_attn`` (``__version__``
 2.8.3, ``flash_attn_func``, ``flash_attn_varlen_func``) and ``flash_attn.flash_attn_interface``

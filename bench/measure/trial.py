@@ -200,7 +200,6 @@ class Trial:
         cfg = self.config()
         preset = self.preset()
         self.link_model()
-        # simulated mode supplies a memory-faithful flash-attn where none is installed
         simulated = self.mode == Mode.SIMULATED
         skip_math = self.step.attention_math == "skip"
         if skip_math and self.mode != Mode.EMULATED:
