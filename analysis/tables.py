@@ -137,7 +137,7 @@ def table3_ratios(rows=None) -> Table:
                 for label, msub in sub[sub["method"].map(family) == pm].groupby("label"):
                     if not len(base):
                         continue
-                    blabel = sorted(base["label"].unique())[0]
+                    blabel = _ratio_baseline(base, msub["method"].iloc[0])
                     b = base[base["label"] == blabel]
                     vals = [_ratio(number(lookup(msub, s), "tokens_per_s_per_device"),
                                    number(lookup(b, s), "tokens_per_s_per_device")) for s in PAPER_LENGTHS]
@@ -149,6 +149,19 @@ def table3_ratios(rows=None) -> Table:
              "— where either side has no throughput (not run, OOM, or not measured in that mode)."]
     return Table("table3_ratios", "Table 3 — throughput relative to Ulysses (paper vs ours)",
                  pd.DataFrame(out, columns=cols), notes, used_df)
+
+
+def _ratio_baseline(base: pd.DataFrame, method: str) -> str:
+    """The label of the Ulysses-family series a ratio of ``method`` divides by: our ``ulysses``
+    (``usp`` first for ``usp-upipe``, the same Ulysses x Ring mesh), else our ``usp``, else the
+    first label of the family (a wrapper of DeepSpeed's or yunchang's Ulysses). Not simply the
+    first label: "ds-ulysses-hf" sorts before "ulysses"."""
+    wanted = ("usp", "ulysses") if method == "usp-upipe" else ("ulysses", "usp")
+    for name in wanted:
+        labels = sorted(base[base["method"] == name]["label"].unique())
+        if labels:
+            return labels[0]
+    return sorted(base["label"].unique())[0]
 
 
 def cpu_rows(rows: pd.DataFrame) -> pd.DataFrame:
