@@ -160,8 +160,9 @@ class SimCache:
         self.hits = self.misses = 0
 
     # step fields added after the committed cache was written: keyed only away from their default,
-    # so that the committed keys (which lack them) still name the same simulations
-    LATE_STEP_FIELDS = {"allocator_pools": "shared", "ring_barrier": False}
+    # so that the committed keys (which lack them) still name the same simulations (a new
+    # StepConfig field goes here too; test_plan's committed-cache test fails until it does)
+    LATE_STEP_FIELDS = {"allocator_pools": "shared", "ring_barrier": False, "attention_math": "compute"}
 
     @staticmethod
     def key(trial: Trial, name: str, n_layers: int) -> str:
