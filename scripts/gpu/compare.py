@@ -171,8 +171,10 @@ def main() -> None:
         "`per-stream`: a pool per stream, as the caching allocator keeps them). "
         f"Modelled step time: `bench.measure.steptime` (version {STEPTIME_VERSION}) on the simulation's "
         "counts, with its constants: the attention efficiencies and the per-call latency fitted on Table 3 "
-        "(not on these rows), `eff_matmul` measured on this device's GEMMs (the kernel table below); "
-        "attention at the FA2 efficiency (the kernel that ran).",
+        "(not on these rows), `eff_matmul` measured on "
+        + ("this device's GEMMs (the kernel table below)" if (args.dir / "kernels.ndjson").exists()
+           else "the H100 GEMMs of `results/gpu/h100-ws1/kernels.ndjson`")
+        + "; attention at the FA2 efficiency (the kernel that ran).",
         "",
         "| method | mode | ws | model | tokens | allocated real | sim | Δ | reserved real | "
         + " | ".join(f"sim {p} | Δ" for p in args.pools)
