@@ -151,13 +151,17 @@ def table3_ratios(rows=None) -> Table:
                  pd.DataFrame(out, columns=cols), notes, used_df)
 
 
+def _ulysses_baselines(method: str) -> tuple[str, str]:
+    """Our methods a ratio of ``method`` divides by, in order: ``usp`` first for ``usp-upipe``
+    (the same Ulysses x Ring mesh), else ``ulysses`` first (Table 3's and the CPU table's ratios)."""
+    return ("usp", "ulysses") if method == "usp-upipe" else ("ulysses", "usp")
+
+
 def _ratio_baseline(base: pd.DataFrame, method: str) -> str:
-    """The label of the Ulysses-family series a ratio of ``method`` divides by: our ``ulysses``
-    (``usp`` first for ``usp-upipe``, the same Ulysses x Ring mesh), else our ``usp``, else the
-    first label of the family (a wrapper of DeepSpeed's or yunchang's Ulysses). Not simply the
-    first label: "ds-ulysses-hf" sorts before "ulysses"."""
-    wanted = ("usp", "ulysses") if method == "usp-upipe" else ("ulysses", "usp")
-    for name in wanted:
+    """The label of the Ulysses-family series a ratio of ``method`` divides by: the first of
+    ``_ulysses_baselines`` present, else the first label of the family (a wrapper of DeepSpeed's
+    or yunchang's Ulysses). Not simply the first label: "ds-ulysses-hf" sorts before "ulysses"."""
+    for name in _ulysses_baselines(method):
         labels = sorted(base[base["method"] == name]["label"].unique())
         if labels:
             return labels[0]
@@ -191,9 +195,8 @@ def _cpu_baseline(series: list, method: str):
     """The series a CPU ratio divides by: the paper's Ulysses column as we run it, our ``ulysses``
     (``usp`` for ``usp-upipe``, the same Ulysses x Ring mesh), else the first of the Ulysses family
     (``usp``, the wrappers of DeepSpeed's and yunchang's Ulysses)."""
-    wanted = ("usp", "ulysses") if method == "usp-upipe" else ("ulysses", "usp")
     by_method = {s["method"].iloc[0]: (key, s) for key, s in series if not s["options"].iloc[0]}
-    for name in wanted:
+    for name in _ulysses_baselines(method):
         if name in by_method:
             return by_method[name]
     family_rows = [(key, s) for key, s in series if family(s["method"].iloc[0]) == "ulysses"]

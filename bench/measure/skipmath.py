@@ -16,7 +16,7 @@ while the call lasts. Every other operation of the step runs for real. Values (t
 gradients) are then meaningless, and the row says so; memory is what the real kernels would
 leave, and the step time is everything but the attention.
 
-Which calls (``SKIPPED``):
+Which calls (``is_skipped``: ``SKIPPED_ATEN`` and the ``cpab_sim`` namespace):
 
 * torch's fused flash attention, ``aten._scaled_dot_product_flash_attention`` (CUDA) and
   ``..._for_cpu`` with their backward ops: what our methods' ``torch`` kernel
