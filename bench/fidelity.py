@@ -260,8 +260,6 @@ def memory_gib(row: Row, stack: str) -> float | None:
     return None if value is None else value / GiB
 
 
-
-
 def host_only_oom(row: Row) -> bool:
     """Out of memory on the host only: the device fitted, the offloads exceeded the preset's
     *assumed* host memory per GPU (the paper does not state its hosts')."""
@@ -360,7 +358,7 @@ def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None]
         rows[key] = dataclasses.replace(row, notes=list(row.notes) + [fidelity_anchor_note(names)])
         gib = memory_gib(row, trial.step.stack)
         mem = "-" if gib is None else f"{gib:.2f} GiB"
-        log(f"[{i}/{len(keys)}] {', '.join(names)} {trial.step.stack}: {row.status} {mem} [{seconds:.1f}s]")
+        log(f"[{i}/{len(keys)}] {', '.join(names)} {trial.step.stack}: {outcome(row)} {mem} [{seconds:.1f}s]")
 
     if jobs <= 1 or len(keys) <= 1:
         for i, key in enumerate(keys, 1):

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .core import comm, events
 from .core.base import AttentionMethod, MethodOptions, head_rows, index_tensor, project
@@ -73,6 +74,7 @@ from .core.kernels import merge_partials
 from .core.layouts import cyclic_shard, cyclic_unshard
 from .core.registry import register
 from .core.spec import AttnSpec
+from .core.tiling import counting_as, items_to_run
 from .ulysses import replicated_kv_heads
 from .upipe import Stage, UPipe, UPipeOptions, plan_stages
 
@@ -118,6 +120,7 @@ class _FPDTFunction(torch.autograd.Function):
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
         store = ChunkStore(x.device, block.options.offload)
         keep = any(ctx.needs_input_grad)
+        fake = isinstance(x, FakeTensor)  # a simulation: identical chunk pairs run once, counted for all
         out = x.new_empty(b, n, spec.n_heads, d)
         live: dict = {}  # the K/V segment just produced: used from the device, not re-fetched
 
@@ -139,13 +142,20 @@ class _FPDTFunction(torch.autograd.Function):
             sl = rows[i]
             q = comm.seq_to_head_(project(_normed(x[:, sl], norm_weight, eps), wq_s, d, qn, cos[sl], sin[sl]), group)
             acc = lse = None
-            for pos, j in enumerate(kv_segments):
-                if pos + 1 < len(kv_segments):  # the next K/V segment travels while this one is used
-                    for name in ("k", "v"):
-                        if (name, g, kv_segments[pos + 1]) not in live:
-                            store.prefetch((name, g, kv_segments[pos + 1]))
-                o, lse_b = kernel.forward(q, fetch(("k", g, j)), fetch(("v", g, j)), causal and i == j, scale)
-                acc, lse = merge_partials(acc, lse, o, lse_b)
+            # a simulation runs the first segment (it starts the accumulator), one standing for the identical
+            # middle ones, and the last two (before the diagonal nothing is prefetched, its K/V being live)
+            run = items_to_run(len(kv_segments), fake, tail=2)
+            for r, (pos, weight) in enumerate(run):
+                j = kv_segments[pos]
+                if r + 1 < len(run):  # the next K/V segment travels while this one is used
+                    following, following_weight = kv_segments[run[r + 1][0]], run[r + 1][1]
+                    with counting_as(following_weight):
+                        for name in ("k", "v"):
+                            if (name, g, following) not in live:
+                                store.prefetch((name, g, following))
+                with counting_as(weight):
+                    o, lse_b = kernel.forward(q, fetch(("k", g, j)), fetch(("v", g, j)), causal and i == j, scale)
+                    acc, lse = merge_partials(acc, lse, o, lse_b)
                 del o, lse_b
             o = acc.to(x.dtype)
             del acc
@@ -196,6 +206,7 @@ class _FPDTFunction(torch.autograd.Function):
         x, wq, wk, wv, qn, kn, cos, sin, norm_weight, *stored = ctx.saved_tensors
         store.take_back(stored)
         del stored
+        fake = isinstance(x, FakeTensor)  # a simulation: identical chunk pairs run once, counted for all
         b, n, _ = x.shape
         causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
@@ -255,31 +266,40 @@ class _FPDTFunction(torch.autograd.Function):
                 dv = torch.zeros_like(v, dtype=torch.float32)
                 q_segments = list(range(j, chunks)) if causal else list(range(chunks))
                 work = [(s, i) for s in members for i in q_segments]
-                for pos, (s, i) in enumerate(work):
-                    if pos + 1 < len(work):
-                        for name in ("q", "o", "do", "lse", "dq"):
-                            store.prefetch((name, *work[pos + 1]))
-                    q, o, do, lse = (store.get((name, s, i)) for name in ("q", "o", "do", "lse"))
-                    dq_ij, dk_ij, dv_ij = kernel.backward(do, q, k, v, o, lse, causal and i == j, scale)
-                    del q, o, do, lse
-                    dk += dk_ij
-                    dv += dv_ij
-                    dq = store.get(("dq", s, i)) + dq_ij if ("dq", s, i) in store else dq_ij.float()
-                    del dk_ij, dv_ij, dq_ij
-                    last_kv = i if causal else chunks - 1
-                    if j == last_kv:  # segment i's dQ of stage s is complete: exchange it back and project
-                        for name in ("q", "o", "do", "lse", "dq"):
-                            store.pop((name, s, i))
-                        dq = comm.head_to_seq_(dq.to(x.dtype), group)
-                        q_heads = stages[s].q_heads
+                # a simulation may run the first item, one standing for the identical middle ones and the last
+                # (no prefetch after it) where they are alike: one stage, past the first K/V segment (by then every
+                # segment's partial dQ is in the store, as in the full loop), and only the first item completes a
+                # dQ (causal: the diagonal; without a mask every item completes one at the last segment)
+                alike = fake and len(members) == 1 and j >= 1 and (causal or j < chunks - 1)
+                run = items_to_run(len(work), alike, tail=1)
+                for r, (pos, weight) in enumerate(run):
+                    s, i = work[pos]
+                    if r + 1 < len(run):
+                        with counting_as(run[r + 1][1]):
+                            for name in ("q", "o", "do", "lse", "dq"):
+                                store.prefetch((name, *work[run[r + 1][0]]))
+                    with counting_as(weight):
+                        q, o, do, lse = (store.get((name, s, i)) for name in ("q", "o", "do", "lse"))
+                        dq_ij, dk_ij, dv_ij = kernel.backward(do, q, k, v, o, lse, causal and i == j, scale)
+                        del q, o, do, lse
+                        dk += dk_ij
+                        dv += dv_ij
+                        dq = store.get(("dq", s, i)) + dq_ij if ("dq", s, i) in store else dq_ij.float()
+                        del dk_ij, dv_ij, dq_ij
+                        last_kv = i if causal else chunks - 1
+                        if j == last_kv:  # segment i's dQ of stage s is complete: exchange it back and project
+                            for name in ("q", "o", "do", "lse", "dq"):
+                                store.pop((name, s, i))
+                            dq = comm.head_to_seq_(dq.to(x.dtype), group)
+                            q_heads = stages[s].q_heads
 
-                        def q_proj(x_l, c, s_, q_heads=q_heads):
-                            return project(x_l, head_rows(wq_l, q_heads, d), d, qn_l, c, s_)
+                            def q_proj(x_l, c, s_, q_heads=q_heads):
+                                return project(x_l, head_rows(wq_l, q_heads, d), d, qn_l, c, s_)
 
-                        through_projection(i, [q_proj], [dq], [("wq", wq_l), ("qn", qn_l)])
-                    else:
-                        store.put(("dq", s, i), dq)
-                    del dq
+                            through_projection(i, [q_proj], [dq], [("wq", wq_l), ("qn", qn_l)])
+                        else:
+                            store.put(("dq", s, i), dq)
+                        del dq
                 store.pop(("k", g, j))
                 store.pop(("v", g, j))
                 del k, v

@@ -7,9 +7,14 @@ A simulation runs a few tiles for all of them (``tiles_to_run``): right for memo
 what the step *executes*. So a loop iterates ``run_tiles``, which, while a tile's body runs,
 says how many tiles it stands for (``counted_as``); the step's counters
 (``bench.measure.stepcount``: FLOPs, memory traffic, host copies) multiply what they count by it.
+FPDT's chunk-pair loops do the same with ``items_to_run`` and ``counting_as`` (at the paper's
+64K-token chunks a 4M-token step has 2080 pairs per block and pass, which made its simulation
+the longest of ``python -m bench fidelity``); the collectives, which ``CommCounter`` does not
+weigh, stay outside the skipped items.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 
@@ -51,6 +56,30 @@ def run_tiles(sizes: list[int], fake: bool) -> Iterator[int]:
         for i, weight in zip(tiles_to_run(sizes, fake), tile_weights(sizes, fake)):
             _local.weight = outer * weight
             yield i
+    finally:
+        _local.weight = outer
+
+
+def items_to_run(n: int, fake: bool, tail: int = 1) -> list[tuple[int, int]]:
+    """``(index, weight)`` of the items of a loop of ``n`` identical-shaped items that a simulation runs.
+
+    For loops whose first item differs (it creates an accumulator), whose middle items each allocate
+    and free the same bytes, and whose last ``tail`` items differ again (no prefetch of a next item,
+    a causal diagonal block): the first, the second standing for every middle item (its weight), and
+    the last ``tail``. Real tensors: every item, weight 1. The weights sum to ``n``.
+    """
+    if not fake or n <= 2 + tail:
+        return [(i, 1) for i in range(n)]
+    return [(0, 1), (1, n - 1 - tail)] + [(i, 1) for i in range(n - tail, n)]
+
+
+@contextlib.contextmanager
+def counting_as(weight: int) -> Iterator[None]:
+    """Within the block, the work stands for ``weight`` items (times the enclosing loop's; ``counted_as``)."""
+    outer = counted_as()
+    _local.weight = outer * weight
+    try:
+        yield
     finally:
         _local.weight = outer
 
