@@ -68,13 +68,11 @@ Known residuals (named, not tuned away; ``paper_figs/table3_model.md`` shows the
   run. Two known simplifications pull in opposite directions and are left as they are: torch's
   dK/dV rotation (``permute_tensor``: an all-to-all with one peer, fp32) is priced as an even
   all-to-all (half of it over InfiniBand, where rank 0 receives all of it from the other node)
-  and as critical, where it overlaps the next block's kernel. A mechanism with that shape, not
-  measured: host-bound execution, a cost exposed only while the device's kernels are shorter than
-  the host's time to issue them. Torch's context parallel runs its ring from Python (one
-  DTensor-dispatched attention call per block, then its ring steps with their merges on local
-  tensors), 16 steps per block and pass here against 8 on Llama3-8B's one node. At 512K the
-  attention kernels are 16 times longer than at 128K and would hide it. The model adds every
-  term; it has no host time to take a maximum with.
+  and as critical, where it overlaps the next block's kernel. Host-bound execution has the
+  shape (a cost exposed only while the kernels are shorter than the host's time to issue them,
+  hidden at 512K where they are 16 times longer than at 128K), but would need the host to take
+  about 21 ms per ring step (64.5 s over 64 blocks x 3 passes x 16 steps), where torch's context
+  parallel issues a few kernels per step from Python; so probably not that either.
 
 Fit: ``FITTED``'s five fitted constants (``eff_attention``, ``eff_attention_fa2``, ``latency_s``,
 ``ds_fpdt_chunk_s``, ``barrier_s``; ``eff_matmul`` is the measured H100 GEMM rate, ``measured_eff_matmul``) minimise
