@@ -50,7 +50,7 @@ Known residuals (named, not tuned away; ``paper_figs/table3_model.md`` shows the
   is tens of microseconds in either group, far below the difference. Llama3-8B shows the same
   direction without barriers: the paper's UPipe costs 0.12 s more than its Ulysses at 128K for
   896 more all-to-alls (at most 0.14 ms each), the model charges them ``latency_s`` (0.46 ms) each, and
-  its ratio there is 0.923 against the paper's 0.983 (from 512K on within 1.3%).
+  its ratio there is 0.923 against the paper's 0.983 (from 512K on within 0.026 of the paper's).
 * Fixed, no longer a residual: FPDT between 256K and 1M was 24-30% fast. The counts were of 16
   chunks per rank at every length where the paper's runs used chunks of 65,536 tokens (2 per rank
   at 128K, 64 at 4M: ``bench.fidelity.FPDT_CHUNK_TOKENS``), and the model had no term for
