@@ -48,16 +48,23 @@ def tile_weights(sizes: list[int], fake: bool) -> list[int]:
     return [1, len(sizes) - 1] if len(run) == 2 else [1, len(sizes) - 2, 1]
 
 
+@contextlib.contextmanager
+def counting_as(weight: int) -> Iterator[None]:
+    """Within the block, the work stands for ``weight`` items (times the enclosing loop's; ``counted_as``)."""
+    outer = counted_as()
+    _local.weight = outer * weight
+    try:
+        yield
+    finally:
+        _local.weight = outer
+
+
 def run_tiles(sizes: list[int], fake: bool) -> Iterator[int]:
     """``tiles_to_run``'s indices, each yielded with ``counted_as`` set to its ``tile_weights``
     (times the enclosing loop's) while the caller's loop body runs."""
-    outer = counted_as()
-    try:
-        for i, weight in zip(tiles_to_run(sizes, fake), tile_weights(sizes, fake)):
-            _local.weight = outer * weight
+    for i, weight in zip(tiles_to_run(sizes, fake), tile_weights(sizes, fake)):
+        with counting_as(weight):
             yield i
-    finally:
-        _local.weight = outer
 
 
 def items_to_run(n: int, fake: bool, tail: int = 1) -> list[tuple[int, int]]:
@@ -71,17 +78,6 @@ def items_to_run(n: int, fake: bool, tail: int = 1) -> list[tuple[int, int]]:
     if not fake or n <= 2 + tail:
         return [(i, 1) for i in range(n)]
     return [(0, 1), (1, n - 1 - tail)] + [(i, 1) for i in range(n - tail, n)]
-
-
-@contextlib.contextmanager
-def counting_as(weight: int) -> Iterator[None]:
-    """Within the block, the work stands for ``weight`` items (times the enclosing loop's; ``counted_as``)."""
-    outer = counted_as()
-    _local.weight = outer * weight
-    try:
-        yield
-    finally:
-        _local.weight = outer
 
 
 def tile_bounds(n: int, tiles: int) -> list[tuple[int, int]]:
