@@ -26,7 +26,7 @@ test: lint
 
 # the inner loop: no rank pools, sweeps, notebooks or Slurm (the `slow` marker, tests/conftest.py)
 test-fast: $(STAMP)
-	$(VPY) -m pytest -q -m "not slow"
+	CPAB_NO_POOLS=1 $(VPY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(VPY) -m sweeps.demo

@@ -236,7 +236,7 @@ def table3_plot(rows=None) -> Plot:
     enc = Encoding("kernel-scratch model (simulation)")
     ooms = OOMs()
     used = []
-    for ax, setup in zip(axes[0], TABLE3_SETUPS):
+    for ax, setup in zip(axes[0], TABLE3_SETUPS, strict=False):
         p = paper[paper["model"] == setup.model]
         xs_drawn = list(p["seq_len"])
         for pm in PAPER_METHODS:
@@ -370,7 +370,8 @@ def max_context_plot(rows=None) -> Plot:
     panels = [(s.model, s.gpus, f"{s.model}, {s.gpus} GPUs (Table 3)") for s in TABLE3_SETUPS]
     panels.append(("llama3-8b", 16, "llama3-8b, 16 GPUs, 8×2 mesh (Fig. 5)"))
     seen = {(m, g) for m, g, _ in panels}
-    for m, g in sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])} - seen) if len(ours) else []:
+    setups = {(m, int(w)) for m, w in zip(ours["model"], ours["world_size"], strict=True)}
+    for m, g in sorted(setups - seen) if len(ours) else []:
         panels.append((m, g, f"{m}, {g} ranks (ours only: no paper values at this scale)"))
     modes = sorted(ours["mode_label"].unique()) if len(ours) else []
     # what every series shares ("simulated, h100-80g, ") is said once, in the legend, not on each bar
@@ -414,7 +415,7 @@ def max_context_plot(rows=None) -> Plot:
         ax.grid(True, axis="x", alpha=0.3, linewidth=0.6)
         ax.set_axisbelow(True)
         ys = np.arange(len(bars))[::-1] + 1.0  # slot 0 (bottom) stays free for a note
-        for y, b in zip(ys, bars):
+        for y, b in zip(ys, bars, strict=False):
             style = paper_bar_style(b[5]) if b[4] else ours_bar_style(b[5])
             if b[2] > 0:  # a search that fit nothing has no bar: its text says "< step"
                 ax.barh(y, b[2] - lo, left=lo, height=0.72, **style)
@@ -494,7 +495,7 @@ def _fig1_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str, 
                 used_total = True
             else:
                 bottom = 0.0
-                for (_, _, color), v in zip(SEGMENTS, split):
+                for (_, _, color), v in zip(SEGMENTS, split, strict=False):
                     ax.bar(xo, scale * v, width, bottom=bottom, **ours_bar_style(color))
                     bottom += scale * v
             cut = total > ymax * 0.86
@@ -537,7 +538,7 @@ def fig1_plot(rows=None) -> Plot:
     ours = fig1_rows(rows)
     setups = fig1_setups(ours)
     fig, axes = new_figure(1, len(setups), width=10.5, height=5.6)
-    for ax, setup in zip(axes[:, 0], setups):
+    for ax, setup in zip(axes[:, 0], setups, strict=False):
         mine = ours[ours["setup"] == setup] if len(ours) else ours
         if setup == PAPER_FIG1:
             _fig1_panel(ax, mine, paper, "Fig. 1: peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs", True)
@@ -613,12 +614,12 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
             a, c = number(lookup(u, s), "tokens_per_s_per_device"), number(lookup(b, s), "tokens_per_s_per_device")
             if a and c:
                 pts.append((pos[s], a / c))
-        if any(len(d) == len(pts) and all(x == y and abs(v - w) < 1e-3 for (x, v), (y, w) in zip(d, pts))
+        if any(len(d) == len(pts) and all(x == y and abs(v - w) < 1e-3 for (x, v), (y, w) in zip(d, pts, strict=False))
                for d in drawn):
             continue
         drawn.append(pts)
         if pts:
-            ax2.plot(*zip(*pts), **ours_line_style("black", OURS_MARKERS[j % len(OURS_MARKERS)]),
+            ax2.plot(*zip(*pts, strict=False), **ours_line_style("black", OURS_MARKERS[j % len(OURS_MARKERS)]),
                      label=f"UPipe / USP throughput — ours ({ml})")
             ratio_lines += 1
     ratios = [v for line in ax2.get_lines() for v in line.get_ydata()]
@@ -651,7 +652,7 @@ def fig5_plot(rows=None) -> Plot:
     ours = fig5_rows(rows)
     setups = fig5_setups(ours)
     fig, axes = new_figure(1, len(setups), width=9.5, height=6.4)
-    for ax, setup in zip(axes[:, 0], setups):
+    for ax, setup in zip(axes[:, 0], setups, strict=False):
         mine = ours[ours["setup"] == setup] if len(ours) else ours
         if setup == PAPER_FIG5:
             _fig5_panel(ax, mine, paper, "Figure 5: Llama3-8B, 16 GPUs (8 Ulysses × 2 Ring), UPipe vs USP-Hybrid")
@@ -686,7 +687,7 @@ def attn_memory_plot(rows=None) -> Plot:
         lengths = sorted(sub["seq_len"].unique()) if len(sub) else default_lengths
         modes = sorted(sub["mode_label"].unique()) if len(sub) else []
         us = sorted({u for u in sub["u"] if u is not None}) if len(sub) else []
-        cmap = dict(zip(us, palette))
+        cmap = dict(zip(us, palette, strict=False))
         small = len(sub) and max([float(v) for v in sub["peak_gib"] if pd.notna(v)] + [0.0]) < 1
         scale, unit = (1024.0, "MiB") if small else (1.0, "GiB")
         for mi, ml in enumerate(modes):
@@ -701,7 +702,7 @@ def attn_memory_plot(rows=None) -> Plot:
                 pts = [(s, number(lookup(vs, s), "peak_gib")) for s in lengths]
                 pts = [(s, scale * v) for s, v in pts if v is not None]
                 if pts:
-                    top.plot(*zip(*pts), **style, label=f"{variant_name(u, h, ws)} — ours ({ml})")
+                    top.plot(*zip(*pts, strict=False), **style, label=f"{variant_name(u, h, ws)} — ours ({ml})")
                 ooms.add(top, [s for s in lengths if (r := lookup(vs, s)) is not None and r["status"] == "oom"],
                          style)
                 if u is None or not len(base):
@@ -712,7 +713,7 @@ def attn_memory_plot(rows=None) -> Plot:
                     if a is not None and b:
                         red.append((s, 100 * (1 - a / b)))
                 if red:
-                    bot.plot(*zip(*red), **style, label=f"U={u} vs Ulysses — ours ({ml})")
+                    bot.plot(*zip(*red, strict=False), **style, label=f"U={u} vs Ulysses — ours ({ml})")
         ref = reduction[(reduction["model"] == model) & (reduction["ulysses_degree"] == ws)]
         if len(ref):
             r = ref.iloc[0]
@@ -760,7 +761,7 @@ def u_ablation_plot(rows=None) -> Plot:
     fig, axes = new_figure(3, len(setups), width=5.4, height=5.0)
     metric = "tokens_per_s_per_device"
     ooms = OOMs()
-    for row_axes, (model, ws, scope) in zip(axes, setups):
+    for row_axes, (model, ws, scope) in zip(axes, setups, strict=False):
         sub = ours[(ours["model"] == model) & (ours["world_size"] == ws) & (ours["scope"] == scope)] \
             if len(ours) else ours
         h, _ = heads_of(rows, model)
@@ -796,7 +797,7 @@ def u_ablation_plot(rows=None) -> Plot:
                 label = f"{human_size(s)} tokens" + (f" — ours ({ml})" if len(modes) > 1 else "")
                 for k, p in pts.items():
                     if p:
-                        row_axes[k].plot(*zip(*p), **style, label=label)
+                        row_axes[k].plot(*zip(*p, strict=False), **style, label=label)
                         drawn[k] += 1
                 ooms.add(row_axes[0], oom, style)
                 ooms.add(row_axes[2], oom, style)
@@ -818,7 +819,7 @@ def u_ablation_plot(rows=None) -> Plot:
         if drawn[1]:
             row_axes[1].axhline(1.0, color="grey", linewidth=0.8)
         who = f"ours, {modes[0]}" if len(modes) == 1 else "ours"
-        for ax, t in zip(row_axes, ("throughput", "throughput relative to Ulysses", "peak memory")):
+        for ax, t in zip(row_axes, ("throughput", "throughput relative to Ulysses", "peak memory"), strict=False):
             ax.set_title(f"{t}: {model}, {ws} ranks, {what}\n({who})", fontsize=9.5)
     ooms.draw()
     fig.suptitle("U ablation, one line per sequence length (ours only: the paper has no U ablation numbers)")
@@ -848,7 +849,7 @@ def memory_vs_seq_plot(rows=None) -> Plot:
     enc = Encoding("kernel-scratch model (simulation)")
     ooms = OOMs()
     used = []
-    for ax, setup in zip(axes[0], TABLE3_SETUPS):
+    for ax, setup in zip(axes[0], TABLE3_SETUPS, strict=False):
         xs_drawn = []
         for a in anchors[anchors["model"] == setup.model].itertuples():
             enc.source("paper", line=False, text="paper (128K anchors, unconfirmed)")
@@ -869,7 +870,7 @@ def memory_vs_seq_plot(rows=None) -> Plot:
                 continue
             style = series_style(enc, sub)
             if pts:
-                ax.plot(*zip(*pts), **style)
+                ax.plot(*zip(*pts, strict=False), **style)
             ooms.add(ax, oom, style)
             xs_drawn += [s for s, _ in pts] + oom
         capacity_line(ax)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -212,20 +213,20 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     # The paper reports max_reserved: use the reserved peak where measured (CUDA), else allocated.
     df["mem_gib"] = df["peak_reserved_gib"].where(df["peak_reserved_gib"].notna(), df["peak_gib"])
     df["mem_basis"] = ["reserved" if pd.notna(r) else ("allocated" if pd.notna(a) else None)
-                       for r, a in zip(df["peak_reserved_gib"], df["peak_gib"])]
+                       for r, a in zip(df["peak_reserved_gib"], df["peak_gib"], strict=False)]
     # a simulation with a kernel-scratch model (bench.measure.workspace) is another series than one without
     # (under the paper stack the scratch model is one of its terms, so the stack names it instead)
     scratch = df["lever.kernel_workspace"] if "lever.kernel_workspace" in df else [None] * len(df)
     stacks = df["lever.stack"] if "lever.stack" in df else [None] * len(df)
     df["label"] = [method_label(m, o) + (f" +{w} scratch" if isinstance(w, str) and w != "none" and s != "paper"
                                          else "")
-                   for m, o, w, s in zip(df["method"], df["options"], scratch, stacks)]
+                   for m, o, w, s in zip(df["method"], df["options"], scratch, stacks, strict=False)]
     origins = df["origin"] if "origin" in df else ["committed"] * len(df)
     pools = df["lever.allocator_pools"] if "lever.allocator_pools" in df else [None] * len(df)
     df["mode_label"] = [mode_label(m, d, n, s if isinstance(s, str) else None, p if isinstance(p, str) else None)
                         + (", yours" if o == "yours" else "")
                         for m, d, n, s, p, o in zip(df["mode"], df["device"], df["env.device_name"], stacks, pools,
-                                                    origins)]
+                                                    origins, strict=False)]
     df["seq"] = [human_size(s) if s else "" for s in df["seq_len"]]
     df["time"] = pd.to_datetime(df["env.time"], utc=True, errors="coerce")
     return df
@@ -239,7 +240,7 @@ def _search_probes(df: pd.DataFrame) -> list[bool]:
     cols = ["source_file", "method", "options", "model", "scope", "world_size", "mode", "dtype", "device", "levers"]
     searches = set(map(tuple, df.loc[df["kind"] == "max_context", cols].astype(str).values.tolist()))
     sigs = map(tuple, df[cols].astype(str).values.tolist())
-    return [kind == "trial" and sig in searches for kind, sig in zip(df["kind"], sigs)]
+    return [kind == "trial" and sig in searches for kind, sig in zip(df["kind"], sigs, strict=False)]
 
 
 def _keep_newest(df: pd.DataFrame) -> pd.DataFrame:

@@ -7,9 +7,9 @@ rows exist (none at all gives the paper-only versions, with our cells missing).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import matplotlib.pyplot as plt
 import pandas as pd

@@ -73,7 +73,7 @@ def shade(color: str, k: int) -> str:
         return color
     towards, amount = [("black", 0.4), ("white", 0.45), ("black", 0.65), ("white", 0.7)][(k - 1) % 4]
     rgb, end = mcolors.to_rgb(color), mcolors.to_rgb(towards)
-    return mcolors.to_hex([c + amount * (e - c) for c, e in zip(rgb, end)])
+    return mcolors.to_hex([c + amount * (e - c) for c, e in zip(rgb, end, strict=False)])
 
 
 def paper_line_style(color: str) -> dict:
@@ -238,7 +238,7 @@ def layout_with_legends(fig, groups: list[tuple[str, list]], gap_in: float = 0.2
     renderer = fig.canvas.get_renderer()
     sizes = [(e.width / fig.dpi, e.height / fig.dpi) for e in (leg.get_window_extent(renderer) for leg in legends)]
     rows, row, used = [], [], 0.0  # greedy rows of legends no wider than the figure
-    for leg, (w, h) in zip(legends, sizes):
+    for leg, (w, h) in zip(legends, sizes, strict=False):
         if row and used + gap_in + w > width:
             rows.append(row)
             row, used = [], 0.0
@@ -324,7 +324,7 @@ class Plot:
 
     name: str
     title: str
-    fig: "plt.Figure"
+    fig: plt.Figure
     notes: list[str] = field(default_factory=list)
     rows_used: pd.DataFrame | None = None
 

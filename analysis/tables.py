@@ -122,7 +122,7 @@ def table3_ratios(rows=None) -> Table:
     for setup in TABLE3_SETUPS:
         p = paper[paper["model"] == setup.model]
 
-        def pv(method, s):
+        def pv(method, s, p=p):
             hit = p[(p["method"] == method) & (p["seq_len"] == s) & (p["status"] == "ok")]
             return float(hit["tokens_per_s_per_gpu"].iloc[0]) if len(hit) else None
 
@@ -349,7 +349,8 @@ def max_context_rows(rows: pd.DataFrame) -> pd.DataFrame:
     ours = our_max_context(rows)
     if not len(ours):
         return ours
-    on_paper = pd.Series([(m, int(w)) in paper_setups() for m, w in zip(ours["model"], ours["world_size"])],
+    setups = zip(ours["model"], ours["world_size"], strict=True)
+    on_paper = pd.Series([(m, int(w)) in paper_setups() for m, w in setups],
                          index=ours.index, dtype=bool)
     keep = (ours["kind"] == "search") | on_paper
     return ours[keep]
@@ -366,7 +367,7 @@ def max_context_table(rows=None) -> Table:
     setups = ({(r.model, int(r.gpus)) for r in paper.itertuples()}
               | {(r.model, int(r.gpus)) for r in claims.itertuples()})
     if len(ours):
-        setups |= {(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])}
+        setups |= {(m, int(w)) for m, w in zip(ours["model"], ours["world_size"], strict=False)}
     cols = ["Model", "GPUs", "Method", "Source", "Mode, device", "Max context", "Note"]
     out = []
     for model, gpus in sorted(setups, key=lambda s: (s[0] not in ("llama3-8b", "qwen3-32b"), s[0], s[1])):
@@ -455,7 +456,8 @@ def fig1_rows(rows: pd.DataFrame) -> pd.DataFrame:
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     t = t.assign(config=t.apply(fig1_config, axis=1),
-                 setup=pd.Series(list(zip(t["model"], t["seq_len"], t["world_size"])), index=t.index, dtype=object))
+                 setup=pd.Series(list(zip(t["model"], t["seq_len"], t["world_size"], strict=True)), index=t.index,
+                                 dtype=object))
     return t[t["config"].notna()]
 
 
@@ -533,7 +535,7 @@ def fig5_rows(rows: pd.DataFrame) -> pd.DataFrame:
         return t.assign(setup=pd.Series(dtype=object))
     paper_setup = (t["model"] == PAPER_FIG5[0]) & (t["world_size"] == PAPER_FIG5[1]) & has_paper_levers(t)
     t = t[_from_sweep(t, "fig5-multinode") | paper_setup]
-    return t.assign(setup=pd.Series(list(zip(t["model"], t["world_size"])), index=t.index, dtype=object))
+    return t.assign(setup=pd.Series(list(zip(t["model"], t["world_size"], strict=False)), index=t.index, dtype=object))
 
 
 def fig5_method(row: pd.Series) -> str | None:
@@ -610,7 +612,7 @@ def _with_u(t: pd.DataFrame) -> pd.DataFrame:
     plain = [not (set(o) - {"chunk_heads", "kernel"}) for o in t["options_dict"]]
     t = t[pd.Series(plain, index=t.index, dtype=bool)]
     u = [None if m == "ulysses" else (o.get("chunk_heads") or ws)
-         for m, o, ws in zip(t["method"], t["options_dict"], t["world_size"])]
+         for m, o, ws in zip(t["method"], t["options_dict"], t["world_size"], strict=False)]
     return t.assign(u=pd.Series(u, index=t.index, dtype=object))
 
 
@@ -634,7 +636,7 @@ def attn_rows(rows: pd.DataFrame) -> pd.DataFrame:
 
 def attn_setups(ours: pd.DataFrame) -> list[tuple[str, int]]:
     """(model, world size) to show: the paper's two first (always), then any other with rows."""
-    extra = sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"])} - set(PAPER_ATTN)) \
+    extra = sorted({(m, int(w)) for m, w in zip(ours["model"], ours["world_size"], strict=False)} - set(PAPER_ATTN)) \
         if len(ours) else []
     return list(PAPER_ATTN) + extra
 
@@ -721,7 +723,7 @@ def u_setups(ours: pd.DataFrame) -> list[tuple[str, int, str]]:
     """(model, world size, scope) of the U ablation, the paper-scale one first."""
     if not len(ours):
         return []
-    found = {(m, int(w), s) for m, w, s in zip(ours["model"], ours["world_size"], ours["scope"])}
+    found = {(m, int(w), s) for m, w, s in zip(ours["model"], ours["world_size"], ours["scope"], strict=False)}
     return sorted(found, key=lambda k: (k != ("llama3-8b", 4, "model"), k))
 
 

@@ -33,9 +33,10 @@ import multiprocessing
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from records import GiB, Row, append_rows, fidelity_anchor_note, human, read_rows, trial_key
 
@@ -394,7 +395,7 @@ def table_rows(results: list[Result]) -> list[tuple[str, ...]]:
 def text_table(results: list[Result]) -> str:
     body = [HEADER] + table_rows(results)
     widths = [max(len(row[i]) for row in body) for i in range(len(HEADER))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in body]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in body]
     passed = sum(r.passes() for r in results)
     return "\n".join(lines + [f"{passed}/{len(results)} anchors pass (paper stack); "
                               f"stack.FITTED = {paper_stack.FITTED} bytes"])
@@ -555,7 +556,7 @@ def figure(results: list[Result], path: Path) -> None:
         ax.bar([x + width for x in xs], lean, width, label="ours, lean (allocated)", color="tab:orange", alpha=0.7)
         ax.errorbar(list(xs), paper, yerr=[r.anchor.tolerance_gib() for r in mem], fmt="none", ecolor="k",
                     capsize=4, label="pass band (paper ± tolerance)", alpha=0.7, elinewidth=0)
-        for x, r, y in zip(xs, mem, ours):
+        for x, r, y in zip(xs, mem, ours, strict=False):
             res = r.residual
             ax.annotate("-" if res is None else f"{res:+.0f}%", (x, y), ha="center", va="bottom", fontsize=8,
                         color="tab:green" if r.passes() else "tab:red")

@@ -252,8 +252,11 @@ def modelled_tps(counts, model: str, method: str, seq_len: int, constants: StepT
     return seq_len / gpus / res["step_time_s"], res
 
 
+FIT_START = StepTimeConstants(EFF_MATMUL_MEASURED, 0.5, 0.5, 2e-5, 0.01, 1e-4)  # where the least squares starts
+
+
 def fit(cells: list[dict[str, Any]], all_counts,
-        start: StepTimeConstants = StepTimeConstants(EFF_MATMUL_MEASURED, 0.5, 0.5, 2e-5, 0.01, 1e-4),
+        start: StepTimeConstants = FIT_START,
         iters: int = 200) -> StepTimeConstants:
     """Least squares on log(tokens/s) over ``cells`` (torch LBFGS over the fitted constants' logs);
     ``eff_matmul`` stays at ``start``'s (measured, ``EFF_MATMUL_MEASURED``)."""

@@ -70,7 +70,7 @@ def require_group(group, who: str, library: str) -> None:
 class _LocalAttention(nn.Module):
     """The local attention DeepSpeed calls between its all-to-alls: our kernel, plain autograd."""
 
-    def __init__(self, block: "DeepSpeedUlysses") -> None:
+    def __init__(self, block: DeepSpeedUlysses) -> None:
         super().__init__()
         self.causal, self.kernel, self.scale = block.spec.causal, block.kernel, block.scale
 

@@ -243,7 +243,7 @@ class _FPDTFunction(torch.autograd.Function):
             named = [(name, t) for name, t in leaves if t is not None]
             got = torch.autograd.grad(made, [x_l] + [t for _, t in named], out_grads)
             dx[:, sl] += got[0]
-            for (name, _), g in zip(named, got[1:]):
+            for (name, _), g in zip(named, got[1:], strict=False):
                 grads[name] += g
 
         # stages that share a K/V group, in order: the group's dK/dV gather over all of them

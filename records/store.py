@@ -14,9 +14,9 @@ import fcntl
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from .identity import trial_key
 from .schema import Row, RowError, validate_row

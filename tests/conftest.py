@@ -20,8 +20,11 @@ install_if_missing()
 
 
 # ------------------------------------------------------------------------ the `slow` marker
-# Modules whose tests spawn rank pools, subprocesses, sweeps, notebooks or Slurm. `make test-fast`
-# (`pytest -m "not slow"`) leaves them out for the inner loop; `make test` and CI run everything.
+# `make test-fast` (`pytest -m "not slow"`) is the inner loop; `make test` and CI run everything.
+# A test is slow when it uses a fixture that spawns rank pools or brings up Slurm (SLOW_FIXTURES,
+# wherever the test lives), or sits in a module that spawns subprocesses, sweeps or notebooks
+# itself (SLOW_MODULES).
+SLOW_FIXTURES = {"pool", "slurm_cluster"}
 SLOW_MODULES = {
     "tests/methods/test_correctness.py", "tests/methods/test_ring_usp.py", "tests/methods/test_offload_fpdt.py",
     "tests/methods/test_wrappers.py",
@@ -44,5 +47,6 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parents[1]
     for item in items:
-        if str(Path(item.fspath).relative_to(root)) in SLOW_MODULES:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & SLOW_FIXTURES or str(Path(item.fspath).relative_to(root)) in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)

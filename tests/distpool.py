@@ -14,11 +14,13 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
 GLOO_TIMEOUT_S = 30
+NO_POOLS = "CPAB_NO_POOLS"  # set by make test-fast: spawning a pool is then an error
 
 
 def _free_port() -> int:
@@ -64,6 +66,10 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
+        if os.environ.get(NO_POOLS):  # make test-fast: a test that gets here lacks its `slow` marker
+            raise RuntimeError(f"{NO_POOLS} is set (make test-fast), yet a test spawns a rank pool: mark it slow "
+                               "(use the `pool` fixture, tests/conftest.py SLOW_FIXTURES, or list its module in "
+                               "SLOW_MODULES)")
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.tasks = [ctx.Queue() for _ in range(self.size)]
@@ -93,7 +99,8 @@ class RankPool:
                 got[rank] = (ok, value)
         except queue.Empty:
             self.restart()
-            raise RemoteError(f"{fn.__name__} timed out after {self.task_timeout}s; ranks done: {sorted(got)}")
+            raise RemoteError(f"{fn.__name__} timed out after {self.task_timeout}s; "
+                              f"ranks done: {sorted(got)}") from None
         failures = [(r, v) for r, (ok, v) in sorted(got.items()) if not ok]
         if failures:
             # a failed rank may have left its peers' gloo state broken: start clean for the next check

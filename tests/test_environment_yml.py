@@ -199,10 +199,10 @@ def test_conda_core_packages(conda_specs):
     assert parsed["python"]["version"] == "3.11"
     assert "pip" in parsed
     torch = parsed["pytorch"]
-    assert torch["version"].startswith("2.9"), torch
+    assert torch["version"] == torch_pin(), torch
     assert torch["build"] and torch["build"].startswith("cuda"), "pytorch must be pinned to a CUDA build"
     # The pytorch-cuda metapackage exists only on the pytorch channel, which stopped at torch 2.5:
-    # combining it with pytorch 2.9 cannot be solved.
+    # combining it with a newer pytorch cannot be solved.
     assert "pytorch-cuda" not in parsed
     # The CUDA version of the pytorch build string must agree with the cuda-version pin.
     cuda = parsed["cuda-version"]["version"]
@@ -275,3 +275,23 @@ def test_python_satisfies_requires_python(env):
     python = next(parse_matchspec(s) for s in env["dependencies"]
                   if isinstance(s, str) and parse_matchspec(s)["name"] == "python")
     assert SpecifierSet(requires).contains(python["version"])
+
+
+def torch_pin() -> str:
+    """The torch version pyproject.toml pins (``torch==X``)."""
+    with PYPROJECT.open("rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    (spec,) = req.specifier
+    assert spec.operator == "==", f"pyproject.toml must pin one torch version, not {req}"
+    return spec.version
+
+
+def test_one_torch_version_everywhere(conda_specs):
+    """pyproject.toml, the Makefile's TORCH and environment.yml's pytorch name the same version."""
+    pin = torch_pin()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(rf"^TORCH\s*\?=\s*torch=={re.escape(pin)}\s*$", makefile, re.M), \
+        f"the Makefile's TORCH must be torch=={pin}"
+    parsed = {parse_matchspec(s)["name"]: parse_matchspec(s) for s in conda_specs}
+    assert parsed["pytorch"]["version"] == pin

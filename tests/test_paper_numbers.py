@@ -145,7 +145,7 @@ def test_upipe_over_ulysses_ratio_128k(t3):
     ],
 )
 def test_derived_ratios_in_paper_md(t3, model, ratios):
-    for n, expected in zip(TABLE3_LENS, ratios):
+    for n, expected in zip(TABLE3_LENS, ratios, strict=False):
         up = t3_value(t3, model, "upipe", n).tokens_per_s_per_gpu
         uly = t3_value(t3, model, "ulysses", n).tokens_per_s_per_gpu
         assert round(up / uly, 3) == pytest.approx(expected, abs=1e-9), (model, n)

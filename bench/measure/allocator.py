@@ -84,8 +84,9 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed._tools.mem_tracker import _UpdateType
@@ -224,7 +225,7 @@ class TraceRecorder(PeakTracker):
                 self._log_alloc(winfo, nbytes)  # resize_ allocates the new storage, copies, frees the old
             self._log_free(winfo, old)
 
-    def __enter__(self) -> "TraceRecorder":
+    def __enter__(self) -> TraceRecorder:
         if self._depth == 0:
             self.trace.step_start = len(self.trace.events)
         super().__enter__()
@@ -255,7 +256,7 @@ class _Block:
 
     __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "pool", "segment")
 
-    def __init__(self, addr: int, size: int, pool: "_Pool", segment: "_Segment | None" = None,
+    def __init__(self, addr: int, size: int, pool: _Pool, segment: _Segment | None = None,
                  mapped: bool = True) -> None:
         self.addr = addr
         self.size = size
@@ -269,7 +270,7 @@ class _Block:
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
 
-    def splice(self, before: "_Block | None", after: "_Block | None") -> None:
+    def splice(self, before: _Block | None, after: _Block | None) -> None:
         if before is not None:
             before.next = self
         self.prev = before

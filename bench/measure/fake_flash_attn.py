@@ -69,7 +69,7 @@ import importlib.util
 import math
 import sys
 import types
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -215,8 +215,8 @@ def _fa2_fwd_fake(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
 
 @torch.library.custom_op("cpab_sim::fa2_bwd", mutates_args=("dq", "dk", "dv", "dq_accum", "dk_expanded", "dv_expanded"))
 def fa2_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
-            dq: Tensor, dk: Tensor, dv: Tensor, dq_accum: Tensor, dk_expanded: Optional[Tensor],
-            dv_expanded: Optional[Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+            dq: Tensor, dk: Tensor, dv: Tensor, dq_accum: Tensor, dk_expanded: Tensor | None,
+            dv_expanded: Tensor | None, dropout_p: float, softmax_scale: float, causal: bool,
             deterministic: bool) -> Tensor:
     """flash-attn 2's backward kernel: writes dq/dk/dv (through the scratch), returns ``softmax_d``."""
     raise _refuse("fa2_bwd")

@@ -24,7 +24,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,10 +147,10 @@ def spawn(world_size: int, fn: Callable, *args, backend: str = "gloo",
                 dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
                 if dead:
                     r, code = dead[0]
-                    raise RankError(f"rank {r} died without a result (exit code {code})", r, code)
+                    raise RankError(f"rank {r} died without a result (exit code {code})", r, code) from None
                 if time.monotonic() > deadline:
                     raise RankError(f"ranks {sorted(set(range(world_size)) - set(got))} timed out "
-                                    f"after {timeout_s:.0f}s", -1)
+                                    f"after {timeout_s:.0f}s", -1) from None
                 continue
             if not ok:
                 raise RankError(f"rank {rank} raised:\n{value}", rank)

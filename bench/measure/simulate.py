@@ -15,9 +15,9 @@ through a model of that allocator).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from methods.core.hostmem import simulated_host
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator["dist.ProcessGroup"]:
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
     """A ``fake``-backend default process group of ``world_size`` ranks (this process is ``rank``)."""
 
     if dist.is_initialized():

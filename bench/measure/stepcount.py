@@ -349,7 +349,7 @@ _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
 def _span_bytes(t: torch.Tensor) -> int:
     """Bytes of the distinct elements a tensor spans (a stride-0, broadcast, dimension once)."""
     n = 1
-    for size, stride in zip(t.shape, t.stride()):
+    for size, stride in zip(t.shape, t.stride(), strict=False):
         if stride != 0:
             n *= size
     return n * t.element_size()
@@ -414,7 +414,7 @@ class StepCounter:
         self.events: dict[str, float] = {}
 
     @contextlib.contextmanager
-    def counting(self) -> Iterator["StepCounter"]:
+    def counting(self) -> Iterator[StepCounter]:
         with _marking_shape_propagation(), self.flops, self.copies, self.traffic, events.counting() as noted:
             self.events = noted
             yield self

@@ -43,7 +43,7 @@ class StepStats:
     def max(self) -> float:
         return max(self.times)
 
-    def plus(self, seconds: float) -> "StepStats":
+    def plus(self, seconds: float) -> StepStats:
         """Every step lengthened by ``seconds`` (emulated: modelled communication per step)."""
         return StepStats(tuple(t + seconds for t in self.times))
 
@@ -54,7 +54,7 @@ def slowest_rank_steps(per_rank: list[list[float]]) -> list[float]:
     lengths = {len(t) for t in per_rank}
     if len(lengths) != 1:
         raise ValueError(f"ranks timed different numbers of steps: {sorted(lengths)}")
-    return [max(steps) for steps in zip(*per_rank)]
+    return [max(steps) for steps in zip(*per_rank, strict=False)]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class HostLoad:
     cpus: int
 
     @classmethod
-    def now(cls) -> "HostLoad":
+    def now(cls) -> HostLoad:
         return cls(os.getloadavg()[0], os.cpu_count() or 1)
 
 

@@ -65,7 +65,7 @@ class Search:
             raise ValueError(f"--start {self.start} is beyond --max-seq-len {self.max_seq_len}")
 
     @classmethod
-    def parse(cls, raw: dict[str, Any], what: str = "max_context") -> "Search":
+    def parse(cls, raw: dict[str, Any], what: str = "max_context") -> Search:
         """From human sizes (``{"granularity": "256K", "max_seq_len": "16M"}``)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
@@ -131,7 +131,7 @@ class Trial:
 
     @classmethod
     def make(cls, method: str, model: str, seq_len: int, world_size: int,
-             options: dict[str, Any] | MethodOptions | None = None, **kwargs) -> "Trial":
+             options: dict[str, Any] | MethodOptions | None = None, **kwargs) -> Trial:
         """A trial from an options mapping as a user writes it (``chunk_heads: auto`` included)."""
         typed, auto = parse_options(method, options)
         return cls(method, model, seq_len, world_size, options=typed, auto_chunk=auto, **kwargs)
@@ -146,14 +146,14 @@ class Trial:
         """``opts`` plus the requests (``chunk_heads: auto``): the options as the user asked."""
         return {**self.opts, AUTO_OPTION: AUTO} if self.auto_chunk else self.opts
 
-    def with_seq_len(self, seq_len: int) -> "Trial":
+    def with_seq_len(self, seq_len: int) -> Trial:
         return dataclasses.replace(self, seq_len=seq_len)
 
-    def probe(self, seq_len: int) -> "Trial":
+    def probe(self, seq_len: int) -> Trial:
         """One trial of a max-context search at ``seq_len``."""
         return dataclasses.replace(self, kind=Kind.TRIAL, search=None, seq_len=seq_len)
 
-    def with_options(self, options: MethodOptions) -> "Trial":
+    def with_options(self, options: MethodOptions) -> Trial:
         return dataclasses.replace(self, options=options, auto_chunk=None)
 
     @property
@@ -295,7 +295,7 @@ class Trial:
         return json.dumps(d, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Trial":
+    def from_json(cls, text: str) -> Trial:
         try:
             d = json.loads(text)
             step = StepConfig(**d.pop("step"))

@@ -77,7 +77,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
         """Build from a mapping; unknown or missing fields are refused by name."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: a model config must be a mapping of fields, got {type(data).__name__}")
@@ -98,7 +98,7 @@ class ModelConfig:
             raise ValueError(f"{source}: {err}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         """Read an architecture from ``.json``, ``.yaml`` or ``.yml`` (the fields of this class).
 
         ``name`` defaults to the file's stem.

@@ -301,7 +301,7 @@ def chunked_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor
     return _ChunkedCrossEntropy.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), chunk, ignore_index)
 
 
-def _shard_cross_entropy(head: "LMHead", h: torch.Tensor, labels: torch.Tensor,
+def _shard_cross_entropy(head: LMHead, h: torch.Tensor, labels: torch.Tensor,
                          count: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """DeepSpeed's ``fn(self, x, y)`` for one shard: its summed cross-entropy over ``count``.
 
@@ -313,7 +313,7 @@ def _shard_cross_entropy(head: "LMHead", h: torch.Tensor, labels: torch.Tensor,
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / count
 
 
-def deepspeed_cross_entropy(head: "LMHead", h: torch.Tensor, labels: torch.Tensor, chunk: int,
+def deepspeed_cross_entropy(head: LMHead, h: torch.Tensor, labels: torch.Tensor, chunk: int,
                             ignore_index: int = -100) -> torch.Tensor:
     """Mean cross-entropy through DeepSpeed's ``TiledFusedLogitsLoss``: as many shards as our
     chunks of ``chunk`` tokens (``torch.chunk`` sizes, so at most ``chunk`` each). It runs each

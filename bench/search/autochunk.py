@@ -21,7 +21,7 @@ it resolves a request when there is one, then runs the trial.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import methods
 from records import GiB, Row

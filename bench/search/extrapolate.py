@@ -80,8 +80,9 @@ import dataclasses
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from records import GiB, Row
 

@@ -25,7 +25,8 @@ import math
 import multiprocessing as mp
 import sys
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from records import Figures, GiB, Kind, Row, human, validate_row
 

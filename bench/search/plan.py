@@ -693,7 +693,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
             autos = [e for e in ok if e.auto]
             args = [(e, common, workdir) for e in autos]
             us = list(pool.map(_resolve_u_job, args)) if pool else [_resolve_u_job(a) for a in args]
-            for e, u in zip(autos, us):
+            for e, u in zip(autos, us, strict=False):
                 e.resolved_u = u
         finally:
             if pool:

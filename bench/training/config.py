@@ -158,7 +158,7 @@ class StepConfig:
                 raise ValueError(f"{name}='deepspeed' needs DeepSpeed, which is not installed: {DEEPSPEED_HINT}")
 
     @classmethod
-    def plain(cls, **overrides) -> "StepConfig":
+    def plain(cls, **overrides) -> StepConfig:
         """No memory lever at all (replicated model, no AC, plain MLP, full logits)."""
         base = dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False,
                     chunked_loss=False)
@@ -183,5 +183,5 @@ class StepConfig:
         return d
 
     @classmethod
-    def from_levers(cls, scope: str, batch: int, dtype: str, levers: dict[str, Any]) -> "StepConfig":
+    def from_levers(cls, scope: str, batch: int, dtype: str, levers: dict[str, Any]) -> StepConfig:
         return cls(scope=scope, batch=batch, dtype=dtype, **levers)

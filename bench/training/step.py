@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -298,7 +299,7 @@ def maybe_prime_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
             p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    for g, (lr, wd) in zip(opt.param_groups, saved):
+    for g, (lr, wd) in zip(opt.param_groups, saved, strict=False):
         g["lr"], g["weight_decay"] = lr, wd
 
 

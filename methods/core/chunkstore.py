@@ -55,10 +55,10 @@ from . import hostmem
 # simulation (bench.measure.simcuda.runtime) puts its own in place for its duration: a stream made under one
 # simulation is unknown to the next, which would key its copies as the default stream's. On real CUDA the
 # constructor is torch.cuda.Stream itself, so there is one stream per device for the process.
-_COPY_STREAMS: dict[tuple, "torch.cuda.Stream"] = {}
+_COPY_STREAMS: dict[tuple, torch.cuda.Stream] = {}
 
 
-def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream of ``device`` that every store copies on (see the module docstring)."""
     key = (device, torch.cuda.Stream)
     if key not in _COPY_STREAMS:
@@ -91,7 +91,7 @@ class ChunkStore:
         if self._handed is None or len(tensors) != len(self._handed):
             raise RuntimeError(f"take_back: expected the {len(self._handed or ())} tensors hand_over gave, got "
                                f"{len(tensors)}")
-        self._items = dict(zip(self._handed, tensors))
+        self._items = dict(zip(self._handed, tensors, strict=False))
         self._handed = None
 
     def _held(self) -> dict[Hashable, torch.Tensor]:

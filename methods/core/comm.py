@@ -225,7 +225,7 @@ class RingComm:
             raise RuntimeError("RingComm.exchange called again before wait()")
         recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = []
-        for send_t, recv_t in zip(tensors, recv):
+        for send_t, recv_t in zip(tensors, recv, strict=False):
             ops.append(dist.P2POp(dist.isend, send_t.contiguous(), self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, recv_t, self.prev, self.group))
         self._reqs = dist.batch_isend_irecv(ops)

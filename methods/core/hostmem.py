@@ -9,7 +9,7 @@ all a simulation needs. Outside simulation nothing here changes a method's behav
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -50,7 +50,8 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor

@@ -9,8 +9,9 @@ marked unusable and ``build`` refuses it with the install command.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 

@@ -62,7 +62,7 @@ def counting_as(weight: int) -> Iterator[None]:
 def run_tiles(sizes: list[int], fake: bool) -> Iterator[int]:
     """``tiles_to_run``'s indices, each yielded with ``counted_as`` set to its ``tile_weights``
     (times the enclosing loop's) while the caller's loop body runs."""
-    for i, weight in zip(tiles_to_run(sizes, fake), tile_weights(sizes, fake)):
+    for i, weight in zip(tiles_to_run(sizes, fake), tile_weights(sizes, fake), strict=False):
         with counting_as(weight):
             yield i
 

@@ -133,7 +133,7 @@ def _unbind() -> None:
 class fa3_causal:  # noqa: N801 - used as a context manager, like contextlib's
     """The binding for the duration of a ``with`` block (forward only; ``run`` covers backward)."""
 
-    def __enter__(self) -> "fa3_causal":
+    def __enter__(self) -> fa3_causal:
         _bind()
         return self
 

@@ -49,7 +49,7 @@ def matmuls(tokens: int, dim: int, ffn: int, q_dim: int, kv_dim: int) -> list[di
     for name, (k, n) in shapes.items():
         a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        t = timed_ms(lambda: a @ b)
+        t = timed_ms(lambda a=a, b=b: a @ b)
         flops = 2 * tokens * k * n
         rows.append({"kind": "matmul", "name": name, "m": tokens, "k": k, "n": n, **t,
                      "tflops": flops / (t["median_ms"] * 1e-3) / 1e12})
@@ -92,7 +92,7 @@ def check_against_math(seq: int = 1024, heads: int = 8, kv_heads: int = 2, head_
     def rel(a, b):
         return float((a - b).norm() / b.norm())
 
-    errs = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), results["torch"], results["math"])}
+    errs = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), results["torch"], results["math"], strict=False)}
     return {"kind": "check", "against": "math fp32", "seq": seq, "heads": heads, "kv_heads": kv_heads,
             "rel_err": errs, "ok": all(e < 2e-2 for e in errs.values())}
 

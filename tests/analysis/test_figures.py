@@ -103,7 +103,7 @@ def _points(ax) -> list[tuple[float, float]]:
     for line in ax.get_lines():
         if line.get_transform() != ax.transData:
             continue
-        out += [(float(x), float(y)) for x, y in zip(line.get_xdata(), line.get_ydata())]
+        out += [(float(x), float(y)) for x, y in zip(line.get_xdata(), line.get_ydata(), strict=False)]
     return out
 
 
@@ -121,13 +121,13 @@ def _overprints(fig) -> list[str]:
     outside += [(f"figure legend {leg.get_title().get_text()!r}", leg) for leg in fig.legends]
     for name, artist in outside:
         box = artist.get_window_extent(r)
-        for panel, pboxes in zip(panels, boxes):
+        for panel, pboxes in zip(panels, boxes, strict=False):
             if any(box.overlaps(p) for p in pboxes):
                 faults.append(f"{name} overlaps panel {panel[0].get_title()!r}")
     for (n1, a1), (n2, a2) in itertools.combinations(outside, 2):
         if a1.get_window_extent(r).overlaps(a2.get_window_extent(r)):
             faults.append(f"{n1} overlaps {n2}")
-    for ax in list(fig.axes) + [b for ax in fig.axes for b in _bands(ax)]:
+    for ax in list(fig.axes) + [b for panel in fig.axes for b in _bands(panel)]:
         frame = ax.get_window_extent(r).padded(1)
         for x, y in _points(ax):
             px, py = ax.transData.transform((x, y))
@@ -140,7 +140,7 @@ def _overprints(fig) -> list[str]:
         for axis in (ax.xaxis, ax.yaxis):
             labels = [t for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
             extents = sorted((t.get_window_extent(r) for t in labels), key=lambda b: (b.x0, b.y0))
-            for b1, b2 in zip(extents, extents[1:]):
+            for b1, b2 in zip(extents, extents[1:], strict=False):
                 if b1.overlaps(b2):
                     faults.append(f"tick labels overlap on {ax.get_title()!r}")
     return faults
@@ -298,7 +298,7 @@ def test_max_context_gives_one_answer_per_method_and_series(tmp_path):
                                 "ulysses — ours (simulated, h100-80g, lean stack)",
                                 "upipe — ours (simulated, h100-80g, lean stack)"]
         assert len([t for t in labels if t.endswith("— paper")]) == 5
-        by_label = {label: texts[y] for label, y in zip(labels, ax.get_yticks())}
+        by_label = {label: texts[y] for label, y in zip(labels, ax.get_yticks(), strict=False)}
         assert by_label["upipe — ours (simulated, h100-80g, lean stack)"].startswith("5.25M")  # the finest search
         assert "step 128K" in by_label["upipe — ours (simulated, h100-80g, lean stack)"]
         assert by_label["ulysses — ours (simulated, h100-80g, lean stack)"].startswith("< 1M")

@@ -117,9 +117,9 @@ def test_the_tiles_that_run_stand_for_all_of_them(sizes, fake):
     seen = []
     for i in run_tiles(sizes, fake):
         seen.append((i, counted_as()))
-        assert [w for _, w in zip(run_tiles([2, 2, 2, 2], True), range(2))] == [0, 1]  # a nested loop...
+        assert [w for _, w in zip(run_tiles([2, 2, 2, 2], True), range(2), strict=False)] == [0, 1]  # a nested loop...
         assert counted_as() == seen[-1][1]  # ...leaves the outer weight in place
-    assert seen == list(zip(tiles_to_run(sizes, fake), weights))
+    assert seen == list(zip(tiles_to_run(sizes, fake), weights, strict=False))
     assert counted_as() == 1
 
 
@@ -153,7 +153,7 @@ def test_tiled_mlp_equals_plain(tiles):
     mlp.tiles = tiles  # 0: auto = ceil(50 / 32) = 2 tiles
     y1, g1 = _grads(mlp, x, dy)
     torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g1, g0):
+    for a, b in zip(g1, g0, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -168,7 +168,7 @@ def test_tiled_norm_equals_plain():
     norm.tiles = 5
     y1, g1 = _grads(norm, x, dy)
     torch.testing.assert_close(y1, y0)
-    for a, b in zip(g1, g0):
+    for a, b in zip(g1, g0, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

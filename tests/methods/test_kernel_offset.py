@@ -86,7 +86,7 @@ def test_causal_offset_matches_dense_reference(name, geometry, dtype, heads):
     want = (ref, *torch.autograd.grad(ref, (q, k, v), dout.double()))
 
     assert out.dtype == dtype and out.shape == q.shape
-    errors = {n: rel_err(g, w) for n, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    errors = {n: rel_err(g, w) for n, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=False)}
     assert max(errors.values()) <= TOLERANCE[dtype], errors
     # keys no query may see get no gradient at all
     hidden = ~hand_mask(sq, sk, off).any(0)
@@ -120,7 +120,7 @@ def test_calls_without_an_offset_are_unchanged(causal, dtype):
     raw_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.transpose(1, 2), qt, kt, vt, raw_out, raw_lse, 0.0, causal, scale=scale)
     assert torch.equal(out, raw_out.transpose(1, 2)) and torch.equal(lse, raw_lse)
-    for got, want in zip(grads, raw_grads):
+    for got, want in zip(grads, raw_grads, strict=False):
         assert torch.equal(got, want.transpose(1, 2))
 
 

@@ -149,7 +149,7 @@ def test_fpdt_chunks_are_freed_by_activation_checkpointing(pool, ws, offload):
     for rank, r in enumerate(pool.run(_fpdt_under_checkpoint, offload, world_size=ws)):
         assert r["plain_held_after_forward"] > 0, r
         assert r["checkpointed_held_after_forward"] == 0, f"rank {rank}: checkpoint left chunks alive: {r}"
-        for a, b in zip(r["plain"], r["checkpointed"]):
+        for a, b in zip(r["plain"], r["checkpointed"], strict=False):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
@@ -278,5 +278,5 @@ def test_cuda_offload_pins_host_copies_and_matches(name, options):
             assert m.stats.offloaded_tensors > 0 and m.stats.host_devices == ("cpu",)
         y.float().sum().backward()
         results.append((y.detach().float(), xi.grad.float()))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=False):
         assert (a - b).abs().max() <= 1e-2 * b.abs().max(), (a - b).abs().max()

@@ -26,7 +26,7 @@ HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
 @pytest.fixture
 def fresh_yunchang():
     """yunchang imported in this process only while a test runs: it records at import whether
-    flash-attn is present, and later tests (tests/test_fake_flash_attn.py) check what a process
+    flash-attn is present, and later tests (tests/bench/measure/test_fake_flash_attn.py) check what a process
     that never imported it sees (as tests/methods/test_yc_fa3.py does)."""
     before = set(sys.modules)
     yield

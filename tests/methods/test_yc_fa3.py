@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("yunchang") is None, re
 @pytest.fixture(scope="module")
 def yc():
     """yunchang, imported in this process only while these tests run: later tests
-    (tests/test_fake_flash_attn.py) check what a process that never imported it sees."""
+    (tests/bench/measure/test_fake_flash_attn.py) check what a process that never imported it sees."""
     before = set(sys.modules)
     with warnings.catch_warnings():  # yunchang's modules call torch.jit.script (deprecated) at import
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -58,8 +58,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 SOURCE = Path(__file__).with_name("shim.cpp")
 ENV_CACHE = "CPAB_CACHE"

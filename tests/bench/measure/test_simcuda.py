@@ -28,7 +28,7 @@ from bench.measure.trial import Trial
 from bench.model.config import get_config
 from bench.training.config import StepConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 NO_COMPILER = shutil.which("c++") is None and shutil.which("g++") is None and not os.environ.get("CXX")
 
 
