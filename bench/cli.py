@@ -40,12 +40,12 @@ from .measure.launch import is_rank_zero
 from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Search, Trial
 from .model.config import CONFIGS
+from .resolve import Request, resolve
 from .search.autochunk import run
 from .search.extrapolate import layer_extrapolated_runner
 from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
-from .training.config import ALLOCATOR_POOLS, ATTENTION_MATHS, OFFLOAD_KEEPS, ROPE_TABLES, StepConfig
-from .training.presets import expand
+from .training.config import choices, lever_fields
 
 QUICK_ANCHOR = "128k-llama3-8b-upipe-x8"
 
@@ -101,59 +101,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scope", choices=["model", "attention"], default="model")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--no-fsdp", action="store_true", help="replicate the model instead of FSDP2")
-    p.add_argument("--no-ac", action="store_true", help="no activation checkpointing (implies --no-offload)")
-    p.add_argument("--no-offload", action="store_true", help="keep activation checkpoints on the device")
-    p.add_argument("--offload-keep", choices=list(OFFLOAD_KEEPS), default="first_last",
-                   help="with checkpoint offload, the blocks whose checkpoint stays on the device: first_last, "
-                   "first, or none (every block's on the host); the paper stack turns first_last into first")
-    p.add_argument("--ac-group", type=positive_int, default=1, metavar="K",
-                   help="two-level checkpointing (Chen et al. 2016): blocks in groups of K under an outer "
-                   "checkpoint, so the host holds about n/K + K - 1 block inputs instead of n; up to one more "
-                   "forward per block (1: one checkpoint per block)")
-    p.add_argument("--fsdp-offload", action="store_true",
-                   help="FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients and AdamW state on the host, "
-                   "optimizer step on the host")
-    p.add_argument("--ring-barrier", action="store_true",
-                   help="a barrier after every ring step, as the paper's ring code (its vendored yunchang, UPipe's "
-                   "ring) does; the paper stack turns it on for yc-ring, yc-usp and usp-upipe")
-    p.add_argument("--attention-math", choices=list(ATTENTION_MATHS), default="compute",
-                   help="emulated mode only: skip answers the attention kernels with zeros of their real shapes "
-                   "and holds their scratch (bench.measure.skipmath), so a long-context step's real memory is "
-                   "measured without hours of attention; values and the loss are then meaningless")
-    p.add_argument("--fused-attn-norm", action="store_true",
-                   help="the attention's RMSNorm inside the method's projections, tiled (upipe only): the normed "
-                   "input is never stored")
-    p.add_argument("--rope-table", choices=list(ROPE_TABLES), default="auto",
-                   help="RoPE angles: none (computed for the local positions), checkpointed (TorchTitan's table of "
-                   "the whole sequence on every rank, a checkpoint input), auto (checkpointed under the paper stack "
-                   "for the methods the paper ran in TorchTitan, else none)")
-    p.add_argument("--no-tiled-mlp", action="store_true")
-    p.add_argument("--no-tiled-norm", action="store_true")
-    p.add_argument("--no-chunked-loss", action="store_true")
-    p.add_argument("--tiles", type=int, default=0, help="tiles of the tiled MLP/norms (0: ceil(local tokens/dim))")
-    p.add_argument("--loss-chunk", type=parse_size, default=2048, help="tokens per loss chunk")
-    p.add_argument("--tiled-mlp-impl", choices=["ours", "deepspeed"], default="ours",
-                   help="whose tiled MLP: ours or DeepSpeed's TiledMLP (needs deepspeed)")
-    p.add_argument("--chunked-loss-impl", choices=["ours", "deepspeed"], default="ours",
-                   help="whose chunked loss: ours or DeepSpeed's TiledFusedLogitsLoss (needs deepspeed)")
-    p.add_argument("--kernel-workspace", choices=["none", "fa2", "fa3"], default="none",
-                   help="simulated mode: model the attention backward's scratch buffers (bench.measure.workspace)")
-    p.add_argument("--stack", choices=["paper", "lean"], default=None,
-                   help="simulated mode: the memory accounting (bench.measure.stack); paper (default in simulated "
-                   "mode) models what the paper's runs held, lean counts live tensors against 90%% of the device")
-    p.add_argument("--sim-device", choices=["auto", "cpu"], default="auto",
-                   help="simulated mode: auto = fake tensors of the preset's device (GPU code path for a GPU "
-                   "preset, bench.measure.simcuda); cpu = the CPU code path")
-    p.add_argument("--allocator-model", choices=["none", "classic", "expandable"], default="none",
-                   help="simulated mode: replay the step's allocations through a model of the CUDA caching "
-                   "allocator (bench.measure.allocator) and record its reserved peak; expandable: as with "
-                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the paper's setting")
-    p.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default=None,
-                   help="simulated mode, with an allocator model: per-stream (default under the paper stack) = a "
-                   "pool per CUDA stream, as the caching allocator keys its blocks (FSDP2's all-gather buffers "
-                   "then never serve the compute stream; checked on an H100, results/gpu); shared = one pool "
-                   "for every stream (the default otherwise)")
+    add_lever_flags(p)
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=MIN_TIMED_STEPS,
                    help=f"timed steps (real/emulated; at least {MIN_TIMED_STEPS} unless --smoke): the row records "
@@ -166,6 +114,36 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "(default runs/bench/<mode>.jsonl)")
     p.add_argument("--no-save", action="store_true", help="do not append rows to any file")
     p.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
+
+
+def lever_flag(f) -> str:
+    """The CLI flag of a ``StepConfig`` lever: its declared flag, else ``--no-<name>`` for a bool
+    that defaults to True and ``--<name>`` otherwise (underscores as hyphens)."""
+    name = f.name.replace("_", "-")
+    return f.metadata["flag"] or (f"--no-{name}" if f.default is True else f"--{name}")
+
+
+def add_lever_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``StepConfig`` lever, generated from its declaration (``bench.training.config``),
+    in a group per concern. A flag not given leaves its lever to the resolver (``bench.resolve``)."""
+    titles = {"training": "training levers (what the step does)",
+              "simulation": "simulated mode only (how a simulation accounts for memory)",
+              "emulation": "emulated mode only"}
+    groups = {concern: p.add_argument_group(title) for concern, title in titles.items()}
+    for f in lever_fields():
+        meta = f.metadata
+        group = groups[meta["concern"]]
+        text = meta["help"].replace("%", "%%")
+        flag = lever_flag(f)
+        if isinstance(f.default, bool):
+            group.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+                               default=argparse.SUPPRESS, help=f"off: {text}" if f.default else text)
+            continue
+        allowed = choices(f.name)
+        kind = parse_size if meta["size"] else positive_int if meta["metavar"] else type(f.default)
+        group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, metavar=meta["metavar"],
+                           choices=list(allowed) if allowed else None, type=None if allowed else kind,
+                           help=text if "bench.resolve" in text else f"{text} (default: {f.default})")
 
 
 def build_parser() -> Parser:
@@ -209,7 +187,7 @@ def build_parser() -> Parser:
     pl.add_argument("--no-figs", action="store_true", help="print only")
     pl.add_argument("--stack", choices=["paper", "lean"], default="paper",
                     help="accounting of the simulations (bench.measure.stack; default paper)")
-    pl.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default=paper_stack.PAPER_POOLS,
+    pl.add_argument("--allocator-pools", choices=list(choices("allocator_pools")), default=paper_stack.PAPER_POOLS,
                     help="the paper stack's allocator pools: per-stream (default: as CUDA's caching allocator keys "
                     "its blocks; checked on an H100, results/gpu) or shared (one pool for every stream; the "
                     "committed 16-GPU plans)")
@@ -231,7 +209,7 @@ def build_parser() -> Parser:
     fi.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
                     help="trials in parallel (a process pool; default: the CPUs, at most 4; the full run is about "
                     "18 CPU-minutes, so 2 idle cores finish it in about 9 minutes)")
-    fi.add_argument("--allocator-pools", choices=list(ALLOCATOR_POOLS), default=paper_stack.PAPER_POOLS,
+    fi.add_argument("--allocator-pools", choices=list(choices("allocator_pools")), default=paper_stack.PAPER_POOLS,
                     help="the paper stack's allocator pools: per-stream (default: a pool per CUDA stream, as the "
                     "caching allocator keeps them; checked on an H100, results/gpu) or shared (one pool for every "
                     "stream)")
@@ -244,27 +222,14 @@ def build_parser() -> Parser:
 
 
 def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
-    ac = not args.no_ac
-    levers = dict(ac=ac, ac_offload=ac and not args.no_offload, tiled_mlp=not args.no_tiled_mlp,
-                  tiled_norm=not args.no_tiled_norm, chunked_loss=not args.no_chunked_loss)
-    stack = args.stack or ("paper" if args.mode == "simulated" else "lean")
+    """The resolved trial of the command line (``bench.resolve``): only the flags given reach it."""
+    levers = {f.name: getattr(args, f.name) for f in lever_fields() if hasattr(args, f.name)}
+    levers.update(scope=args.scope, batch=args.batch, dtype=args.dtype)
+    request = Request(args.method, args.model, seq_len, args.world_size, dict(args.opt), mode=args.mode,
+                      device=args.device, link=args.link, levers=levers, search=search, warmup=args.warmup,
+                      iters=args.iters, smoke=args.smoke, threads=args.threads)
     try:
-        method, options, levers = expand(args.method, dict(args.opt), levers)  # named configurations
-        step = StepConfig(
-            scope=args.scope, batch=args.batch, dtype=args.dtype, fsdp=not args.no_fsdp, mlp_tiles=args.tiles,
-            loss_chunk=args.loss_chunk, kernel_workspace=args.kernel_workspace, sim_device=args.sim_device,
-            stack=stack,
-            tiled_mlp_impl=args.tiled_mlp_impl, chunked_loss_impl=args.chunked_loss_impl,
-            allocator_model=args.allocator_model, offload_keep=args.offload_keep,
-            allocator_pools=args.allocator_pools or paper_stack.allocator_pools(stack),
-            fsdp_offload=args.fsdp_offload, fused_attn_norm=args.fused_attn_norm, rope_table=args.rope_table,
-            ring_barrier=args.ring_barrier, attention_math=args.attention_math,
-            ac_group=args.ac_group, **levers,
-        )
-        return Trial.make(method, args.model, seq_len, args.world_size, options, mode=args.mode,
-                          device=args.device, step=step, link=args.link, warmup=args.warmup, iters=args.iters,
-                          smoke=args.smoke, threads=args.threads, kind=Kind.MAX_CONTEXT if search else Kind.TRIAL,
-                          search=search)
+        return resolve(request)
     except ValueError as err:
         raise UsageError(f"python -m bench: error: {err}") from None
 

@@ -15,6 +15,18 @@ from .schema import Row
 # for ``chunk_heads="auto"`` writes the U it chose in ``chunk_heads`` and the request here.
 REQUESTED_SUFFIX = "_requested"
 
+# Schema 1 rows left a lever out of ``levers`` while it had its default (the levers added after
+# the first rows were committed), and lack the levers schema 2 added: here is each such lever
+# with the value an absent one means. ``trial_key`` reads every row as if it had written them,
+# so a schema-1 row and a schema-2 row of the same configuration are the same trial. A lever
+# added later goes here too, with the default its absence means in older rows.
+V1_OMITTED_LEVERS: dict[str, Any] = {
+    "kernel_workspace": "none", "tiled_mlp_impl": "ours", "chunked_loss_impl": "ours", "sim_device": "auto",
+    "allocator_model": "none", "stack": "lean", "offload_keep": "first_last", "fsdp_offload": False,
+    "fused_attn_norm": False, "rope_table": "auto", "ac_group": 1, "allocator_pools": "shared",
+    "ring_barrier": False, "attention_math": "compute",
+}
+
 
 def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
@@ -35,7 +47,8 @@ def trial_key(row: Row | dict) -> tuple:
     return (
         str(d["kind"]), d["method"], _canon(requested_options(d.get("options") or {})), d["model"],
         str(d["scope"]), int(d["seq_len"]), int(d.get("batch", 1)), int(d["world_size"]), str(d["mode"]),
-        str(d["dtype"]), d["device"], _canon(d.get("levers") or {}), link["name"] if link else None,
+        str(d["dtype"]), d["device"], _canon({**V1_OMITTED_LEVERS, **(d.get("levers") or {})}),
+        link["name"] if link else None,
         _canon(d.get("search")),
     )
 

@@ -17,7 +17,10 @@ from typing import Any, Union
 
 from .vocab import DType, Kind, Mode, Scope, Status
 
-SCHEMA_VERSION = 1
+# 2: ``levers`` holds every lever (schema 1 left out those at their default that were added
+# late, records.identity.V1_OMITTED_LEVERS), and ``ran``/``presets`` say what ran
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 # the fewest timed steps whose median and range a row reports as a spread (bench.measure.timing)
 MIN_TIMED_STEPS = 5
 
@@ -117,6 +120,10 @@ class Row:
     env: Environment
     model_arch: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    # ---- resolution (bench.resolve): every lever as it ran, after the presets named in `presets`
+    # filled in what the request left open (``levers`` is the request, the trial's identity)
+    ran: dict | None = None
+    presets: list = field(default_factory=list)
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,8 +217,10 @@ def validate_row(row: Row | dict) -> Row:
     data = row.to_dict() if isinstance(row, Row) else row
     values = _check_fields(data, Row, "row")
     r = Row(**values)
-    if r.schema != SCHEMA_VERSION:
-        raise RowError(f"row.schema = {r.schema} is not the supported version {SCHEMA_VERSION}")
+    if r.schema not in READABLE_VERSIONS:
+        raise RowError(f"row.schema = {r.schema} is not a readable version {list(READABLE_VERSIONS)}")
+    if r.schema < 2 and (r.ran is not None or r.presets):
+        raise RowError(f"row.ran and row.presets came with schema 2; this row says schema {r.schema}")
     for name, vocab in (("kind", Kind), ("mode", Mode), ("status", Status), ("scope", Scope),
                         ("dtype", DType)):
         if getattr(r, name) not in vocab.values():

@@ -39,8 +39,8 @@ from typing import Any
 
 import yaml
 
-from bench.measure.stack import allocator_pools
 from bench.measure.trial import Search, Trial
+from bench.resolve import Request, resolve
 from bench.training.config import StepConfig
 from bench.training.presets import expand
 from records import DType, Kind, Mode, Scope
@@ -79,6 +79,7 @@ class MethodEntry:
     name: str
     options: tuple[tuple[str, Any], ...] = ()
     step: tuple[tuple[str, Any], ...] = ()  # training-step levers for this entry, over the spec's
+    preset: str | None = None  # the named configuration this entry was written as (upipe-best), if any
 
     @property
     def options_dict(self) -> dict[str, Any]:
@@ -145,18 +146,13 @@ class SweepSpec:
 
     def trial(self, entry: MethodEntry, model: str, world_size: int, seq_len: int) -> Trial:
         """One trial of the spec (``ValueError`` when the entry's options or levers are invalid)."""
-        levers = {**self.step, **dict(entry.step)}
+        levers = {**self.step, **dict(entry.step), "scope": self.scope, "dtype": self.dtype}
         per_trial = {k: levers.pop(k) for k in TRIAL_KEYS if k in levers}
-        if levers.get("ac") is False:
-            levers.setdefault("ac_offload", False)  # no checkpoints, nothing to offload (as --no-ac)
-        if self.mode == "simulated":
-            levers.setdefault("stack", "paper")  # as on the CLI: simulations default to the paper stack
-        levers.setdefault("allocator_pools", allocator_pools(levers.get("stack", "lean")))  # the stack's pools
-        step = StepConfig(scope=self.scope, dtype=self.dtype, **levers)
         search = Search(**self.max_context) if self.kind == Kind.MAX_CONTEXT else None
-        return Trial.make(entry.name, model, search.granularity if search else seq_len, world_size,
-                          entry.options_dict, mode=self.mode, device=self.device, step=step, kind=self.kind,
-                          search=search, **per_trial)
+        request = Request(entry.preset or entry.name, model, search.granularity if search else seq_len, world_size,
+                          entry.options_dict, mode=self.mode, device=self.device, levers=levers, search=search,
+                          **per_trial)
+        return resolve(request, validate=False)  # problems() validates every trial, for the submitting side
 
     def trials(self) -> list[Trial]:
         """The cross product, in a stable order (methods outermost, then models, sizes, lengths)."""
@@ -200,7 +196,8 @@ def _methods(raw: list) -> list[MethodEntry]:
                 name, opts, step = expand(e.name, e.options_dict, dict(e.step))
             except ValueError as err:
                 raise SpecError(f"methods[{i}]: {err}") from None
-            out[-1] = MethodEntry(name, tuple(sorted(opts.items())), tuple(sorted(step.items())))
+            out[-1] = MethodEntry(name, tuple(sorted(opts.items())), tuple(sorted(step.items())),
+                                  preset=e.name if name != e.name else None)
         if out[-1] is None:
             raise SpecError(
                 f"methods[{i}]: expected a method name or {{name: ..., options: {{...}}, step: {{...}}}}, "

@@ -164,8 +164,9 @@ def measure_simulated(trial: Trial, keep_trace: bool = False) -> dict[str, Any]:
     method is built, so that the libraries it wraps import it) whose kernels allocate what
     flash-attn's do, scratch included. ``keep_trace``: the result also carries the allocation
     trace under ``TRACE_KEY`` (not a row field; :func:`replay_with_reserve` replays it again)."""
-    step, stack_notes = stack.apply(trial.step, trial.method)
-    trial = dataclasses.replace(trial, step=step)  # the step as the accounting stack runs it
+    resolution = trial.resolved()  # what runs: the levers after the presets (bench.resolve)
+    stack_notes = list(resolution.notes)
+    trial = dataclasses.replace(trial, step=resolution.step)
     device = simulated_device(trial)
     on_gpu_path = device.type == "cuda"
     if on_gpu_path:
@@ -512,8 +513,10 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         device_name = result.get("device_name") or (
             f"fake {result.get('sim_device', 'cpu').split(':')[0]} tensors on {cpu_name()} (simulating {preset.name})"
             if trial.mode == "simulated" else cpu_name())
+    resolution = trial.resolved()
     return Row(**trial.row_fields(), status=status, message=message, figures=f,
-               env=environment(kernel, device_name), model_arch=cfg.to_dict(), notes=notes)
+               env=environment(kernel, device_name), model_arch=cfg.to_dict(), notes=notes,
+               ran=resolution.step.levers(), presets=list(resolution.presets))
 
 
 def run_trial(trial: Trial) -> Row:

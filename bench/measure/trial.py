@@ -37,6 +37,7 @@ from .timing import MIN_TIMED_STEPS
 AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and rows
 AUTO_OPTION = "chunk_heads"
 AUTO_METHODS = ("upipe", "usp-upipe")
+STACK_SUFFIX = "-stack"  # a stack's name among a resolution's presets ("paper-stack")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,26 @@ class AutoChunk:
     (resolved by ``bench.search.autochunk`` before the trial runs)."""
 
     option: str = AUTO_OPTION
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What a trial runs once its presets have filled in what the request left open
+    (``bench.resolve``): every lever as it runs, the presets that set them, a note per term."""
+
+    step: StepConfig
+    presets: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, step: StepConfig, method: str, presets: tuple[str, ...] = ()) -> Resolution:
+        """The stack's terms applied to ``step`` (``bench.measure.stack.apply``), after ``presets``
+        that were resolved before the trial existed (a named configuration such as upipe-best)."""
+        from . import stack  # the stack reads the trial's levers; it imports no trial
+
+        ran, notes = stack.apply(step, method)
+        stacks = (f"{step.stack}{STACK_SUFFIX}",) if step.stack != "lean" else ()
+        return cls(ran, tuple(presets) + stacks, tuple(notes))
 
 
 @dataclass(frozen=True)
@@ -120,6 +141,7 @@ class Trial:
     kind: str = Kind.TRIAL
     search: Search | None = None  # kind max_context only
     auto_chunk: AutoChunk | None = None
+    resolution: Resolution | None = None  # set by bench.resolve; None: the stack's terms only (resolved())
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -164,6 +186,11 @@ class Trial:
         return f"{what} {self.model} {size} x{self.world_size} {self.mode}"
 
     # ------------------------------------------------------------------ resolution
+    def resolved(self) -> Resolution:
+        """What this trial runs: its resolution, or for a trial built without the resolver (a test,
+        a library caller) the stack's terms applied to its levers."""
+        return self.resolution or Resolution.of(self.step, self.method)
+
     def config(self) -> ModelConfig:
         return get_config(self.model)
 
@@ -292,6 +319,10 @@ class Trial:
                  search=dataclasses.asdict(self.search) if self.search else None,
                  mode=str(self.mode), kind=str(self.kind))
         d.pop("auto_chunk")
+        d.pop("resolution")  # the receiving process applies the stack again; the named presets travel
+        presets = [p for p in self.resolved().presets if not p.endswith(STACK_SUFFIX)]
+        if presets:
+            d["presets"] = presets
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -300,7 +331,9 @@ class Trial:
             d = json.loads(text)
             step = StepConfig(**d.pop("step"))
             search = Search(**d.pop("search")) if d.get("search") else d.pop("search", None)
-            return cls.make(d.pop("method"), d.pop("model"), d.pop("seq_len"), d.pop("world_size"),
-                            d.pop("options"), step=step, search=search, **d)
+            presets = tuple(d.pop("presets", ()))
+            trial = cls.make(d.pop("method"), d.pop("model"), d.pop("seq_len"), d.pop("world_size"),
+                             d.pop("options"), step=step, search=search, **d)
+            return dataclasses.replace(trial, resolution=Resolution.of(step, trial.method, presets))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"not a serialised trial: {type(err).__name__}: {err}") from None

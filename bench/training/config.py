@@ -1,8 +1,19 @@
-"""``StepConfig``: what one training step does, i.e. the paper's memory levers as data.
+"""``StepConfig``: what one training step does and how it is measured, as typed fields.
 
 Kept apart from the step itself (``bench.training.step``) so that a trial, a sweep spec and
 the planner can hold and compare levers without building anything. Defaults are the paper's
 record setup (``docs/paper.md``); ``levers()`` is what a result row records.
+
+Every field is declared once, with :func:`lever`: its type (a ``Literal`` for a choice), its
+default, one line of help, the concern it belongs to and, where another lever switches it off,
+that lever. The CLI's flags (``bench.cli``) and a sweep spec's ``step:`` keys are generated
+from these declarations, so a new lever is one field here, the code where it acts, and its
+test. The concerns:
+
+* ``training``: what the step does (FSDP, checkpointing, tiling, the loss, RoPE, barriers);
+* ``simulation``: how a simulation accounts for memory (the stack, the allocator model and its
+  pools, the kernels' scratch, the fake device); refused outside simulated mode;
+* ``emulation``: an emulated run's attention arithmetic.
 
 ``tiled_mlp_impl`` and ``chunked_loss_impl`` pick whose code runs the tiled MLP and the
 chunked loss: ours (``bench.model.decoder``) or DeepSpeed's ALST autograd functions
@@ -15,98 +26,118 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from methods.ds_ulysses import DEEPSPEED_HINT
 from records import DType, Scope
+from records.identity import V1_OMITTED_LEVERS
 
 TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP32: torch.float32}
-# simulation only: how the attention backward's scratch buffers are modelled (bench.measure.workspace)
-KERNEL_WORKSPACES = ("none", "fa2", "fa3")
-# simulation only: replay the step's allocations through a model of the CUDA caching allocator
-# (bench.measure.allocator) to add its reserved peak; classic segments or expandable_segments:True
-ALLOCATOR_MODELS = ("none", "classic", "expandable")
-# the allocator model's pools: "shared": one pool for every stream (the model before streams were
-# tracked); "per-stream": a pool per stream, as CUDA's caching allocator keys its blocks
-# (bench.measure.allocator, "Streams")
-ALLOCATOR_POOLS = ("shared", "per-stream")
-# whose implementation runs the tiled MLP / chunked loss (DeepSpeed's: runtime.sequence_parallel.ulysses_sp)
-IMPLS = ("ours", "deepspeed")
-# simulation only: which fake device runs the step (bench.measure.simcuda). "auto": the device
-# preset's own (fake CUDA tensors for a GPU preset, fake CPU tensors for the CPU preset); "cpu":
-# fake CPU tensors for a GPU preset too (the CPU code path, host memory modelled by `meta`)
-SIM_DEVICES = ("auto", "cpu")
-# simulation only: the accounting (bench.measure.stack): "lean" counts live tensors against 90% of
-# the device; "paper" models what the paper's runs held (allocator reserved memory, kernel scratch,
-# the authors' offload settings) against the device less what lives outside the allocator
-STACKS = ("lean", "paper")
-# RoPE angles: "none": computed for the local positions; "checkpointed": TorchTitan's precomputed
-# table of the whole sequence on every rank, passed to each block (so checkpoint offload moves it
-# with the block's input); "auto": "checkpointed" under the paper stack for the methods the paper ran
-# in TorchTitan (bench.measure.stack), "none" otherwise
-ROPE_TABLES = ("auto", "none", "checkpointed")
-# which blocks keep their activation checkpoint on the device when ac_offload is on ("none": every
-# block's checkpoint goes to the host, the first and the last included)
-OFFLOAD_KEEPS = ("first_last", "first", "none")
-# emulated only: "skip" answers the attention kernels with zeros of their real shapes and holds their
-# scratch, so a long-context step's real memory is measured without its hours of attention
-# (bench.measure.skipmath)
-ATTENTION_MATHS = ("compute", "skip")
+
+Concern = Literal["training", "simulation", "emulation"]
+KernelWorkspace = Literal["none", "fa2", "fa3"]
+AllocatorModel = Literal["none", "classic", "expandable"]
+AllocatorPools = Literal["shared", "per-stream"]
+Impl = Literal["ours", "deepspeed"]
+SimDevice = Literal["auto", "cpu"]
+Stack = Literal["lean", "paper"]
+RopeTable = Literal["auto", "none", "checkpointed"]
+OffloadKeep = Literal["first_last", "first", "none"]
+AttentionMath = Literal["compute", "skip"]
+KERNEL_WORKSPACES: tuple[str, ...] = typing.get_args(KernelWorkspace)  # bench.measure.workspace's models
 
 
-# fields added after rows were committed: a row records them only away from their default
-LATE_FIELDS = ("kernel_workspace", "tiled_mlp_impl", "chunked_loss_impl", "sim_device", "allocator_model",
-               "stack", "offload_keep", "fsdp_offload", "fused_attn_norm", "rope_table", "ac_group",
-               "allocator_pools", "ring_barrier", "attention_math")
-# simulation-only settings: (field, what it does, what a real/emulated run does instead, the fix);
-# away from its default such a setting is refused outside simulated mode (Trial.validate)
-SIMULATION_ONLY = (
-    ("kernel_workspace", "models the attention kernel's scratch memory under simulation",
-     "the real kernel allocates its own", "drop it"),
-    ("stack", "is an accounting of simulated memory", "the run's own memory is measured",
-     "drop it (or use --stack lean)"),
-    ("sim_device", "picks the fake device of a simulation", "the trial runs on its real device", "drop it"),
-    ("allocator_model", "models the CUDA caching allocator under simulation",
-     "the real allocator reports its own reserved peak", "drop it"),
-    ("allocator_pools", "picks the pools of the simulated caching allocator",
-     "the real allocator keeps its own per-stream pools", "drop it"),
-)
+def lever(default: Any, help: str, *, concern: Concern = "training", flag: str | None = None,
+          requires: str | None = None, does: str | None = None, instead: str | None = None,
+          fix: str = "drop it", size: bool = False, metavar: str | None = None) -> Any:
+    """A ``StepConfig`` field with what the CLI, the specs and the checks need to know of it.
+
+    ``flag``: the CLI flag when it is not ``--<name>`` (a bool that defaults to True gets a
+    ``--no-...`` flag); ``requires``: the bool lever that must be on for this one to act (set
+    away from its default while that one is off, it is refused as a lever with no effect);
+    ``does``/``instead``/``fix``: for a simulation-only field, what it does, what a real or
+    emulated run does instead, and how to fix a trial that sets it outside simulated mode;
+    ``size``: the CLI parses ``128K``-style sizes."""
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, concern=concern, flag=flag, requires=requires, does=does, instead=instead, fix=fix, size=size,
+        metavar=metavar))
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    """What one step does. Defaults are the paper's settings (batch 1, every lever on)."""
+    """What one step does and how it is measured. Defaults are the paper's settings (batch 1,
+    every lever on)."""
 
     scope: str = "model"
     batch: int = 1
     dtype: str = "bf16"
-    fsdp: bool = True
-    ac: bool = True
-    ac_offload: bool = True
-    offload_pin: bool = True
-    tiled_mlp: bool = True
-    tiled_norm: bool = True
-    mlp_tiles: int = 0  # tiles of the tiled MLP and norms; 0: ceil(local tokens / dim), the paper's rule
-    chunked_loss: bool = True
-    loss_chunk: int = 2048
-    lr: float = 3e-4
-    kernel_workspace: str = "none"  # simulation only: attention-kernel scratch model (bench.measure.workspace)
-    tiled_mlp_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledMLP), when tiled_mlp
-    chunked_loss_impl: str = "ours"  # ours | deepspeed (DeepSpeed's TiledFusedLogitsLoss), when chunked_loss
-    fsdp_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients, AdamW state on host
-    fused_attn_norm: bool = False  # the attention's RMSNorm inside the method, tiled: its output never exists
-    offload_keep: str = "first_last"  # checkpoints kept on the device: first_last | first (the authors' scripts) | none
-    stack: str = "lean"  # simulation only: lean | paper (bench.measure.stack); the CLI and specs default to paper
-    sim_device: str = "auto"  # simulation only: auto (the preset's device: GPU code path) | cpu (CPU code path)
-    allocator_model: str = "none"  # simulation only: reserved-memory model (bench.measure.allocator)
-    rope_table: str = "auto"  # auto (the stack decides) | none | checkpointed (TorchTitan's table, a block argument)
-    ac_group: int = 1  # blocks per outer checkpoint (bench.training.nested); 1: one checkpoint per block
-    allocator_pools: str = "shared"  # simulation only, with allocator_model: shared | per-stream (ALLOCATOR_POOLS)
-    ring_barrier: bool = False  # a barrier after every ring step, as the paper's ring code (methods.core.ringsync)
-    attention_math: str = "compute"  # emulated only: compute | skip (bench.measure.skipmath)
+    fsdp: bool = lever(True, "FSDP2 over the ranks (off: the model replicated on every rank)")
+    ac: bool = lever(True, "activation checkpointing, one checkpoint per block")
+    ac_offload: bool = lever(True, "activation checkpoints offloaded to host memory", flag="--no-offload",
+                             requires="ac")
+    offload_pin: bool = lever(True, "offloaded checkpoints in pinned host memory (off: pageable)",
+                              requires="ac_offload")
+    tiled_mlp: bool = lever(True, "the MLP run in tiles of the sequence (the paper's TiledMLP)")
+    tiled_norm: bool = lever(True, "the RMSNorms run in tiles of the sequence")
+    mlp_tiles: int = lever(0, "tiles of the tiled MLP and norms (0: ceil(local tokens / dim), the paper's rule)",
+                           flag="--tiles")
+    chunked_loss: bool = lever(True, "the loss computed in chunks of tokens (never the whole logits)")
+    loss_chunk: int = lever(2048, "tokens per loss chunk", requires="chunked_loss", size=True)
+    lr: float = lever(3e-4, "AdamW learning rate of the optimizer step")
+    kernel_workspace: KernelWorkspace = lever(
+        "none", "the attention backward's scratch buffers modelled as FA2's or FA3's (bench.measure.workspace)",
+        concern="simulation", does="models the attention kernel's scratch memory under simulation",
+        instead="the real kernel allocates its own")
+    tiled_mlp_impl: Impl = lever("ours", "whose tiled MLP: ours or DeepSpeed's TiledMLP (needs deepspeed)",
+                                 requires="tiled_mlp")
+    chunked_loss_impl: Impl = lever(
+        "ours", "whose chunked loss: ours or DeepSpeed's TiledFusedLogitsLoss (needs deepspeed)",
+        requires="chunked_loss")
+    fsdp_offload: bool = lever(False, "FSDP2 CPUOffloadPolicy: sharded fp32 masters, gradients and AdamW state "
+                               "on the host, optimizer step on the host", requires="fsdp")
+    fused_attn_norm: bool = lever(False, "the attention's RMSNorm inside the method's projections, tiled "
+                                  "(upipe, fpdt): the normed input is never stored")
+    offload_keep: OffloadKeep = lever(
+        "first_last", "with checkpoint offload, the blocks whose checkpoint stays on the device: first_last, "
+        "first (the authors' scripts), or none (every block's on the host)", requires="ac_offload")
+    stack: Stack = lever(
+        "lean", "the memory accounting (bench.measure.stack): paper models what the paper's runs held, lean "
+        "counts live tensors against 90% of the device; a simulated trial that leaves it unset gets paper "
+        "(bench.resolve)", concern="simulation", does="is an accounting of simulated memory",
+        instead="the run's own memory is measured",
+        fix="drop it (or use --stack lean)")
+    sim_device: SimDevice = lever(
+        "auto", "auto: fake tensors of the preset's device (GPU code path for a GPU preset, "
+        "bench.measure.simcuda); cpu: the CPU code path", concern="simulation",
+        does="picks the fake device of a simulation", instead="the trial runs on its real device")
+    allocator_model: AllocatorModel = lever(
+        "none", "replay the step's allocations through a model of the CUDA caching allocator "
+        "(bench.measure.allocator) and record its reserved peak; expandable: as with "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", concern="simulation",
+        does="models the CUDA caching allocator under simulation",
+        instead="the real allocator reports its own reserved peak")
+    rope_table: RopeTable = lever(
+        "auto", "RoPE angles: none (computed for the local positions), checkpointed (TorchTitan's table of the "
+        "whole sequence on every rank, a checkpoint input), auto (the stack decides, bench.resolve)")
+    ac_group: int = lever(1, "two-level checkpointing (Chen et al. 2016): blocks in groups of K under an outer "
+                          "checkpoint, so the host holds about n/K + K - 1 block inputs instead of n; up to one "
+                          "more forward per block (1: one checkpoint per block)", metavar="K")
+    allocator_pools: AllocatorPools = lever(
+        "shared", "the modelled allocator's pools: per-stream (a pool per CUDA stream, as the caching allocator "
+        "keys its blocks) or shared (one pool for every stream); a simulated trial that leaves it unset gets "
+        "its stack's (bench.resolve)", concern="simulation",
+        does="picks the pools of the simulated caching allocator",
+        instead="the real allocator keeps its own per-stream pools")
+    ring_barrier: bool = lever(False, "a barrier after every ring step, as the paper's ring code "
+                               "(methods.core.ringsync)")
+    attention_math: AttentionMath = lever(
+        "compute", "emulated mode: skip answers the attention kernels with zeros of their real shapes and holds "
+        "their scratch (bench.measure.skipmath), so a long-context step's real memory is measured without "
+        "hours of attention; values and the loss are then meaningless", concern="emulation")
 
     def __post_init__(self) -> None:
         if self.scope not in Scope.values():
@@ -115,6 +146,10 @@ class StepConfig:
             raise ValueError(f"dtype must be one of {list(DType.values())}, got {self.dtype!r}")
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
+        for name, annotation in _HINTS.items():
+            choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
+            if choices is not None and getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
         if self.mlp_tiles < 0:
             raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
         if self.loss_chunk < 1:
@@ -130,31 +165,15 @@ class StepConfig:
             raise ValueError(f"ac_group must be an integer >= 1 (blocks per outer checkpoint), got {self.ac_group!r}")
         if self.ac_group > 1 and not self.ac:
             raise ValueError(f"ac_group={self.ac_group} groups activation checkpoints: it needs ac=True")
-        if self.kernel_workspace not in KERNEL_WORKSPACES:
-            raise ValueError(f"kernel_workspace must be one of {list(KERNEL_WORKSPACES)}, "
-                             f"got {self.kernel_workspace!r}")
-        if self.stack not in STACKS:
-            raise ValueError(f"stack must be one of {list(STACKS)}, got {self.stack!r}")
-        if self.rope_table not in ROPE_TABLES:
-            raise ValueError(f"rope_table must be one of {list(ROPE_TABLES)}, got {self.rope_table!r}")
-        if self.offload_keep not in OFFLOAD_KEEPS:
-            raise ValueError(f"offload_keep must be one of {list(OFFLOAD_KEEPS)}, got {self.offload_keep!r}")
-        if self.sim_device not in SIM_DEVICES:
-            raise ValueError(f"sim_device must be one of {list(SIM_DEVICES)}, got {self.sim_device!r}")
-        if self.allocator_pools not in ALLOCATOR_POOLS:
-            raise ValueError(f"allocator_pools must be one of {list(ALLOCATOR_POOLS)}, got {self.allocator_pools!r}")
-        if self.attention_math not in ATTENTION_MATHS:
-            raise ValueError(f"attention_math must be one of {list(ATTENTION_MATHS)}, got {self.attention_math!r}")
-        if self.allocator_model not in ALLOCATOR_MODELS:
-            raise ValueError(f"allocator_model must be one of {list(ALLOCATOR_MODELS)}, "
-                             f"got {self.allocator_model!r}")
-        for name, lever in (("tiled_mlp_impl", "tiled_mlp"), ("chunked_loss_impl", "chunked_loss")):
+        for name, needed in _REQUIRES.items():  # a lever another lever switched off would do nothing
             value = getattr(self, name)
-            if value not in IMPLS:
-                raise ValueError(f"{name} must be one of {list(IMPLS)}, got {value!r}")
-            if value != "ours" and not getattr(self, lever):  # else a row records a choice that did nothing
-                raise ValueError(f"{name}={value!r} picks the implementation of {lever}, which is off")
-            if value == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            if getattr(self, needed) or value == _DEFAULTS[name] or name in _CHECKED_ABOVE:
+                continue
+            if name in ("tiled_mlp_impl", "chunked_loss_impl"):
+                raise ValueError(f"{name}={value!r} picks the implementation of {needed}, which is off")
+            raise ValueError(f"{name}={value!r} has no effect with {needed}=False: drop it or turn {needed} on")
+        for name in ("tiled_mlp_impl", "chunked_loss_impl"):
+            if getattr(self, name) == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
                 raise ValueError(f"{name}='deepspeed' needs DeepSpeed, which is not installed: {DEEPSPEED_HINT}")
 
     @classmethod
@@ -169,19 +188,40 @@ class StepConfig:
         return TORCH_DTYPES[DType(self.dtype)]
 
     def levers(self) -> dict[str, Any]:
-        """The levers as recorded in a result row (everything but scope, batch and dtype,
-        which are trial keys of their own)."""
+        """The levers as recorded in a result row: every field but scope, batch and dtype, which
+        are trial keys of their own."""
         d = dataclasses.asdict(self)
         for k in ("scope", "batch", "dtype"):
             d.pop(k)
-        # fields added after rows were committed are left out at their default, so that the
-        # trial identity (and the key) of every earlier row stays what it was
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in LATE_FIELDS:
-            if d[name] == defaults[name]:
-                d.pop(name)
         return d
+
+    def of_concern(self, concern: Concern) -> dict[str, Any]:
+        """The fields of one concern (``training``, ``simulation``, ``emulation``) and their values."""
+        return {f.name: getattr(self, f.name) for f in lever_fields() if f.metadata["concern"] == concern}
 
     @classmethod
     def from_levers(cls, scope: str, batch: int, dtype: str, levers: dict[str, Any]) -> StepConfig:
-        return cls(scope=scope, batch=batch, dtype=dtype, **levers)
+        """The step a row's ``levers`` describe (a schema-1 row's omitted levers at their defaults)."""
+        return cls(scope=scope, batch=batch, dtype=dtype, **{**V1_OMITTED_LEVERS, **levers})
+
+
+def lever_fields() -> tuple[dataclasses.Field, ...]:
+    """The fields declared with :func:`lever` (every field but scope, batch and dtype)."""
+    return tuple(f for f in dataclasses.fields(StepConfig) if "concern" in f.metadata)
+
+
+def choices(name: str) -> tuple[str, ...] | None:
+    """The allowed values of a ``Literal`` field, else None."""
+    annotation = _HINTS[name]
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
+
+
+_HINTS = typing.get_type_hints(StepConfig)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StepConfig)}
+_REQUIRES = {f.name: f.metadata["requires"] for f in lever_fields() if f.metadata["requires"]}
+# requirements __post_init__ words itself, since they are contradictions rather than no-ops
+_CHECKED_ABOVE = ("ac_offload", "fsdp_offload")
+# simulation-only settings: away from its default such a setting is refused outside simulated mode
+# (Trial.validate): (field, what it does, what a real/emulated run does instead, the fix)
+SIMULATION_ONLY = tuple((f.name, f.metadata["does"], f.metadata["instead"], f.metadata["fix"])
+                        for f in lever_fields() if f.metadata["concern"] == "simulation")

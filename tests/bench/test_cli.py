@@ -46,8 +46,9 @@ def test_simulated_runs_replay_a_pool_per_stream_unless_asked(tmp_path):
         assert p.returncode == 0, p.stderr
         levers[name] = json.loads(p.stdout)["levers"]
     assert levers["default"]["stack"] == "paper" and levers["default"]["allocator_pools"] == "per-stream"
-    assert levers["shared"]["stack"] == "paper" and "allocator_pools" not in levers["shared"]  # the default field
-    assert "stack" not in levers["lean"] and "allocator_pools" not in levers["lean"]
+    # schema 2 rows record every lever, defaults included (schema 1 left these out at their default)
+    assert levers["shared"]["stack"] == "paper" and levers["shared"]["allocator_pools"] == "shared"
+    assert levers["lean"]["stack"] == "lean" and levers["lean"]["allocator_pools"] == "shared"
 
 
 def test_run_json_attention_scope(tmp_path):

@@ -223,7 +223,7 @@ def test_the_paper_stack_keeps_a_pool_per_stream_by_default(tiny_results):
     results, _ = tiny_results
     mem = results[0]
     assert mem.rows["paper"].levers["allocator_pools"] == "per-stream"
-    assert "allocator_pools" not in mem.rows["lean"].levers
+    assert mem.rows["lean"].levers["allocator_pools"] == "shared"  # schema 2 rows record the default too
 
 
 def test_from_rows_renders_without_simulating(tiny_results, tmp_path, monkeypatch, capsys):

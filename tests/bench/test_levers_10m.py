@@ -16,6 +16,7 @@ import pytest
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
 from bench.training.config import StepConfig
+from records.identity import V1_OMITTED_LEVERS
 from tests.bench.test_step import ALL_ON, cp_step, reference_step
 
 TOL = 1e-4  # fp32: gradient error relative to the gradient's largest entry (as test_step's)
@@ -85,7 +86,8 @@ def test_fsdp_offload_needs_fsdp_and_the_gpu_code_path():
 
 
 def test_new_levers_at_their_defaults_keep_old_rows_identity():
-    assert not {"fsdp_offload", "fused_attn_norm"} & set(StepConfig().levers())
+    # schema 2 rows record every lever; a schema 1 row that left it out (at its default) keeps its key
+    assert all(StepConfig().levers()[k] == V1_OMITTED_LEVERS[k] for k in ("fsdp_offload", "fused_attn_norm"))
     assert StepConfig(fsdp_offload=True).levers()["fsdp_offload"] is True
 
 
@@ -299,7 +301,8 @@ def test_ac_group_refusals_and_cli():
                        step=StepConfig(ac_group=5))
     with pytest.raises(ValueError, match="has 4 layers; use --ac-group 1..4"):
         trial.validate()
-    assert "ac_group" not in StepConfig().levers() and StepConfig(ac_group=4).levers()["ac_group"] == 4
+    assert StepConfig().levers()["ac_group"] == V1_OMITTED_LEVERS["ac_group"] == 1  # schema 1 rows keep their keys
+    assert StepConfig(ac_group=4).levers()["ac_group"] == 4
     args = build_parser().parse_args(["run", "--method", "upipe", "--model", "tiny-llama", "--world-size", "2",
                                       "--seq-len", "8K", "--ac-group", "3"])
     assert _trial(args, args.seq_len).step.ac_group == 3

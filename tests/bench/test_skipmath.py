@@ -124,7 +124,7 @@ def test_an_emulated_step_holds_the_same_memory_with_the_arithmetic_skipped():
     assert computed.status == skipped.status == "ok", (computed.message, skipped.message)
     assert skipped.figures.peak_bytes == computed.figures.peak_bytes > 0
     assert skipped.figures.peak_by_category == computed.figures.peak_by_category
-    assert skipped.levers["attention_math"] == "skip" and "attention_math" not in computed.levers
+    assert skipped.levers["attention_math"] == "skip" and computed.levers["attention_math"] == "compute"
     assert computed.figures.loss is not None and skipped.figures.loss is None
     note = next(n for n in skipped.notes if n.startswith(NOTE))
     assert "_scaled_dot_product_flash_attention_for_cpu_backward x" in note

@@ -19,6 +19,7 @@ from bench.measure.trial import Trial
 from bench.model.config import ModelConfig
 from bench.training.config import StepConfig
 from bench.training.step import build_model, make_batch, model_step
+from records.identity import V1_OMITTED_LEVERS
 
 # mid-sized so that activations dominate and each simulation takes well under a second
 CFG = dict(name="mid", dim=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=1536, vocab_size=8192)
@@ -233,8 +234,9 @@ def test_deepspeed_impl_needs_its_lever_and_a_known_value(monkeypatch):
         StepConfig(tiled_mlp_impl="liger")
     with pytest.raises(ValueError, match="picks the implementation of chunked_loss, which is off"):
         StepConfig(chunked_loss=False, chunked_loss_impl="deepspeed")
-    # rows written before these levers existed keep their identity: the defaults are not recorded
-    assert "tiled_mlp_impl" not in StepConfig().levers() and "chunked_loss_impl" not in StepConfig().levers()
+    # rows written before these levers existed keep their identity: a schema 1 row that left them out
+    # (at their default) keys as a schema 2 row that records them
+    assert all(StepConfig().levers()[k] == V1_OMITTED_LEVERS[k] for k in ("tiled_mlp_impl", "chunked_loss_impl"))
 
 
 def test_deepspeed_levers_from_the_cli_and_the_simulated_refusal():

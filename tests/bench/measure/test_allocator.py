@@ -23,6 +23,7 @@ from bench.measure.allocator import (
     round_size,
 )
 from bench.measure.simulate import track_peaks
+from records.identity import V1_OMITTED_LEVERS
 
 MiB = 1 << 20
 MODES = [False, True]  # classic segments, expandable segments
@@ -346,7 +347,7 @@ def test_simulated_mode_records_the_reserved_peak_without_changing_the_fit():
         assert row.figures.peak_reserved_bytes == out["peak_reserved_bytes"]
         assert row.levers["allocator_model"] == allocator
         assert any("caching allocator" in n for n in row.notes)
-    assert "allocator_model" not in StepConfig().levers()  # earlier rows keep their keys
+    assert StepConfig().levers()["allocator_model"] == V1_OMITTED_LEVERS["allocator_model"]  # earlier rows' keys
     with pytest.raises(ValueError, match="allocator_model must be one of"):
         StepConfig(allocator_model="cuda")
     with pytest.raises(ValueError, match="in emulated mode the real allocator"):

@@ -80,7 +80,7 @@ def test_a_paper_row_records_its_stack_and_is_judged_on_reserved_memory():
     assert any("GiB of NCCL buffers" in n for n in row.notes)
     assert any("paper stack: allocator" in n for n in row.notes)
     lean = run_trial(Trial.make("upipe", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g"))
-    assert "stack" not in lean.levers and lean.figures.peak_reserved_bytes is None
+    assert lean.levers["stack"] == "lean" and lean.figures.peak_reserved_bytes is None
     # term 8: the cuBLAS workspaces are live device storage throughout the step (category "other")
     workspaces = sum(stack.cublas_workspace_sizes(get_device("h100-80g")))
     assert any("paper stack: cublas_workspace (4 workspaces" in n for n in row.notes)
