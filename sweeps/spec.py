@@ -58,6 +58,7 @@ SLURM_KEYS = {
 TRIAL_KEYS = {"warmup", "iters", "smoke"}  # per-trial settings a spec's `step:` may also set
 STEP_KEYS = {f.name for f in dataclasses.fields(StepConfig)} - {"scope", "dtype"} | TRIAL_KEYS
 OLD_KINDS = {"run": Kind.TRIAL, "max-context": Kind.MAX_CONTEXT}
+REQUIRED_KEYS = ("name", "mode", "models", "world_sizes", "methods")  # and seq_lens for kind: trial
 LAYERS = ("extrapolate", "full")  # max_context.layers: how a simulated search simulates a deep model
 DEEP = 4  # models deeper than this are extrapolated (bench.search.extrapolate simulates 3 and 4 layers)
 
@@ -209,6 +210,14 @@ def _methods(raw: list) -> list[MethodEntry]:
     return out
 
 
+def _missing_keys(raw: dict) -> str:
+    """The required keys ``raw`` lacks, written as keys (``name:, mode:``); empty when none."""
+    kind = raw.get("kind", Kind.TRIAL.value)
+    kind = OLD_KINDS.get(kind, kind) if isinstance(kind, str) else kind
+    required = REQUIRED_KEYS + (("seq_lens",) if kind == Kind.TRIAL else ())
+    return ", ".join(f"{key}:" for key in required if key not in raw)
+
+
 def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
     """Validate a loaded YAML mapping into a ``SweepSpec``."""
     if not isinstance(raw, dict):
@@ -216,6 +225,9 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise SpecError(f"{source}: unknown key(s) {unknown}; allowed keys: {sorted(TOP_KEYS)}")
+    missing = _missing_keys(raw)
+    if missing:
+        raise SpecError(f"{source}: missing required key(s) {missing} (see sweeps/configs/ for complete specs)")
     name = raw.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name or ""):
         raise SpecError(f"name: expected a file-name-safe string (letters, digits, . _ -), got {name!r}")
@@ -287,8 +299,9 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Swee
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError(f"{where}: not valid YAML: {problem}") from None
-    if raw is None:
-        raw = {}  # an empty file: parse_spec names what is missing
+    empty = raw is None  # an empty file (or only comments)
+    if empty:
+        raw = {}
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: a sweep spec is a mapping of keys, got {type(raw).__name__}")
     for key, value in (overrides or {}).items():
@@ -299,4 +312,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Swee
             slurm[key[len("slurm."):]] = value
         else:
             raw[key] = value
+    if empty and _missing_keys(raw):
+        raise SpecError(f"{path}: the spec is empty; write its required key(s) {_missing_keys(raw)} "
+                        f"(see sweeps/configs/ for complete specs)")
     return parse_spec(raw, str(path))

@@ -146,3 +146,19 @@ def test_bad_max_context_options_are_one_line_errors(change, match):
     with pytest.raises(SpecError, match=match) as err:
         parse_spec({**MAXCTX, **change})
     assert "\n" not in str(err.value)
+
+
+def test_an_empty_spec_or_one_without_required_keys_says_which_keys(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# to be written\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(empty, {"out": "x.jsonl"})
+    assert str(err.value) == (f"{empty}: the spec is empty; write its required key(s) name:, mode:, models:, "
+                              f"world_sizes:, methods:, seq_lens: (see sweeps/configs/ for complete specs)")
+    with pytest.raises(SpecError, match=r"the spec is empty; write its required key\(s\) mode:, models:"):
+        load_spec(empty, {"name": "t"})
+    partial = {k: v for k, v in BASE.items() if k not in ("models", "seq_lens")}
+    with pytest.raises(SpecError, match=r"^<spec>: missing required key\(s\) models:, seq_lens: \(see"):
+        parse_spec(partial)
+    with pytest.raises(SpecError, match=r"^<spec>: missing required key\(s\) models: \(see"):
+        parse_spec(dict(partial, kind="max_context"))  # a search needs no lengths
