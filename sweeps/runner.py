@@ -256,6 +256,17 @@ class RowTail:
         return rows
 
 
+def peak_text(figures: dict) -> str:
+    """The row's peak memory, saying which peak it is: the reserved peak where the row has one
+    (CUDA, or the paper stack's allocator model), as the comparison tables' ``mem_gib`` shows
+    it (``analysis.load``), with the allocated peak beside it; else the allocated peak."""
+    allocated, reserved = figures.get("peak_bytes"), figures.get("peak_reserved_bytes")
+    if reserved is not None:
+        beside = f" (allocated {allocated / GiB:.2f})" if allocated is not None else ""
+        return f"reserved peak {reserved / GiB:.2f} GiB{beside}"
+    return f"allocated peak {allocated / GiB:.2f} GiB" if allocated is not None else ""
+
+
 def describe(row: dict) -> str:
     """One line for a finished row: what ran, how it ended, the figure that matters."""
     figures = row.get("figures") or {}
@@ -263,10 +274,8 @@ def describe(row: dict) -> str:
         what = f"max context {human(figures.get('max_context') or 0)}"
         return (f"{row['method']} {row['model']} x{row['world_size']} {row['mode']}: search done, {what} "
                 f"({row['status']})")
-    peak = figures.get("peak_bytes")
-    detail = f"peak {peak / GiB:.2f} GiB" if peak is not None else ""
-    if figures.get("step_time_s"):
-        detail += f", step {figures['step_time_s']:.3f} s"
+    step = f"step {figures['step_time_s']:.3f} s" if figures.get("step_time_s") else ""
+    detail = ", ".join(part for part in (peak_text(figures), step) if part)
     if row.get("status") != "ok":
         detail = (row.get("message") or "").splitlines()[0][:100] if row.get("message") else detail
     return f"{row['method']} {row['model']} {human(row['seq_len'])} x{row['world_size']} {row['mode']}: " \
