@@ -118,11 +118,13 @@ class SweepSpec:
         return (trial.kind == Kind.MAX_CONTEXT and trial.mode == "simulated" and self.layers != "full"
                 and trial.step.ac_group == 1 and trial.config().n_layers > DEEP)
 
-    def problems(self) -> list[str]:
+    def problems(self, libraries: bool = False) -> list[str]:
         """Every reason a trial of this spec would be refused, one line each, found before anything
         is submitted: unknown method, model, device or link, a method option or constraint that a
         model and world size of the spec violate, a length the layout cannot split, an output
-        path that cannot be written. Checks that need the compute node (CUDA, GPU count) wait."""
+        path that cannot be written. Checks that need the compute node (CUDA, GPU count) wait, and
+        so do the methods' optional libraries (``Trial.needs``) unless ``libraries``: a local
+        executor runs the trials here, so this machine is the compute node."""
         out: list[str] = []
         seen: set[str] = set()
         try:
@@ -131,7 +133,7 @@ class SweepSpec:
             out.append(str(err))
         for trial in self.trials():
             try:
-                trial.validate(here=False)
+                trial.validate(here=False, libraries=libraries)
             except ValueError as err:
                 opts = ",".join(f"{k}={v}" for k, v in sorted(trial.requested_opts().items()))
                 where = f"{trial.method}{f'[{opts}]' if opts else ''} on {trial.model} x{trial.world_size}"
