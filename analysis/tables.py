@@ -850,6 +850,9 @@ def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: s
              "Max context: our max-context search rows, and the longest length trial rows with the paper's "
              "levers ran without OOM (≥: nothing longer was tried or it ran at the longest length).",
              "Rows in different modes or on different devices are not comparable number for number."]
+    if metric == "mem_gib":  # which peak (analysis.load's mem_basis); the sweep's progress lines say it too
+        notes.append("Peak GiB: the reserved peak where the row has one (CUDA's max_memory_reserved, or a "
+                     "simulation's allocator model, as the paper stack's), else the allocated peak.")
     if highlight:
         notes.append(f"◀ marks {highlight!r}." + ("" if highlight in series.values() else
                                                   f" No rows of {highlight!r} match the filters."))

@@ -94,7 +94,7 @@ from pathlib import Path
 from typing import Any
 
 from records import append_rows, human, read_rows
-from records.outputs import runs_dir
+from records.outputs import OutputError, check_dir, check_file, runs_dir
 
 from .fidelity import PAPER_DIR, TABLE3_METHODS, implementation
 from .measure import stack
@@ -503,6 +503,16 @@ def main(argv: list[str] | None = None) -> int:
                    "constants); default <runs>/steptime/table3_model.jsonl")
     args = p.parse_args(argv)
     counts_path = Path(args.counts)
+    out = Path(args.out) if args.out else runs_dir() / "steptime" / "table3_model.jsonl"
+    try:  # every output checked before any work: one line, not a traceback after the table
+        check_file(out, "--out")
+        if args.figs:
+            check_dir(args.figs, "--figs")
+        if args.collect or args.refresh:
+            check_file(counts_path, "--counts")
+    except OutputError as err:
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        return 2
     if args.collect:
         collect(counts_path, tuple(args.models), tuple(args.methods), tuple(args.lengths) if args.lengths else None)
         if args.only_collect:
@@ -524,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
     records = table(all_counts, constants, max_context_limits())
     text = render(records, constants, not args.no_fit)
     print(text)
-    out = Path(args.out) if args.out else runs_dir() / "steptime" / "table3_model.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as handle:
         for r in records:

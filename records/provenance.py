@@ -18,6 +18,21 @@ from .schema import Environment
 
 _GIT_CACHE: dict[str, tuple[str, bool]] = {}
 LIBRARIES = ("numpy", "deepspeed", "flash-attn", "ring-flash-attn", "yunchang", "transformers", "submitit")
+PACKAGES = ("records", "methods", "bench", "sweeps", "analysis")  # the project's code: what a row's run imports
+
+
+def git_dirty(root: Path) -> bool:
+    """Whether the code at ``root`` differs from its commit: a tracked file changed anywhere, or an
+    untracked file inside one of ``PACKAGES`` (a method file not committed yet registers and runs,
+    on a commit that lacks it). Untracked files elsewhere (scratch files, rows under ``runs/``)
+    are not code a row ran, and ignored files (caches) are not seen."""
+    out = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=normal"], cwd=root,
+                         capture_output=True, text=True, timeout=10).stdout
+    for entry in filter(None, out.split("\0")):
+        status, path = entry[:2], entry[3:]
+        if status != "??" or path.split("/", 1)[0] in PACKAGES:
+            return True
+    return False
 
 
 def _git_info() -> tuple[str, bool]:
@@ -26,8 +41,7 @@ def _git_info() -> tuple[str, bool]:
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                     text=True, timeout=10).stdout.strip() or "unknown"
-            dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                        capture_output=True, text=True, timeout=10).stdout.strip())
+            dirty = git_dirty(root)
         except (OSError, subprocess.SubprocessError):
             commit, dirty = "unknown", False
         _GIT_CACHE["info"] = (commit, dirty)

@@ -13,7 +13,7 @@ import yaml
 
 from records.sizes import positive_int
 
-from .runner import _bar, run_sweep, status_counts
+from .runner import LOCAL_EXECUTORS, _bar, run_sweep, status_counts
 from .spec import SpecError, load_spec
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                   + "  ".join(f"{k} {counts[k]}" for k in ("done", "running", "failed", "pending"))
                   + f"  (rows: {spec.rows_path})")
             return 0
-        problems = spec.problems()
+        problems = spec.problems(libraries=args.executor in LOCAL_EXECUTORS)  # elsewhere: the compute node's
         if problems:
             for line in problems:
                 print(f"error: {line}", file=sys.stderr)

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import submitit
 
+import methods
 from bench.measure.trial import Trial
 from records import GiB, human
 
@@ -34,6 +35,7 @@ from .results import error_row_for, finished, trial_id
 from .spec import SweepSpec
 
 EXECUTORS = ("local", "slurm", "debug")
+LOCAL_EXECUTORS = ("local", "debug")  # they run the trials on this machine: it is the compute node
 
 
 @dataclass
@@ -148,6 +150,18 @@ def _job_alive(info: dict) -> bool:
     return res.returncode == 0 and bool(res.stdout.strip())
 
 
+def unchecked_needs(trials: list[Trial]) -> list[str]:
+    """One line per method whose trials need optional modules that this machine cannot import
+    (``MethodInfo.missing``), for a sweep submitted elsewhere: the compute node checks them
+    when the trial runs (``Trial.validate``), as it checks CUDA."""
+    needs: dict[str, list[str]] = {}
+    for trial in trials:
+        for module in methods.get_info(trial.method).missing(trial.supplies()):
+            if module not in needs.setdefault(trial.method, []):
+                needs[trial.method].append(module)
+    return [f"{name} needs {', '.join(mods)} (checked on the compute node)" for name, mods in needs.items() if mods]
+
+
 def _bar(done: int, total: int, width: int = 30) -> str:
     filled = int(width * done / total) if total else width
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
@@ -155,8 +169,9 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 
 def run_sweep(
     spec: SweepSpec, executor: str = "local", dry_run: bool = False, max_parallel: int | None = None,
-    retry_errors: bool = False, poll_s: float = 1.0, stream: TextIO = sys.stderr, rerun: bool = False,
+    retry_errors: bool = False, poll_s: float = 1.0, stream: TextIO | None = None, rerun: bool = False,
 ) -> SweepSummary:
+    stream = stream or sys.stderr  # looked up per call: whatever stderr is now (redirected, captured)
     if max_parallel is not None and max_parallel < 1:
         raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
     trials = spec.trials()
@@ -166,6 +181,9 @@ def run_sweep(
     skipped = len(trials) - len(todo)
     print(f"sweep {spec.name}: {len(trials)} trials, {skipped} already have rows in {spec.rows_path}, "
           f"{len(todo)} to run ({executor})", file=stream)
+    if executor not in LOCAL_EXECUTORS:
+        for line in unchecked_needs(todo):
+            print("  " + line, file=stream)
     if dry_run:
         for t in todo:
             print("  python -m bench " + " ".join(shlex.quote(a) for a in bench_argv(t, spec.rows_path,
@@ -256,6 +274,17 @@ class RowTail:
         return rows
 
 
+def peak_text(figures: dict) -> str:
+    """The row's peak memory, saying which peak it is: the reserved peak where the row has one
+    (CUDA, or the paper stack's allocator model), as the comparison tables' ``mem_gib`` shows
+    it (``analysis.load``), with the allocated peak beside it; else the allocated peak."""
+    allocated, reserved = figures.get("peak_bytes"), figures.get("peak_reserved_bytes")
+    if reserved is not None:
+        beside = f" (allocated {allocated / GiB:.2f})" if allocated is not None else ""
+        return f"reserved peak {reserved / GiB:.2f} GiB{beside}"
+    return f"allocated peak {allocated / GiB:.2f} GiB" if allocated is not None else ""
+
+
 def describe(row: dict) -> str:
     """One line for a finished row: what ran, how it ended, the figure that matters."""
     figures = row.get("figures") or {}
@@ -263,10 +292,8 @@ def describe(row: dict) -> str:
         what = f"max context {human(figures.get('max_context') or 0)}"
         return (f"{row['method']} {row['model']} x{row['world_size']} {row['mode']}: search done, {what} "
                 f"({row['status']})")
-    peak = figures.get("peak_bytes")
-    detail = f"peak {peak / GiB:.2f} GiB" if peak is not None else ""
-    if figures.get("step_time_s"):
-        detail += f", step {figures['step_time_s']:.3f} s"
+    step = f"step {figures['step_time_s']:.3f} s" if figures.get("step_time_s") else ""
+    detail = ", ".join(part for part in (peak_text(figures), step) if part)
     if row.get("status") != "ok":
         detail = (row.get("message") or "").splitlines()[0][:100] if row.get("message") else detail
     return f"{row['method']} {row['model']} {human(row['seq_len'])} x{row['world_size']} {row['mode']}: " \

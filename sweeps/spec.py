@@ -58,6 +58,7 @@ SLURM_KEYS = {
 TRIAL_KEYS = {"warmup", "iters", "smoke"}  # per-trial settings a spec's `step:` may also set
 STEP_KEYS = {f.name for f in dataclasses.fields(StepConfig)} - {"scope", "dtype"} | TRIAL_KEYS
 OLD_KINDS = {"run": Kind.TRIAL, "max-context": Kind.MAX_CONTEXT}
+REQUIRED_KEYS = ("name", "mode", "models", "world_sizes", "methods")  # and seq_lens for kind: trial
 LAYERS = ("extrapolate", "full")  # max_context.layers: how a simulated search simulates a deep model
 DEEP = 4  # models deeper than this are extrapolated (bench.search.extrapolate simulates 3 and 4 layers)
 
@@ -118,11 +119,13 @@ class SweepSpec:
         return (trial.kind == Kind.MAX_CONTEXT and trial.mode == "simulated" and self.layers != "full"
                 and trial.step.ac_group == 1 and trial.config().n_layers > DEEP)
 
-    def problems(self) -> list[str]:
+    def problems(self, libraries: bool = False) -> list[str]:
         """Every reason a trial of this spec would be refused, one line each, found before anything
         is submitted: unknown method, model, device or link, a method option or constraint that a
         model and world size of the spec violate, a length the layout cannot split, an output
-        path that cannot be written. Checks that need the compute node (CUDA, GPU count) wait."""
+        path that cannot be written. Checks that need the compute node (CUDA, GPU count) wait, and
+        so do the methods' optional libraries (``Trial.needs``) unless ``libraries``: a local
+        executor runs the trials here, so this machine is the compute node."""
         out: list[str] = []
         seen: set[str] = set()
         try:
@@ -131,7 +134,7 @@ class SweepSpec:
             out.append(str(err))
         for trial in self.trials():
             try:
-                trial.validate(here=False)
+                trial.validate(here=False, libraries=libraries)
             except ValueError as err:
                 opts = ",".join(f"{k}={v}" for k, v in sorted(trial.requested_opts().items()))
                 where = f"{trial.method}{f'[{opts}]' if opts else ''} on {trial.model} x{trial.world_size}"
@@ -206,6 +209,14 @@ def _methods(raw: list) -> list[MethodEntry]:
     return out
 
 
+def _missing_keys(raw: dict) -> str:
+    """The required keys ``raw`` lacks, written as keys (``name:, mode:``); empty when none."""
+    kind = raw.get("kind", Kind.TRIAL.value)
+    kind = OLD_KINDS.get(kind, kind) if isinstance(kind, str) else kind
+    required = REQUIRED_KEYS + (("seq_lens",) if kind == Kind.TRIAL else ())
+    return ", ".join(f"{key}:" for key in required if key not in raw)
+
+
 def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
     """Validate a loaded YAML mapping into a ``SweepSpec``."""
     if not isinstance(raw, dict):
@@ -213,6 +224,9 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise SpecError(f"{source}: unknown key(s) {unknown}; allowed keys: {sorted(TOP_KEYS)}")
+    missing = _missing_keys(raw)
+    if missing:
+        raise SpecError(f"{source}: missing required key(s) {missing} (see sweeps/configs/ for complete specs)")
     name = raw.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name or ""):
         raise SpecError(f"name: expected a file-name-safe string (letters, digits, . _ -), got {name!r}")
@@ -284,8 +298,9 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Swee
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise SpecError(f"{where}: not valid YAML: {problem}") from None
-    if raw is None:
-        raw = {}  # an empty file: parse_spec names what is missing
+    empty = raw is None  # an empty file (or only comments)
+    if empty:
+        raw = {}
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: a sweep spec is a mapping of keys, got {type(raw).__name__}")
     for key, value in (overrides or {}).items():
@@ -296,4 +311,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Swee
             slurm[key[len("slurm."):]] = value
         else:
             raw[key] = value
+    if empty and _missing_keys(raw):
+        raise SpecError(f"{path}: the spec is empty; write its required key(s) {_missing_keys(raw)} "
+                        f"(see sweeps/configs/ for complete specs)")
     return parse_spec(raw, str(path))

@@ -214,11 +214,23 @@ class Trial:
         return self.options.kernel or default_kernel_name()
 
     # ------------------------------------------------------------------ checks
-    def validate(self, check_seq_len: bool = True, here: bool = True) -> None:
+    def supplies(self) -> tuple[str, ...]:
+        """Optional modules this trial supplies itself: simulated mode (and an emulated run that
+        skips the attention arithmetic) supplies a memory-faithful flash-attn where none is installed."""
+        skip_math = self.step.attention_math == "skip"
+        return fake_flash_attn.PROVIDES if self.mode == Mode.SIMULATED or skip_math else ()
+
+    def needs(self) -> tuple[str, ...]:
+        """The optional modules the machine that runs this trial must import (its own supplies aside)."""
+        return tuple(m for m in methods.get_info(self.method).requires if m not in self.supplies())
+
+    def validate(self, check_seq_len: bool = True, here: bool = True, libraries: bool = True) -> None:
         """Every check that needs no computation; raises ``ValueError`` saying what to fix.
 
         ``here=False`` leaves out what only the machine that runs the trial can answer (CUDA
-        present, enough GPUs): a sweep checks its trials on a login node before submitting."""
+        present, enough GPUs): a sweep checks its trials on a login node before submitting.
+        ``libraries=False`` leaves out whether the method's optional libraries (``needs``) import
+        here: a sweep submitted to other machines leaves that to them, as CUDA."""
         Mode.parse(self.mode, "mode")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
@@ -233,9 +245,7 @@ class Trial:
             raise ValueError(f"attention_math='skip' skips the attention kernels' arithmetic to measure an emulated "
                              f"rank's memory; in {self.mode} mode it would falsify the run: use --mode emulated, "
                              f"or drop --attention-math skip")
-        # simulated mode (and an emulated run that skips the attention arithmetic) supplies a
-        # memory-faithful flash-attn where none is installed
-        provided = fake_flash_attn.PROVIDES if simulated or skip_math else ()
+        provided = self.supplies() if libraries else self.supplies() + self.needs()
         methods.validate(self.method, cfg.attn_spec(), self.world_size, provided=provided, **self.opts)
         if (simulated or skip_math) and fake_flash_attn.needs_it(methods.get_info(self.method).requires):
             fake_flash_attn.check_fresh()

@@ -153,11 +153,29 @@ class SimCache:
         self.entries: dict[str, dict] = {}
         for f in (*read, *([path] if path else [])):
             if f is not None and f.exists():
-                for line in f.read_text().splitlines():
-                    if line.strip():
-                        d = json.loads(line)
-                        self.entries[d["key"]] = d["result"]
+                self.entries.update(self.read(f))
         self.hits = self.misses = 0
+
+    @staticmethod
+    def read(path: Path) -> dict[str, dict]:
+        """The entries of one cache file; a line that is not ``{"key": ..., "result": {...}}``
+        is a ``ValueError`` naming the file, the line and the fix (before any simulation)."""
+        entries: dict[str, dict] = {}
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as err:
+                problem = f"not JSON: {err.msg.removesuffix(' at')} at column {err.colno}"
+            else:
+                shaped = isinstance(d, dict) and isinstance(d.get("key"), str) and isinstance(d.get("result"), dict)
+                problem = None if shaped else 'not {"key": "...", "result": {...}}'
+            if problem:
+                raise ValueError(f"simulation cache {path}, line {number}: {problem}; delete that line, or the "
+                                 f"whole file (its simulations run again), or use --no-cache")
+            entries[d["key"]] = d["result"]
+        return entries
 
     # step fields added after the committed cache was written: keyed only away from their default,
     # so that the committed keys (which lack them) still name the same simulations (a new

@@ -191,6 +191,27 @@ def test_simulation_cache_reads_committed_and_writes_only_the_users(tmp_path):
     assert SimCache.key(trial, "tiny-llama", 3) != SimCache.key(trial, "tiny-llama", 4)
 
 
+@pytest.mark.parametrize("bad,problem", [
+    ('{"key": "b", "result": {"status": "ok", "peak_by', "not JSON: Unterminated string starting at column 41"),
+    ("[1, 2]", 'not {"key": "...", "result": {...}}'),
+    ('{"key": "b"}', 'not {"key": "...", "result": {...}}'),
+])
+def test_a_corrupt_cache_line_is_named_by_file_and_line_before_any_simulation(bad, problem, tmp_path, capsys,
+                                                                               monkeypatch):
+    from bench.search import plan as plan_mod
+
+    cache = tmp_path / "sims.ndjson"
+    cache.write_text(json.dumps({"key": "a", "result": {"status": "ok"}}) + "\n\n" + bad + "\n")
+    with pytest.raises(ValueError) as err:
+        SimCache(cache)
+    assert str(err.value) == (f"simulation cache {cache}, line 3: {problem}; delete that line, or the whole file "
+                              f"(its simulations run again), or use --no-cache")
+    monkeypatch.setattr(plan_mod, "_sim", lambda *a: pytest.fail("simulated before reading the cache"))
+    assert cli.main(["plan", "--model", "tiny-llama", "--gpus", "2", "--jobs", "1", "--no-figs",
+                     "--cache", str(cache)]) == 2
+    assert capsys.readouterr().err == f"python -m bench plan: error: {err.value}\n"
+
+
 def test_the_committed_plan_cache_still_answers_the_committed_plans_trials():
     """A step field added later must not change the keys of the committed cache (every trial would miss,
     and the committed plans would take an hour again): the 8-GPU plan's UPipe base trial at 3 layers, 4M,

@@ -370,6 +370,24 @@ def test_the_command_refuses_missing_counts(tmp_path, capsys):
     assert "--collect" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--figs", "--out"])
+def test_the_command_refuses_an_output_it_cannot_write_before_any_work(flag, tmp_path, capsys, monkeypatch):
+    """--figs naming a file (or --out a folder): one line, exit 2, before the table is computed."""
+    import bench.steptime_fit as steptime_fit
+
+    a_file = tmp_path / "table.md"
+    a_file.write_text("x")
+    monkeypatch.setattr(steptime_fit, "load_counts", lambda *a: pytest.fail("counts read before the check"))
+    bad, needle = {"--figs": (["--figs", str(a_file), "--out", str(tmp_path / "c.jsonl")],
+                              "is a file, not a directory"),
+                   "--out": (["--out", str(tmp_path)], "is a directory")}[flag]
+    assert main(["--no-fit", *bad]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"python -m bench steptime: error: {flag} ") and needle in err, err
+    assert a_file.read_text() == "x" and not (tmp_path / "c.jsonl").exists()
+
+
 def test_rows_round_trip_with_the_model(committed):
     from records import read_rows
 

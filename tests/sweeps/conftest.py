@@ -157,3 +157,15 @@ def slurm_cluster():
             down = _run([bash, str(SLURM_DOWN)], timeout=120)
             if down.returncode != 0:
                 print(f"scripts/slurm-down.sh failed (exit {down.returncode}):\n{_tail(down.stdout + down.stderr)}")
+
+
+@pytest.fixture
+def no_flash_attn(monkeypatch):
+    """flash-attn not importable here, as on a login node without CUDA: the session's stand-in
+    (tests/flash_attn_standin.py) hidden from the registry's import check."""
+    from methods.core import registry
+
+    absent = ("flash_attn", "flash_attn_interface")
+    importable = registry._importable
+    monkeypatch.setattr(registry, "_importable", lambda module: module not in absent and importable(module))
+    assert not registry.get_info("yc-usp").usable

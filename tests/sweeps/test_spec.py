@@ -1,6 +1,7 @@
 """Sweep specs: validation messages name the bad key and the allowed values; expansion is exact."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,41 @@ def test_bad_max_context_options_are_one_line_errors(change, match):
     with pytest.raises(SpecError, match=match) as err:
         parse_spec({**MAXCTX, **change})
     assert "\n" not in str(err.value)
+
+
+def test_an_empty_spec_or_one_without_required_keys_says_which_keys(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# to be written\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(empty, {"out": "x.jsonl"})
+    assert str(err.value) == (f"{empty}: the spec is empty; write its required key(s) name:, mode:, models:, "
+                              f"world_sizes:, methods:, seq_lens: (see sweeps/configs/ for complete specs)")
+    with pytest.raises(SpecError, match=r"the spec is empty; write its required key\(s\) mode:, models:"):
+        load_spec(empty, {"name": "t"})
+    partial = {k: v for k, v in BASE.items() if k not in ("models", "seq_lens")}
+    with pytest.raises(SpecError, match=r"^<spec>: missing required key\(s\) models:, seq_lens: \(see"):
+        parse_spec(partial)
+    with pytest.raises(SpecError, match=r"^<spec>: missing required key\(s\) models: \(see"):
+        parse_spec(dict(partial, kind="max_context"))  # a search needs no lengths
+
+
+TABLE3 = Path(__file__).resolve().parents[2] / "sweeps" / "configs" / "table3-llama3-8b.yaml"
+
+
+def test_optional_libraries_are_the_compute_nodes_to_check_unless_this_machine_runs_the_trials(
+        no_flash_attn, tmp_path):
+    """A login node without flash-attn submits the Table 3 sweep (problems() leaves the libraries
+    to the compute node, as CUDA); a local executor checks them here; the trial itself checks
+    them where it runs (Trial.validate)."""
+    spec = load_spec(TABLE3, {"out": str(tmp_path / "rows.jsonl")})
+    assert spec.problems() == []
+    here = spec.problems(libraries=True)
+    assert {line.split("[")[0].split(" ")[0] for line in here} == {"yc-usp", "ds-fpdt"}, here
+    assert all("needs flash_attn, which is not importable here" in line for line in here), here
+    trial = next(t for t in spec.trials() if t.method == "yc-usp")
+    assert trial.needs() == ("yunchang", "flash_attn")
+    trial.validate(here=False, libraries=False)
+    with pytest.raises(ValueError, match="'yc-usp' needs flash_attn, which is not importable here"):
+        trial.validate()  # on the compute node: here and libraries both checked
+    simulated = dataclasses.replace(trial, mode="simulated")
+    assert "flash_attn" not in simulated.needs()  # simulated mode supplies flash-attn itself
