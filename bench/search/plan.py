@@ -111,6 +111,7 @@ from ..measure.steptime import (
 )
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
+from ..resolve import Request, resolve
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
 from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme, simulated_pair
@@ -502,8 +503,9 @@ def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, st
             beyond: bool = True, pools: str = paper_stack.PAPER_POOLS) -> list[Entry]:
     """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.measure.stack.allocator_pools``)."""
     def entry(label: str, method: str, options: dict, **levers) -> Entry:
-        step = StepConfig(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools), **levers)
-        return Entry(label, Trial.make(method, model, granularity, gpus, options, device=device, step=step))
+        levers.update(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools))
+        request = Request(method, model, granularity, gpus, options, device=device, levers=levers)
+        return Entry(label, resolve(request, validate=False))  # runs() and plan() validate what they keep
 
     out = [entry(f"upipe U={gpus}", "upipe", {}), entry("upipe U=auto", "upipe", {AUTO_OPTION: AUTO}),
            entry("ulysses", "ulysses", {}), entry("ring", "ring", {})]
