@@ -16,7 +16,7 @@ Layered so that each part imports only those above it (``tests/test_imports.py``
 * ``bench.cli``: ``python -m bench``.
 
 Rows, sizes and the vocabulary live in ``records`` (torch-free). The repository's layout is in
-README.md, section "Layout".
+docs/README.md, section "Layout".
 """
 
 # Before anything imports torch: the simulated CUDA device (bench.measure.simcuda) can only be

@@ -14,9 +14,9 @@ weight gradients of the replicas are summed back), so the constraints are those 
 DeepSpeed's collectives go through ``deepspeed.comm``, which must be initialised on top of
 the existing ``torch.distributed`` group: ``init_deepspeed_comm`` does it once per process.
 On CPU, DeepSpeed's first initialisation JIT-compiles a shared-memory all-reduce with g++
-(about 30 s); it is skipped by replacing ``build_shm_op`` with a no-op for the duration of
-the call (the all-to-alls used here never touch it). The library is imported lazily, in
-``__init__``, never when ``methods`` is imported.
+(docs/methods.md, section "ds-ulysses"); it is skipped by replacing ``build_shm_op`` with a
+no-op for the duration of the call (the all-to-alls used here never touch it). The library is
+imported lazily, in ``__init__``, never when ``methods`` is imported.
 """
 from __future__ import annotations
 

@@ -57,23 +57,18 @@ calls the backend's aten op directly on the DTensors, which is the op the choice
 only that backend is enabled (``sdpa_kernel``) and the op the CP handler intercepts; on a GPU it
 calls ``F.scaled_dot_product_attention`` under ``sdpa_kernel(backend)``, as TorchTitan does.
 
-What simulation should show, and shows (Llama3-8B: H = 32, G = 8, d = 128; 1M tokens, C = 8,
+What torch's code holds, by its shapes (Llama3-8B: H = 32, G = 8, d = 128; 1M tokens, C = 8,
 so n = 128K local tokens; bf16; one [B, H, n, d] tensor is 1 GiB, 2 GiB in fp32). With
 ``allgather`` torch all-gathers the flattened local K and V (H heads after the repeat) once per
 forward and once per backward: ``2 * S * H * d`` values, 16 GiB, alive through the whole ring
 (every step's block is a view of it). The backward adds fp32 dQ/dK/dV accumulators (6 GiB),
 the fp32 dK/dV buffer sent by all-to-all at every step and the one received (4 + 4 GiB), the
-step's bf16 gradients from the flash backward and ``_partial_update``'s concatenated copies. The
-simulated peak of one attention block (``--scope attention``) is 47.2 GiB, reached in the
-backward at ``torch.cat([key.flatten(), value.flatten()])`` with the gathered K/V alive;
-``alltoall`` holds one remote K/V block and the one in flight instead of 16 GiB: 33.7 GiB, at
-the flash backward. Same scope: ``ulysses`` 8.7 GiB, ``ring`` 12.7 GiB (G-headed blocks, no
-fp32 merge copies). Full training step (``--scope model``, AC with offload, FSDP, no tiled
-MLP/norm as the paper ran it): 67.2 GiB (allgather) and 53.7 GiB (alltoall), vs ``ulysses``
-30.0 and ``ring`` 32.9; at 2M allgather needs 115.3 GiB (OOM on an 80 GB GPU, as the paper
-reports). The collectives counted match torch's code exactly: allgather, per block and
-direction, one all-gather of 16 GiB; dK/dV C all-to-alls of 4 GiB; alltoall, C-1 steps of 2 GiB
-per direction.
+step's bf16 gradients from the flash backward and ``_partial_update``'s concatenated copies.
+``alltoall`` holds one remote K/V block and the one in flight instead of the gathered 16 GiB.
+The collectives, as torch's code issues them: ``allgather``, per block and direction, one
+all-gather of 16 GiB; the dK/dV buffer, C all-to-alls of 4 GiB; ``alltoall``, C-1 steps of 2 GiB
+per direction. The simulated peaks of these shapes, beside ``ulysses`` and ``ring``, and the
+collectives the simulation counted are in docs/methods.md, section "torch-cp".
 """
 from __future__ import annotations
 

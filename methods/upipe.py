@@ -47,7 +47,7 @@ and the stage's q, o, do, dq (4*q_r*u), with fp32 LSEs of all stages (4*B*S*H/C 
 
     M_upipe = (H/C)*u + b*B*n*D + (6*k_r + 4*q_r)*u + 4*B*S*H/C
 
-With U = C (q_r = k_r = 1) the head-dependent part no longer grows with H: only the
+With U = C (q_r = k_r = 1) the head-dependent part does not grow with H: only the
 persistent output does. ``activation_bytes`` evaluates both; tests/methods/test_memory.py
 checks them against the simulated peak (FakeTensorMode + fake process group + MemTracker).
 The paper's per-stage reduction of attention intermediates is 1 - U/H: 75% for H = 32

@@ -39,8 +39,8 @@ class Figures:
     mode with ``allocator_model``, the reserved peak of ``bench.measure.allocator``'s model).
     ``step_time_s`` is seconds per step: the median of the timed steps (``step_times_s``, each
     the slowest rank's in real mode; emulated: measured compute plus modelled communication),
-    with ``step_time_min_s``/``step_time_max_s`` their extremes (rows written before these
-    fields existed have the mean of two steps and no spread); simulated: the step-time model of
+    with ``step_time_min_s``/``step_time_max_s`` their extremes (a real or emulated row without
+    ``step_times_s`` has the mean of two steps and no spread); simulated: the step-time model of
     ``bench.measure.steptime``, its terms, constants and the counts it used in
     ``step_time_model``. Tokens per device count every token once: ``batch * seq_len /
     world_size``; throughput is from the median.

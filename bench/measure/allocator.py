@@ -10,8 +10,8 @@ module records every allocation and free of device storage during the simulated 
 allocator (``CachingAllocatorModel``). ``allocator_peaks`` does both for a step.
 
 Source of the model: ``c10/cuda/CUDACachingAllocator.cpp`` in pytorch/pytorch (read at
-commit 001074d25084fdb87a799823e395a50f5ec044d3; the rules below have been stable since
-expandable segments arrived in 2.1). Mechanisms modelled, each with where it lives there:
+commit 001074d25084fdb87a799823e395a50f5ec044d3; the rules below hold from torch 2.1, the
+release that added expandable segments). Mechanisms modelled, each with where it lives there:
 
 * Size rounding: ``DeviceCachingAllocator::round_size``: below ``kMinBlockSize`` (512) a
   request takes 512 bytes, otherwise it is rounded up to a multiple of 512
@@ -66,7 +66,7 @@ reduce-scatter outputs on its reduce-scatter stream, a method's store its chunks
 stream), and the replay keeps a pool per stream, so a block cached by one stream is not
 reused by another (``BlockPool`` lookups compare ``stream``; ``Block::stream``). A replay with
 ``per_stream=False`` (``StepConfig.allocator_pools="shared"``) puts every allocation in one
-stream's pools instead: the model as it was before streams were tracked.
+stream's pools instead: one shared pool, which ignores the streams.
 
 Not modelled: cross-stream use (``recordStream``, ``stream_uses`` and the CUDA events that
 defer a free until other streams are done, ``insert_events``/``process_events``): every

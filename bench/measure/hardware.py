@@ -11,8 +11,8 @@ offloads exceed its usable share does not fit either. The simulation counts live
 the CUDA context, NCCL buffers, kernel workspaces and the caching allocator's fragmentation
 are not modelled, so a simulated trial "fits" when its peak is at most
 ``usable_fraction * capacity``. 0.90 leaves about 8 GiB on an H100 for all of that (the
-paper ran with ``expandable_segments:True``, which keeps fragmentation low). The fraction was
-fixed before any max-context search was run, not fitted to the paper's results.
+paper ran with ``expandable_segments:True``, which keeps fragmentation low). The fraction is a
+stated constant, not fitted to the paper's results (docs/stacks.md, section "Lean").
 
 **Link models.** Time of one collective on C ranks, for ``B`` bytes per rank (the input of
 an all-to-all or reduce-scatter, the output of an all-gather, the buffer of an all-reduce):

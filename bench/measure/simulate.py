@@ -1,14 +1,14 @@
 """Simulated mode: per-rank memory of any shape and world size, allocating nothing.
 
-``FakeTensorMode`` makes every tensor a shape-and-dtype-only fake; a ``fake`` process
-group answers every collective instantly with correctly shaped (meaningless) outputs;
-torch's ``MemTracker`` records the bytes each live tensor would occupy, by category.
-Together they give one rank's peak memory for, say, Llama3-8B at 5M tokens on 8 GPUs in
-well under a second on a laptop CPU. What it measures is exactly what the code allocates:
-kernels are called through their fake implementations (the flash kernels' fakes allocate
-``out`` and ``lse`` only; on the GPU code path, fake CUDA tensors, ``bench.measure.simcuda``,
-the CUDA flash op's fake also allocates its two small philox tensors), and the CUDA caching
-allocator (fragmentation, workspaces) is not modelled, so figures are lower bounds on
+``FakeTensorMode`` makes every tensor a shape-and-dtype-only fake; a ``fake`` process group
+answers every collective instantly with correctly shaped (meaningless) outputs; torch's
+``MemTracker`` records the bytes each live tensor would occupy, by category. Together they give
+one rank's peak memory for any model, length and world size on a CPU (how long that takes:
+docs/modes.md, section "Simulated"). What it measures is exactly what the code allocates:
+kernels are called through their fake implementations (the flash kernels' fakes allocate ``out``
+and ``lse`` only; on the GPU code path, fake CUDA tensors, ``bench.measure.simcuda``, the CUDA
+flash op's fake also allocates its two small philox tensors), and the CUDA caching allocator
+(fragmentation, workspaces) is not modelled, so figures are lower bounds on
 ``torch.cuda.max_memory_reserved`` (``bench.measure.allocator`` replays a step's allocations
 through a model of that allocator).
 """
@@ -118,10 +118,11 @@ def no_param_init() -> Iterator[None]:
 class PeakTracker(MemTracker):
     """A ``MemTracker`` that keeps the per-device peak only.
 
-    ``MemTracker`` also keeps every module's own peak, scanning all tracked modules after
-    every operator: with a 32-layer model that scan dominates (over a minute per step).
-    Only the global per-device peak and its category split are needed here, so the scan is
-    replaced by the global update (the same code as MemTracker's last loop).
+    ``MemTracker`` also keeps every module's own peak, scanning all tracked modules after every
+    operator: on a deep model that scan dominates the run time
+    (docs/modes.md, section "Simulated"). Only the global per-device peak and its category split
+    are needed here, so the scan is replaced by the global update (the same code as MemTracker's
+    last loop).
     """
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - same signature

@@ -4,10 +4,10 @@ attention would take hours on one GPU.
 Why. An emulated trial (``bench.measure.run``: rank 0 of a C-rank job on one GPU, a fake process
 group) measures the real caching allocator, FSDP2's real streams, the real checkpoint offloads
 and the real library code. Its cost is the attention: at the paper's long-context points (3M
-tokens on 8 ranks, 4M on 16) one rank's causal attention is 10^17-10^18 FLOPs a step, an hour
-or more on one H100, while everything else in the step takes a minute. What decides memory there
-is not the attention's values but its allocations, which are known exactly: the kernels'
-outputs, and the scratch their backward allocates for the length of the call. So with
+tokens on 8 ranks, 4M on 16) one rank's causal attention is 10^17-10^18 FLOPs a step, far longer
+on one GPU than everything else in the step (docs/modes.md, section "Emulated"). What decides
+memory there is not the attention's values but its allocations, which are known exactly: the
+kernels' outputs, and the scratch their backward allocates for the length of the call. So with
 ``StepConfig.attention_math="skip"`` (emulated mode only; ``Trial.validate`` refuses it
 elsewhere) the step runs under :class:`SkipAttentionMath`, which answers each attention kernel
 call with zero-filled outputs of the kernel's shapes, dtypes and strides (from the op's meta

@@ -1,11 +1,10 @@
 """Step-time statistics and host load for real and emulated trials.
 
-Why: one mean over two steps hides how much a step varies, and on a shared host (this
-project's 2-core CPU machine is used by several people at once) a step can be slowed by work
-that is not the trial's. A row therefore keeps every timed step, reports the median as its
-step time (robust to one slow step) with the minimum and maximum beside it, and records the
-host's load before and after the timed steps, so that a reader can see when the host was
-shared instead of taking a slow figure for the method's.
+Why: one mean over two steps hides how much a step varies, and on a shared host a step can be
+slowed by work that is not the trial's. A row therefore keeps every timed step, reports the
+median as its step time (robust to one slow step) with the minimum and maximum beside it, and
+records the host's load before and after the timed steps, so that a reader can see when the host
+was shared instead of taking a slow figure for the method's.
 
 ``MIN_TIMED_STEPS`` is the fewest timed steps that give a median and a range worth reporting;
 fewer are refused unless the trial is marked ``smoke`` (a wiring check whose row says so).

@@ -25,8 +25,8 @@ The buffers are sized on the kernels a rank runs. An SDPA op on DTensors (``torc
 context parallel) carries the tensors' *global* shape; the mode hands it back to DTensor, whose
 handler runs the ring's local kernels, and those come back through the mode and are sized here;
 DTensor's shape propagation of the global op (``stepcount.in_shape_propagation``) is not a kernel.
-Until 2026-11-25 the global op was sized instead: Llama3-8B at 1M tokens on 8 ranks was charged
-16 GiB per block's backward instead of the local Q's 2 GiB.
+Sizing the global op would charge a rank the whole sequence's scratch
+(docs/stacks.md, section "Kernel scratch").
 """
 from __future__ import annotations
 

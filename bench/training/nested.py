@@ -151,10 +151,10 @@ class CheckpointedGroup(nn.Module):
         """What the outer checkpoint already keeps of ``t``, if ``t`` is an argument of the
         group's recomputation (the group's input, positions, RoPE table), else ``None``.
 
-        The first block of the group saves the group's input again. Offloaded, that was a second
-        host copy of a tensor whose first copy the outer checkpoint holds until the group's
-        backward ends (one block input of host memory, and its device-to-host copy, per group).
-        Instead it is stored as that same copy: the host tensor it was unpacked from
+        The first block of the group saves the group's input again. Offloaded as a new copy, that
+        would be a second host copy of a tensor whose first copy the outer checkpoint holds until
+        the group's backward ends (one block input of host memory, and its device-to-host copy, per
+        group). So it is stored as that same copy: the host tensor it was unpacked from
         (``HostOffload.host_copy``), or, when the outer keeps the group's input on the device,
         the device tensor itself, which the outer's saved input already holds.
         """

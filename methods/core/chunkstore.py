@@ -30,16 +30,16 @@ function must not keep the store alive through an attribute of its ``ctx``: unde
 checkpointing (``torch.utils.checkpoint``, non-reentrant, as the training step runs it) the
 first forward of a block keeps its autograd graph but drops the tensors saved for backward, to
 recompute them. Tensors reachable only from a ``ctx`` attribute escape that, so every
-checkpointed layer's chunks stayed in host memory until its backward (seen in the simulated
-plans: 3 hidden-sized tensors per layer on the host). ``hand_over`` gives the tensors to the
+checkpointed layer's chunks would stay in host memory until its backward
+(results/plan/README.md, section "Chunk stores"). ``hand_over`` gives the tensors to the
 caller for ``ctx.save_for_backward`` and keeps weak references only, so the checkpoint
 frees them; ``take_back`` restores them in the backward from ``ctx.saved_tensors``.
 
 One side stream per device serves every store (``copy_stream``), not one per store. The CUDA
 caching allocator keeps a pool per stream, and a store is made per forward call: with a stream
-each, the prefetched chunks were cached on up to 32 streams (PyTorch hands its pooled streams
-out in turn), each keeping its own segment. Seen on an H100 (``results/gpu/h100-ws1``, fpdt at
-128K, world size 1): 77.8 GiB reserved for 40.4 GiB allocated, three streams of 6 GiB each.
+each, the prefetched chunks would be cached on up to 32 streams (PyTorch hands its pooled streams
+out in turn), each keeping its own segment, as measured on an H100
+(results/gpu/README.md, section "Chunk-store streams").
 """
 from __future__ import annotations
 
@@ -126,10 +126,10 @@ class ChunkStore:
         if self.stream is None or key in self._ready or key not in self._items:
             return
         # the device copy is allocated on the compute stream and filled on the side stream: the caching
-        # allocator keeps a pool per stream, and copies allocated on the side stream were cached in its
-        # own pool, which the compute stream never reuses (the 8-GPU plan's sequence-chunked entry, 9M,
-        # simulated: 12.5 GiB reserved beyond the allocated peak). The side stream first waits for the
-        # compute stream's work so far, which may still use the memory the allocator just handed out.
+        # allocator keeps a pool per stream, and copies allocated on the side stream would be cached in
+        # its own pool, which the compute stream never reuses (results/plan/README.md, section "Chunk stores").
+        # The side stream first waits for the compute stream's work so far, which may still use the
+        # memory the allocator just handed out.
         host = self._items[key]
         dev = torch.empty_like(host, device=self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

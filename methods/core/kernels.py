@@ -63,7 +63,7 @@ class Kernel(Protocol):
     """What a method calls: BSHD in, ``(out, lse)`` out, and the matching backward.
 
     ``q_offset`` (see the module docstring) is a keyword with default 0, so a kernel wrapper
-    written before it existed still serves every call made without an offset.
+    that does not take it still serves every call made without an offset.
     """
 
     name: str
@@ -400,7 +400,7 @@ def softmax_scale(head_dim: int) -> float:
 class _Attention(torch.autograd.Function):
     """Plain autograd around one kernel call. The offset is passed to the kernel only when it
     is not 0, so a kernel wrapper without a ``q_offset`` parameter (methods/offload.py records
-    the tensors of each call) keeps serving every call it served before the offset existed."""
+    the tensors of each call) serves every call made without an offset."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, kernel, q_offset):
