@@ -122,6 +122,9 @@ def options_dict(options: MethodOptions) -> dict[str, Any]:
             if getattr(options, f.name) != getattr(defaults, f.name)}
 
 
+_VALIDATED: set[tuple] = set()  # (trial, checks) that passed Trial.validate in this process
+
+
 @dataclass(frozen=True)
 class Trial:
     method: str
@@ -225,6 +228,16 @@ class Trial:
         return tuple(m for m in methods.get_info(self.method).requires if m not in self.supplies())
 
     def validate(self, check_seq_len: bool = True, here: bool = True, libraries: bool = True) -> None:
+        """:meth:`check`, once per process for each trial and set of checks: the resolver
+        (``bench.resolve``) validates, and the layers a trial passes through afterwards (the run,
+        a search, its probes) ask again at no cost. Only a trial that passed is remembered."""
+        memo = (self, check_seq_len, here, libraries)
+        if memo in _VALIDATED:
+            return
+        self.check(check_seq_len, here, libraries)
+        _VALIDATED.add(memo)
+
+    def check(self, check_seq_len: bool = True, here: bool = True, libraries: bool = True) -> None:
         """Every check that needs no computation; raises ``ValueError`` saying what to fix.
 
         ``here=False`` leaves out what only the machine that runs the trial can answer (CUDA

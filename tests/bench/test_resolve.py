@@ -93,3 +93,18 @@ def test_measurement_does_not_rewrite_the_trial():
     before = dataclasses.replace(trial)
     run_trial(trial)
     assert trial == before and trial.step.allocator_model == "none"
+
+
+def test_a_trial_is_validated_once_per_process(monkeypatch):
+    trial = resolve(Request("ulysses", "tiny-llama", 2048, 2, levers={"stack": "lean"}))
+    calls = []
+    real = Trial.check
+    monkeypatch.setattr(Trial, "check", lambda self, *a: calls.append(a) or real(self, *a))
+    for _ in range(3):
+        trial.validate()
+    assert calls == []  # resolve() validated it already
+    other = dataclasses.replace(trial, seq_len=3001)  # not a multiple of the ranks: refused, not remembered
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            other.validate()
+    assert len(calls) == 2
