@@ -65,7 +65,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .core import comm, events
 from .core.base import AttentionMethod, MethodOptions, head_rows, index_tensor, project
@@ -74,7 +73,7 @@ from .core.kernels import merge_partials
 from .core.layouts import cyclic_shard, cyclic_unshard
 from .core.registry import register
 from .core.spec import AttnSpec
-from .core.tiling import counting_as, items_to_run
+from .core.tiling import counting_as, repeated
 from .ulysses import replicated_kv_heads
 from .upipe import Stage, UPipe, UPipeOptions, plan_stages
 
@@ -120,7 +119,6 @@ class _FPDTFunction(torch.autograd.Function):
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
         store = ChunkStore(x.device, block.options.offload)
         keep = any(ctx.needs_input_grad)
-        fake = isinstance(x, FakeTensor)  # a simulation: identical chunk pairs run once, counted for all
         out = x.new_empty(b, n, spec.n_heads, d)
         live: dict = {}  # the K/V segment just produced: used from the device, not re-fetched
 
@@ -142,9 +140,9 @@ class _FPDTFunction(torch.autograd.Function):
             sl = rows[i]
             q = comm.seq_to_head_(project(_normed(x[:, sl], norm_weight, eps), wq_s, d, qn, cos[sl], sin[sl]), group)
             acc = lse = None
-            # a simulation runs the first segment (it starts the accumulator), one standing for the identical
-            # middle ones, and the last two (before the diagonal nothing is prefetched, its K/V being live)
-            run = items_to_run(len(kv_segments), fake, tail=2)
+            # the first segment starts the accumulator, the middle ones are alike, the last two differ (before
+            # the diagonal nothing is prefetched, its K/V being live): what a compressing policy may skip
+            run = repeated(len(kv_segments), tail=2)
             for r, (pos, weight) in enumerate(run):
                 j = kv_segments[pos]
                 if r + 1 < len(run):  # the next K/V segment travels while this one is used
@@ -206,7 +204,6 @@ class _FPDTFunction(torch.autograd.Function):
         x, wq, wk, wv, qn, kn, cos, sin, norm_weight, *stored = ctx.saved_tensors
         store.take_back(stored)
         del stored
-        fake = isinstance(x, FakeTensor)  # a simulation: identical chunk pairs run once, counted for all
         b, n, _ = x.shape
         causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
@@ -266,12 +263,12 @@ class _FPDTFunction(torch.autograd.Function):
                 dv = torch.zeros_like(v, dtype=torch.float32)
                 q_segments = list(range(j, chunks)) if causal else list(range(chunks))
                 work = [(s, i) for s in members for i in q_segments]
-                # a simulation may run the first item, one standing for the identical middle ones and the last
-                # (no prefetch after it) where they are alike: one stage, past the first K/V segment (by then every
-                # segment's partial dQ is in the store, as in the full loop), and only the first item completes a
-                # dQ (causal: the diagonal; without a mask every item completes one at the last segment)
-                alike = fake and len(members) == 1 and j >= 1 and (causal or j < chunks - 1)
-                run = items_to_run(len(work), alike, tail=1)
+                # the middle items (between the first and the last, after which nothing is prefetched) are alike
+                # with one stage, past the first K/V segment (by then every segment's partial dQ is in the store),
+                # where only the first item completes a dQ (causal: the diagonal; without a mask every item
+                # completes one at the last segment): then a compressing policy may skip them
+                alike = len(members) == 1 and j >= 1 and (causal or j < chunks - 1)
+                run = repeated(len(work), tail=1, alike=alike)
                 for r, (pos, weight) in enumerate(run):
                     s, i = work[pos]
                     if r + 1 < len(run):

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import methods
 from methods.core.rope import rope_table
@@ -46,11 +46,6 @@ def norm_mlp_fn(x, norm_w, w1, w2, w3, eps):
     return norm_mlp(x, norm_w, eps, w1, w2, w3)
 
 
-def is_fake(t: torch.Tensor) -> bool:
-    """True for a FakeTensor (simulation), where values do not exist and only shapes matter."""
-    return isinstance(t, FakeTensor)
-
-
 class _Tiled(torch.autograd.Function):
     """``fn(x, *weights)`` (shape-preserving, token-wise) over sequence tiles, saving only inputs.
 
@@ -63,7 +58,7 @@ class _Tiled(torch.autograd.Function):
     def forward(ctx, fn, tiles, x, *weights):
         out = torch.empty_like(x)
         bounds = tile_bounds(x.shape[1], tiles)
-        for i in run_tiles([length for _, length in bounds], is_fake(x)):
+        for i in run_tiles([length for _, length in bounds]):
             start, length = bounds[i]
             out.narrow(1, start, length).copy_(fn(x.narrow(1, start, length), *weights))
         ctx.save_for_backward(x, *weights)
@@ -76,7 +71,7 @@ class _Tiled(torch.autograd.Function):
         dx = torch.empty_like(x)
         grads: list[torch.Tensor | None] = [None] * len(weights)
         bounds = tile_bounds(x.shape[1], ctx.tiles)
-        for i in run_tiles([length for _, length in bounds], is_fake(x)):
+        for i in run_tiles([length for _, length in bounds]):
             start, length = bounds[i]
             leaf = x.narrow(1, start, length).detach().requires_grad_()
             wl = [w.detach().requires_grad_() for w in weights]
@@ -238,9 +233,9 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _chunk_starts(n: int, chunk: int, fake: bool) -> Iterator[int]:
+def _chunk_starts(n: int, chunk: int) -> Iterator[int]:
     starts = list(range(0, n, chunk))
-    for i in run_tiles([min(chunk, n - s) for s in starts], fake):
+    for i in run_tiles([min(chunk, n - s) for s in starts]):
         yield starts[i]
 
 
@@ -250,8 +245,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     Forward keeps one chunk's fp32 logits at a time and saves only the per-token
     log-sum-exp; backward recomputes each chunk's logits, forms ``softmax - onehot`` and
     accumulates ``dh`` (per chunk) and ``dw`` (``addmm_``). The full ``[tokens, vocab]``
-    logits never exist. Labels equal to ``ignore_index`` contribute nothing. Under
-    simulation only the first (and a shorter last) chunk run, see ``tiles_to_run``.
+    logits never exist. Labels equal to ``ignore_index`` contribute nothing. The chunks are
+    iterated by ``methods.core.tiling.run_tiles`` (all of them, unless a simulation compresses
+    the identical ones).
     """
 
     @staticmethod
@@ -262,7 +258,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=h.device)
         valid = labels != ignore_index
         safe = torch.where(valid, labels, 0)
-        for start in _chunk_starts(n, chunk, is_fake(h)):
+        for start in _chunk_starts(n, chunk):
             sl = slice(start, min(n, start + chunk))
             logits = F.linear(h[sl], w).to(acc)
             lse[sl] = torch.logsumexp(logits, dim=-1)
@@ -282,7 +278,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h)
         dw = torch.zeros_like(w)
         n = h.shape[0]
-        for start in _chunk_starts(n, ctx.chunk, is_fake(h)):
+        for start in _chunk_starts(n, ctx.chunk):
             sl = slice(start, min(n, start + ctx.chunk))
             logits = F.linear(h[sl], w).to(acc)
             grad = logits.sub_(lse[sl, None]).exp_()  # softmax, in place

@@ -10,9 +10,8 @@ Only one tile of ``a`` (``tile`` tokens x D) exists at a time. Cost: the norm (e
 cheap next to the GEMMs) is recomputed once per projection.
 
 Tiles follow the paper's (ALST) tiled-MLP rule, ``ceil(local tokens / D)`` tiles of about D
-tokens. Under simulation (fake tensors) only the first two tiles and a shorter last one run:
-every other tile allocates and frees the same bytes (``methods.core.tiling.tiles_to_run``; the
-step's counters weigh the tiles that ran by the ones they stand for, ``run_tiles``).
+tokens, iterated by ``methods.core.tiling.run_tiles`` (every tile, unless a simulation has
+switched on its compression of identical tiles).
 """
 from __future__ import annotations
 
@@ -21,14 +20,13 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .tiling import run_tiles, tile_bounds
 
 
-def _bounds(n: int, dim: int, fake: bool) -> Iterator[tuple[int, int]]:
+def _bounds(n: int, dim: int) -> Iterator[tuple[int, int]]:
     bounds = tile_bounds(n, max(1, math.ceil(n / dim)))
-    for i in run_tiles([length for _, length in bounds], fake):
+    for i in run_tiles([length for _, length in bounds]):
         yield bounds[i]
 
 
@@ -40,7 +38,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     """``rms_norm(x) @ weight.T`` for ``x`` of shape ``[B, n, D]``, one sequence tile at a time."""
     b, n, dim = x.shape
     out = x.new_empty(b, n, weight.shape[0])
-    for start, length in _bounds(n, dim, isinstance(x, FakeTensor)):
+    for start, length in _bounds(n, dim):
         out.narrow(1, start, length).copy_(F.linear(_norm(x.narrow(1, start, length), norm_weight, eps), weight))
     return out
 
@@ -50,7 +48,7 @@ def norm_weight_grad(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, dt:
     b, n, dim = x.shape
     dt3 = dt.view(b, n, -1)
     acc = x.new_zeros(dt.shape[1], dim)
-    for start, length in _bounds(n, dim, isinstance(x, FakeTensor)):
+    for start, length in _bounds(n, dim):
         a = _norm(x.narrow(1, start, length), norm_weight, eps).reshape(-1, dim)
         acc.addmm_(dt3.narrow(1, start, length).reshape(-1, dt.shape[1]).t(), a)
     return acc
@@ -61,7 +59,7 @@ def norm_backward_(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, da: t
     the norm weight's gradient."""
     dim = x.shape[-1]
     dw = torch.zeros_like(norm_weight)
-    for start, length in _bounds(x.shape[1], dim, isinstance(x, FakeTensor)):
+    for start, length in _bounds(x.shape[1], dim):
         leaf = x.narrow(1, start, length).detach().requires_grad_()
         w = norm_weight.detach().requires_grad_()
         with torch.enable_grad():

@@ -101,10 +101,10 @@ def test_file_and_name_errors(tmp_path):
 
 def test_tile_bounds_and_shortcut():
     assert tile_bounds(10, 3) == [(0, 4), (4, 3), (7, 3)]
-    assert tiles_to_run([4, 3, 3, 3], fake=False) == [0, 1, 2, 3]
-    assert tiles_to_run([3, 3, 3, 3, 3], fake=True) == [0, 1]
-    assert tiles_to_run([4, 4, 4, 3], fake=True) == [0, 1, 3]
-    assert tiles_to_run([4, 3, 3], fake=True) == [0, 1, 2]
+    assert tiles_to_run([4, 3, 3, 3], compress=False) == [0, 1, 2, 3]
+    assert tiles_to_run([3, 3, 3, 3, 3], compress=True) == [0, 1]
+    assert tiles_to_run([4, 4, 4, 3], compress=True) == [0, 1, 3]
+    assert tiles_to_run([4, 3, 3], compress=True) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("sizes", [[4, 3, 3, 3], [3] * 5, [4, 4, 4, 3], [4, 3, 3], [5]])

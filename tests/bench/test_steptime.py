@@ -101,12 +101,15 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
 @pytest.mark.parametrize("method", ["ulysses", "upipe"])
 def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
     """Under simulation the tiled MLP and norms, the chunked loss and UPipe's tiled norm run a few
-    tiles for all (memory is the same); the counts must be those of a step that runs every tile."""
-    from methods.core import tiling
+    tiles for all (memory is the same); the counts must be those of a step that runs every tile
+    (the simulation without ``methods.core.tiling.compressing_repeats``)."""
+    import contextlib
+
+    from bench.measure import simulate
 
     step = dict(mlp_tiles=8, loss_chunk=512)
     skipped = _counts(method, 8192, 2, **step)
-    monkeypatch.setattr(tiling, "tiles_to_run", lambda sizes, fake: list(range(len(sizes))))
+    monkeypatch.setattr(simulate, "compressing_repeats", contextlib.nullcontext)
     every = _counts(method, 8192, 2, **step)
     for key in ("flops.matmul", "flops.attention", "bytes.memory_bound", "host.offload.d2h_bytes"):
         assert skipped[key] == pytest.approx(every[key], rel=1e-9), key
@@ -115,9 +118,12 @@ def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
 @pytest.mark.parametrize("stack", ["lean", "paper"])
 def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch):
     """Under simulation FPDT runs the first, one middle and the last chunk pairs of each segment's loop
-    (``methods.core.tiling.items_to_run``); every figure must equal a simulation that runs them all:
-    device, reserved and host peaks, the categories, and every count (FLOPs, memory traffic, host copies,
-    collectives, chunk passes)."""
+    (``methods.core.tiling.repeated``, compressing under ``compressing_repeats``); every figure must equal
+    a simulation that runs them all (the simulation without that policy): device, reserved and host
+    peaks, the categories, and every count (FLOPs, memory traffic, host copies, collectives, chunk passes)."""
+    import contextlib
+
+    from bench.measure import simulate as simulate_module
     from methods.core import tiling
 
     def simulate():
@@ -129,12 +135,12 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
 
     ran = []
     real_items = tiling.items_to_run
-    monkeypatch.setattr(tiling, "items_to_run", lambda n, fake, tail=1: ran.append(n) or real_items(n, fake, tail))
-    import methods.fpdt
-    monkeypatch.setattr(methods.fpdt, "items_to_run", tiling.items_to_run)
+    monkeypatch.setattr(tiling, "items_to_run",
+                        lambda n, compress, tail=1: ran.append((n, compress, tail)) or real_items(n, compress, tail))
     skipped = simulate()
-    assert max(ran) == 8 and len(real_items(8, True, 2)) < 8  # loops long enough to skip pairs did run
-    monkeypatch.setattr(methods.fpdt, "items_to_run", lambda n, fake, tail=1: real_items(n, False, tail))
+    # loops long enough to skip pairs did run, compressed: the forward's last segment (8 pairs, the last two apart)
+    assert (8, True, 2) in ran and len(real_items(8, True, 2)) < 8
+    monkeypatch.setattr(simulate_module, "compressing_repeats", contextlib.nullcontext)
     every = simulate()
     for key in ("peak_bytes", "peak_by_category", "host_peak_bytes", "peak_reserved_bytes", "step_counts"):
         assert skipped.get(key) == every.get(key), key
