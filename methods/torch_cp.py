@@ -77,7 +77,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 
 from .core.base import MethodOptions, ZigzagLayoutMethod
 from .core.registry import register
@@ -128,11 +127,12 @@ def _set_options(rotate: str, load_balance: bool) -> None:
 
 # DTensor's sharding propagation runs each op once on fake tensors of the *global* shape to learn
 # its output's metadata, in ``detect_fake_mode() or FakeTensorMode()``. On a GPU that is a fresh
-# fake mode and allocates nothing; under simulation it is the simulation's own fake mode, so the
-# memory tracker would count those global-shape tensors (a full-sequence Q/K/V/output and, in
-# the backward, their gradients) as if the rank held them. While ``_PROPAGATION["own_mode"]`` is
-# positive (around this method's SDPA call and its backward, in simulation only) the propagation
-# gets a fresh fake mode, as it does on a GPU.
+# fake mode and allocates nothing; under simulation it would be the simulation's own fake mode,
+# so the memory tracker would count those global-shape tensors (a full-sequence Q/K/V/output and,
+# in the backward, their gradients) as if the rank held them. While ``_PROPAGATION["own_mode"]``
+# is positive (around this method's SDPA call and its backward) the propagation always gets a
+# fresh fake mode of its own: what it gets on a GPU anyway, so the method need not know whether
+# it is simulated.
 _PROPAGATION = {"own_mode": 0, "installed": False}
 
 
@@ -152,26 +152,26 @@ def _install_propagation_mode() -> None:
 
 class _CPCall:
     """torch's CP settings for one call of this method: ``enter`` sets its options (saving the
-    process's) and, in simulation, gives the propagation its own fake mode; ``exit`` undoes both.
-    Entered around the forward SDPA call and again around its backward."""
+    process's) and gives the propagation its own fake mode; ``exit`` undoes both. Entered around
+    the forward SDPA call and again around its backward."""
 
-    def __init__(self, rotate: str, load_balance: bool, simulated: bool) -> None:
-        self.settings, self.simulated = (rotate, load_balance), simulated
+    def __init__(self, rotate: str, load_balance: bool) -> None:
+        self.settings = (rotate, load_balance)
         self.saved: list[tuple[str, bool]] = []
 
     def enter(self) -> None:
         self.saved.append(_options_now())
         _set_options(*self.settings)
-        _PROPAGATION["own_mode"] += self.simulated
+        _PROPAGATION["own_mode"] += 1
 
     def exit(self) -> None:
-        _PROPAGATION["own_mode"] -= self.simulated
+        _PROPAGATION["own_mode"] -= 1
         _set_options(*self.saved.pop())
 
 
 @contextlib.contextmanager
-def _cp_call(rotate: str, load_balance: bool, simulated: bool):
-    call = _CPCall(rotate, load_balance, simulated)
+def _cp_call(rotate: str, load_balance: bool):
+    call = _CPCall(rotate, load_balance)
     call.enter()
     try:
         yield call
@@ -301,11 +301,9 @@ class TorchCP(ZigzagLayoutMethod):
             k, v = (t.repeat_interleave(self._repeat, dim=2) for t in (k, v))
         mesh = self.mesh(x.device.type)
         _enable_dispatcher()
-        simulated = is_fake(x)
-        if simulated:
-            _install_propagation_mode()
+        _install_propagation_mode()
         # torch balances (and accepts load balancing for) causal attention only
-        with _cp_call(self.options.rotate, self.spec.causal, simulated) as call:
+        with _cp_call(self.options.rotate, self.spec.causal) as call:
             q, k, v = _AfterBackward.apply(call, q, k, v)
             q, k, v = (DTensor.from_local(t.transpose(1, 2), mesh, [Shard(2)], run_check=False) for t in (q, k, v))
             out = self.sdpa(q, k, v).to_local()  # [B, H, n, d]
