@@ -39,6 +39,7 @@ from .select import (
 from .style import MISSING, Table, display_name
 
 PAPER_MODE = "real, {gpus}×H100-80GB (paper)"
+PAPER_MODELS = [s.model for s in TABLE3_SETUPS]  # the models the paper ran (other models: our smaller scales)
 
 
 def _rows(rows: pd.DataFrame | str | Path | None) -> pd.DataFrame:
@@ -447,17 +448,21 @@ PAPER_FIG1 = ("llama3-8b", 3 * 2**20, 8)  # model, tokens, GPUs
 
 def fig1_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Our Fig. 1 bars: rows with a recognised lever configuration (``fig1_config``) at the
-    paper's setup (Llama3-8B, 3M, 8 GPUs), and at any other setup (model, tokens, ranks) where
-    the ladder ran, which its first rung marks: an FSDP bar (the ``fig1-memory-breakdown``
-    sweeps' CPU variant). Adds ``config`` (the bar) and ``setup`` (model, tokens, ranks)."""
+    paper's setup (Llama3-8B, 3M, 8 GPUs), and at the paper's GPU count on a model the paper did
+    not run (the ``fig1-memory-breakdown`` sweep's CPU-scale variant). Adds ``config`` (the bar)
+    and ``setup`` (model, tokens, ranks)."""
     t = trials(rows, scope="model")
+    if not len(t):
+        return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
+    model, seq, ws = PAPER_FIG1
+    at_point = (t["model"] == model) & (t["seq_len"] == seq) & (t["world_size"] == ws)
+    other_scale = (t["world_size"] == ws) & ~t["model"].isin(PAPER_MODELS)
+    t = t[at_point | other_scale]
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     t = t.assign(config=t.apply(fig1_config, axis=1),
                  setup=pd.Series(list(zip(t["model"], t["seq_len"], t["world_size"], strict=True)), index=t.index,
                                  dtype=object))
-    ladders = {PAPER_FIG1} | set(t.loc[t["config"] == "fsdp", "setup"])
-    t = t[t["setup"].map(lambda setup: setup in ladders).astype(bool)]
     return t[t["config"].notna()]
 
 
@@ -536,7 +541,7 @@ def fig5_rows(rows: pd.DataFrame) -> pd.DataFrame:
         return t.assign(setup=pd.Series(dtype=object))
     paper_setup = (t["model"] == PAPER_FIG5[0]) & (t["world_size"] == PAPER_FIG5[1]) & has_paper_levers(t)
     together = t.groupby(["model", "world_size", "mode_label", "levers"])["fig5_method"].transform("nunique") == 2
-    other_scale = together & ~t["model"].isin([s.model for s in TABLE3_SETUPS])
+    other_scale = together & ~t["model"].isin(PAPER_MODELS)
     t = t[other_scale | paper_setup]
     return t.assign(setup=pd.Series(list(zip(t["model"], t["world_size"], strict=False)), index=t.index, dtype=object))
 

@@ -39,6 +39,22 @@ def test_paper_fills_in_its_terms_and_keeps_explicit_levers():
         StepConfig(rope_table="yes")
 
 
+def test_paper_terms_follow_each_methods_facts():
+    """The kernel-scratch model, the RoPE table and the ring-step barrier come from each method's
+    registration (``MethodFacts``), for every registered method."""
+    for info in methods.all_infos():
+        facts = info.facts
+        step, notes = stack.apply(StepConfig(stack="paper"), info.name)
+        scratch = "none" if facts.library_kernels else facts.kernel
+        assert stack.scratch_model(info.name) == scratch and step.kernel_workspace == scratch, info.name
+        assert step.ring_barrier == facts.ring_barrier, info.name
+        assert (step.rope_table == "checkpointed") == facts.torchtitan, info.name
+        assert any("ring_step_barrier" in n for n in notes) == facts.ring_barrier, info.name
+    assert {i.name for i in methods.all_infos() if i.facts.ring_barrier} >= {"yc-ring", "yc-usp", "usp-upipe"}
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        stack.apply(StepConfig(stack="paper"), "nope")
+
+
 def test_paper_budget_is_capacity_less_the_context():
     h100 = get_device("h100-80g")
     assert stack.usable_bytes(h100, "lean") == h100.usable() == stack.usable_bytes(h100, "lean", nccl=10**9)
