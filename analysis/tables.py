@@ -724,18 +724,19 @@ def attn_memory_table(rows=None) -> Table:
 # ----------------------------------------------------------------------------- U ablation
 
 def u_ablation_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows of a U ablation (our Ulysses and UPipe, ``_with_u``): any setup (model, world size,
-    scope, levers, mode) where UPipe ran at more than one U (the ``u-ablation`` sweeps, at any
-    scale) and any Llama3-8B training step on 4 GPUs with the paper's levers (the authors'
-    rebuttal setup)."""
+    """Rows of a U ablation (our Ulysses and UPipe, ``_with_u``): any Llama3-8B training step on
+    4 GPUs with the paper's levers (the authors' rebuttal setup, the ``u-ablation`` sweep), and,
+    on a model the paper did not run (the sweep's CPU-scale variant), any setup (model, world
+    size, scope, levers, mode) where UPipe ran at more than one U."""
     t = _with_u(trials(rows))
     if not len(t):
         return t
     setup = ["model", "world_size", "scope", "levers", "mode_label"]
-    several = t.assign(_u=t["u"].astype(str).where(t["u"].notna(), None)).groupby(setup)["_u"].transform("nunique") > 1
+    u_values = t.assign(_u=t["u"].astype(str).where(t["u"].notna(), None)).groupby(setup)["_u"].transform("nunique")
+    other_scale = (u_values > 1) & ~t["model"].isin(PAPER_MODELS)
     rebuttal = (t["model"] == "llama3-8b") & (t["world_size"] == 4) & (t["scope"] == "model")
     rebuttal &= has_paper_levers(t)
-    return t[several | rebuttal]
+    return t[other_scale | rebuttal]
 
 
 def u_setups(ours: pd.DataFrame) -> list[tuple[str, int, str]]:
