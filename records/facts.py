@@ -51,6 +51,9 @@ class PaperRun:
     def covers(self, gpus: int) -> bool:
         return self.min_gpus <= gpus and (self.max_gpus is None or gpus <= self.max_gpus)
 
+    def __hash__(self) -> int:  # options are a mapping: hash its JSON (equal runs, equal hashes)
+        return hash(json.dumps(_run_dict(self), sort_keys=True, default=str))
+
 
 @dataclass(frozen=True)
 class MethodFacts:
@@ -111,6 +114,9 @@ class MethodFacts:
         if not all(isinstance(v, bool) for v in self.levers.values()):
             out.append(f"levers={dict(self.levers)!r}: every value must be True or False")
         return out
+
+    def __hash__(self) -> int:  # levers are a mapping: hash the JSON (equal facts, equal hashes)
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
 
     @property
     def library_name(self) -> str | None:

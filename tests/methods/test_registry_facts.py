@@ -29,6 +29,7 @@ def test_the_committed_table_is_the_registrys():
     assert len(INFOS) >= 16
     for info in INFOS:
         assert records_facts.facts_of(info.name) == info.facts, info.name
+    assert len(set(INFOS)) == len(INFOS)  # entries stay hashable with their facts' mappings
 
 
 def test_the_table_is_written_from_the_registry(tmp_path):
