@@ -18,7 +18,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 from matplotlib.transforms import Bbox
 
-from records import FIDELITY_ANCHOR_NOTE
+from records.facts import OURS, facts_of
 
 from .load import human_size, load_paper, method_label
 from .select import (
@@ -207,21 +207,22 @@ def _run_hint(ax, sweeps: str) -> None:
 
 # ----------------------------------------------------------------------------- Table 3
 
-# implementations the Table 3 figure leaves to the tables (the legend stays readable): yunchang's
-# classes (USP, Ring, Ulysses) and DeepSpeed's Ulysses run the algorithms of our ring, ulysses and
-# usp, which the figure draws; their modelled throughput differs from ours only by their calls
-TABLE3_FIGURE_LEAVES_OUT = ("yc-usp", "yc-ring", "yc-ulysses", "ds-ulysses", "ds-ulysses-hf")
+# whose implementations the Table 3 figure draws (``MethodFacts.library``): ours and PyTorch's CP
+# (the paper's Native PyTorch). The wrappers of yunchang (USP, Ring, Ulysses), DeepSpeed and
+# ring-flash-attn run the algorithms of our ring, ulysses, usp and fpdt, which the figure draws;
+# they stay in the tables, and the legend stays readable
+TABLE3_FIGURE_LIBRARIES = (OURS, "PyTorch")
 
 
 def figure_series(ours: pd.DataFrame) -> pd.DataFrame:
-    """Our Table 3 rows that the figure draws: all but PyTorch CP's ``alltoall`` rotation, which
-    the paper did not run (it set ``allgather``), and the implementations of
-    ``TABLE3_FIGURE_LEAVES_OUT``; they stay in the tables, and the legend stays short enough to
-    read (``MAX_LEGEND_ENTRIES`` in the figure tests)."""
-    ours = ours[~ours["method"].isin(TABLE3_FIGURE_LEAVES_OUT)]
+    """Our Table 3 rows that the figure draws: those of ``TABLE3_FIGURE_LIBRARIES``' methods but
+    PyTorch CP's ``alltoall`` rotation (its ``rotate`` option), which the paper did not run (it set
+    ``allgather``); the others stay in the tables, and the legend stays short enough to read
+    (``MAX_LEGEND_ENTRIES`` in the figure tests)."""
+    ours = ours[ours["method"].map(lambda m: facts_of(m).library in TABLE3_FIGURE_LIBRARIES).astype(bool)]
     if "opt.rotate" not in ours:
         return ours
-    return ours[~((ours["method"] == "torch-cp") & (ours["opt.rotate"] == "alltoall"))]
+    return ours[~(ours["opt.rotate"] == "alltoall")]
 
 
 def table3_plot(rows=None) -> Plot:
@@ -362,11 +363,6 @@ def max_context_plot(rows=None) -> Plot:
     fig5 = load_paper("fig5_multinode")
     claims = fig5[fig5["kind"] == "max_context_claim"]
     ours = max_context_rows(rows)
-    if len(ours):  # a series of fidelity anchors only (no search, no other run): fidelity.md shows them, not here
-        anchor = ours["notes"].astype(str).str.contains(FIDELITY_ANCHOR_NOTE, regex=False) \
-            if "notes" in ours else pd.Series(False, index=ours.index)
-        drawn = set(ours.loc[~anchor | (ours["kind"] == "search"), "mode_label"])
-        ours = ours[ours["mode_label"].isin(drawn)]
     panels = [(s.model, s.gpus, f"{s.model}, {s.gpus} GPUs (Table 3)") for s in TABLE3_SETUPS]
     panels.append(("llama3-8b", 16, "llama3-8b, 16 GPUs, 8×2 mesh (Fig. 5)"))
     seen = {(m, g) for m, g, _ in panels}
@@ -560,9 +556,9 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
     modes = sorted(ours["mode_label"].unique()) if len(ours) else []
     x = np.arange(len(lengths))
     series = ([("paper", m) for m in ("usp", "upipe")] if paper is not None else []) + \
-        [(ml, m) for ml in modes for m in ("usp", "usp-upipe")]
+        [(ml, m) for ml in modes for m in ("usp", "upipe")]
     width = 0.8 / max(1, len(series))
-    colors = {"usp": method_color("usp"), "upipe": method_color("upipe"), "usp-upipe": method_color("upipe")}
+    colors = {"usp": method_color("usp"), "upipe": method_color("upipe")}
     top = 0.0
     small = paper is None and max([float(v) for v in ours["mem_gib"] if pd.notna(v)] + [0.0]) < 1
     scale, unit = (1024.0, "MiB") if small else (1.0, "GiB")
@@ -607,7 +603,7 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
     # accountings time the same counts alike, one line stands for both. The table lists each.
     timed = [(j, ml) for j, ml in enumerate(modes) if "paper stack" in ml] or list(enumerate(modes))
     for j, ml in timed:
-        u = ours[(ours["fig5_method"] == "usp-upipe") & (ours["mode_label"] == ml)]
+        u = ours[(ours["fig5_method"] == "upipe") & (ours["mode_label"] == ml)]
         b = ours[(ours["fig5_method"] == "usp") & (ours["mode_label"] == ml)]
         pts = []
         for s in lengths:
@@ -631,10 +627,10 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
                     Patch(**paper_bar_style(colors["upipe"]), label="UPipe 8×2 — paper (by eye)")]
     for ml in modes:
         labels = {m: sorted(ours[(ours["fig5_method"] == m) & (ours["mode_label"] == ml)]["label"].unique())
-                  for m in ("usp", "usp-upipe")}
+                  for m in ("usp", "upipe")}
         handles += [Patch(**ours_bar_style(colors["usp"]), label=f"{', '.join(labels['usp']) or 'usp'} — ours ({ml})"),
                     Patch(**ours_bar_style(colors["upipe"]),
-                          label=f"{', '.join(labels['usp-upipe']) or 'usp-upipe'} — ours ({ml})")]
+                          label=f"{', '.join(labels['upipe']) or 'upipe'} — ours ({ml})")]
     h2, _ = ax2.get_legend_handles_labels()
     ax.legend(handles=handles + h2, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2,
               frameon=False)
@@ -829,11 +825,18 @@ def u_ablation_plot(rows=None) -> Plot:
 
 # ----------------------------------------------------------------------------- memory vs length
 
-# the series of memory_vs_seq: the suite's implementations of the paper's methods and the paper's
-# own Ulysses (yunchang's USP at Ulysses degree 8), so that one legend stays short (at most 10
-# colours); the other library wrappers, yunchang's Ring and PyTorch's CP (the paper's Native
-# PyTorch) are in max_context, memory_vs_seq's table and compare_*
-MEMORY_VS_SEQ_METHODS = ("ring", "ulysses", "usp", "yc-usp", "fpdt", "upipe", "usp-upipe")
+def memory_vs_seq_series(ours: pd.DataFrame) -> pd.DataFrame:
+    """The rows memory_vs_seq draws: the suite's own implementations of the paper's columns
+    (``MethodFacts.reference``) and the paper's own Ulysses (the paper's code of its Ulysses
+    column, yunchang's USP, but not at Ulysses degree 1, where it is the paper's Ring), so that one
+    legend stays short (at most 10 colours); the other library wrappers, the paper's Ring and
+    PyTorch's CP (the paper's Native PyTorch) are in max_context, memory_vs_seq's table and compare_*."""
+    facts = ours["method"].map(facts_of)
+    reference = facts.map(lambda f: f.reference).astype(bool)
+    paper_ulysses = facts.map(lambda f: f.paper_code and f.column == "ulysses").astype(bool)
+    if "opt.ulysses_degree" in ours:
+        paper_ulysses &= ours["opt.ulysses_degree"] != 1
+    return ours[reference | paper_ulysses]
 
 
 def memory_vs_seq_plot(rows=None) -> Plot:
@@ -857,9 +860,7 @@ def memory_vs_seq_plot(rows=None) -> Plot:
             xs_drawn.append(a.seq_len)
         ours = table3_rows(rows, setup)
         if len(ours):  # the paper's methods as ours, and its Ulysses as it ran it; the rest: max_context
-            ours = ours[ours["method"].isin(MEMORY_VS_SEQ_METHODS)
-                        & ~((ours["method"] == "yc-usp") & (ours["opt.ulysses_degree"] == 1)
-                            if "opt.ulysses_degree" in ours else False)]
+            ours = memory_vs_seq_series(ours)
         used.append(ours)
         for _, sub in groups(ours):
             lengths = sorted(sub["seq_len"].unique())

@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 
 from records import BadLine, Figures, GiB, Row, human, read_rows, trial_key
+from records.facts import facts_of
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
@@ -72,13 +73,10 @@ def _scalar(v: Any) -> str:
     return str(v)
 
 
-# the wrapped libraries, by method-name prefix: a series of theirs is labelled as theirs
-LIBRARIES = (("torch-cp", "PyTorch"), ("yc-", "yunchang"), ("ds-", "DeepSpeed"), ("rfa-", "ring-flash-attn"))
-
-
 def library_of(method: str) -> str | None:
-    """The library a wrapper method runs (``yc-usp``: yunchang), or None for our own."""
-    return next((lib for prefix, lib in LIBRARIES if method.startswith(prefix)), None)
+    """The library a wrapper method runs (``yc-usp``: yunchang; ``MethodFacts.library``), or None
+    for our own: a series of theirs is labelled as theirs."""
+    return facts_of(method).library_name
 
 
 def method_label(method: str, options: str | dict | None) -> str:

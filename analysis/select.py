@@ -1,11 +1,13 @@
 """Which of our rows belong to which paper table, and how a row becomes a table cell.
 
 The paper's setups (docs/paper.md, section "Setups") are fixed here once: the Table 3 shapes and GPU
-counts, the "paper levers" (FSDP, activation checkpointing offloaded to host, tiled MLP,
-chunked loss), and how our method names map onto the paper's columns (on 16 GPUs the paper's
-"Ulysses" and "UPipe" are the 8 Ulysses x 2 Ring mesh: our ``usp`` and ``usp-upipe``).
-Rows are selected by what they are (model, world size, scope, levers), not by the file they
-came from, so a row written by ``python -m bench`` by hand counts as much as a sweep's.
+counts and the "paper levers" (FSDP, activation checkpointing offloaded to host, tiled MLP,
+chunked loss). How our methods map onto the paper's columns is each method's own declaration
+(``records.facts.MethodFacts``, read from the committed table: ``facts_of``): on 16 GPUs the
+paper's "Ulysses" and "UPipe" are the 8 Ulysses x 2 Ring mesh, our ``mesh`` methods.
+Rows are selected by what they are (method, model, world size, scope, levers), not by the file
+they came from or their notes, so a row written by ``python -m bench`` by hand counts as much as
+a sweep's.
 """
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from typing import Any
 
 import pandas as pd
 
+from records.facts import TABLE3_COLUMNS, facts_of
 from records.schema import MIN_TIMED_STEPS
 
 from .style import MISSING, OOM
 
 K, M = 2**10, 2**20
 PAPER_LENGTHS = [128 * K, 256 * K, 512 * K, 1 * M, 2 * M, 3 * M, 4 * M, 5 * M]
-PAPER_METHODS = ["torch-cp", "ring", "ulysses", "fpdt", "upipe"]  # Table 3's row order
+PAPER_METHODS = list(TABLE3_COLUMNS)  # Table 3's row order
 PAPER_DEVICE = "h100-80g"
 PAPER_LEVERS = {"fsdp": True, "ac": True, "ac_offload": True, "tiled_mlp": True, "chunked_loss": True}
 
@@ -41,31 +44,19 @@ class Setup:
 TABLE3_SETUPS = (Setup("llama3-8b", 8), Setup("qwen3-32b", 16))
 
 
-# the paper column of each implementation: ours and the libraries' (the paper's Ulysses and Ring
-# were yunchang's, its FPDT DeepSpeed's; docs/paper.md, "Baselines and the implementations the
-# paper ran"); on 16 GPUs its Ulysses/UPipe are the Ulysses x Ring mesh (usp, usp-upipe)
-FAMILIES = {"usp": "ulysses", "usp-upipe": "upipe", "yc-usp": "ulysses", "yc-ulysses": "ulysses",
-            "ds-ulysses": "ulysses", "ds-ulysses-hf": "ulysses", "yc-ring": "ring", "rfa-zigzag": "ring",
-            "ds-fpdt": "fpdt"}
-
-
-# the suite methods that are the paper's own implementations (docs/paper.md, "Baselines and the
-# implementations the paper ran": yunchang's USP for its Ulysses and Ring, torch's CP, ours for UPipe)
-# plus no-cp (Fig. 1's FSDP bar): where a figure has room for one bar per series, these win
-PAPER_IMPLEMENTATIONS = ("yc-usp", "torch-cp", "upipe", "usp-upipe", "no-cp")
-
-
 def preferred(sub: pd.DataFrame) -> pd.Series:
-    """The row a one-bar figure draws of several: the paper's implementation if present, then the newest."""
-    key = sub["method"].isin(PAPER_IMPLEMENTATIONS).astype(int)
+    """The row a one-bar figure draws of several: the paper's implementation (``MethodFacts.paper_code``:
+    the code the paper ran for its column, docs/paper.md, "Baselines and the implementations the paper
+    ran") if present, then the newest."""
+    key = sub["method"].map(lambda m: facts_of(m).paper_code).astype(int)
     return sub.assign(_paper=key).sort_values(["_paper", "time"], kind="stable").iloc[-1].drop("_paper")
 
 
 def family(method: str, world_size: int | None = None) -> str:
-    """The paper column a method belongs to. On more than one node (world size > 8) the
-    paper's Ulysses/UPipe are the Ulysses x Ring mesh (``usp``/``usp-upipe``); Fig. 5 calls
-    the former ``usp``."""
-    return FAMILIES.get(method, method)
+    """The paper column a method belongs to (``MethodFacts.column``; a method of none: its own
+    name). On more than one node (world size > 8) the paper's Ulysses/UPipe are the Ulysses x
+    Ring mesh (``usp``/``usp-upipe``); Fig. 5 calls the former ``usp``."""
+    return facts_of(method).column or method
 
 
 def family_order(name: str) -> tuple[int, str]:
@@ -87,17 +78,11 @@ def levers_of(row: pd.Series) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
-# where the paper ran a method with other levers than PAPER_LEVERS: Native PyTorch (torch-cp) had
-# no tiled MLP or norms (docs/paper.md, "Baselines and the implementations the paper ran"; the
-# same levers as bench.fidelity.implementation("torch-cp"), which tests/analysis check)
-PAPER_LEVERS_BY_METHOD: dict[str, dict[str, bool]] = {
-    "torch-cp": {**PAPER_LEVERS, "tiled_mlp": False, "tiled_norm": False},
-}
-
-
 def paper_levers(method: str) -> dict[str, bool]:
-    """The levers the paper ran ``method`` with (PAPER_LEVERS unless PAPER_LEVERS_BY_METHOD says)."""
-    return PAPER_LEVERS_BY_METHOD.get(method, PAPER_LEVERS)
+    """The levers the paper ran ``method`` with: PAPER_LEVERS, updated by the method's
+    ``MethodFacts.levers`` (Native PyTorch had no tiled MLP or norms: docs/paper.md, "Baselines
+    and the implementations the paper ran"; ``bench.fidelity.implementation`` runs the same)."""
+    return {**PAPER_LEVERS, **facts_of(method).levers}
 
 
 def has_paper_levers(df: pd.DataFrame) -> pd.Series:
@@ -115,30 +100,38 @@ def option(row: pd.Series, name: str) -> Any:
     return None if is_missing(value) else value
 
 
+def over_all_ranks(row: pd.Series) -> bool:
+    """A row that runs its method's algorithm over all its ranks, no ring beside it: a method
+    without a mesh (``MethodFacts.mesh``), or a mesh method at ``ulysses_degree`` = world size."""
+    if not facts_of(row["method"]).mesh:
+        return True
+    degree = option(row, "ulysses_degree")
+    return degree is not None and int(degree) == int(row["world_size"])
+
+
 def pure_ulysses(row: pd.Series) -> bool:
     """A row of the paper's Ulysses column run as Ulysses over all its ranks (no ring: a USP-style
     method at ``ulysses_degree`` = world size; yunchang's USP at degree 1 is the paper's Ring)."""
-    if family(row["method"]) != "ulysses":
-        return False
-    degree = option(row, "ulysses_degree")
-    return row["method"] not in ("usp", "yc-usp") or (degree is not None and int(degree) == int(row["world_size"]))
+    return family(row["method"]) == "ulysses" and over_all_ranks(row)
 
 
 def fig1_config(row: pd.Series) -> str | None:
     """Which bar of Fig. 1 a row is: fsdp, fsdp+ulysses, +ac, +ao, alst, upipe (or None).
 
     The ladder's levers (bench.fidelity.FIG1_RUNGS): every bar has FSDP; ``fsdp`` splits no
-    sequence (``no-cp``) and has no other lever; the Ulysses bars (any implementation of the
-    paper's Ulysses column over all ranks, ``pure_ulysses``) add AC, then its offload, then
-    tiled MLP and chunked loss (ALST); UPipe has every lever."""
+    sequence (a method of the FSDP column, ``no-cp``) and has no other lever; the Ulysses bars
+    (any implementation of the paper's Ulysses column over all ranks, ``pure_ulysses``) add AC,
+    then its offload, then tiled MLP and chunked loss (ALST); UPipe (an implementation of its
+    column over all ranks) has every lever."""
     lv = levers_of(row)
     if not lv.get("fsdp"):
         return None
     full = lv.get("ac") and lv.get("ac_offload") and lv.get("tiled_mlp") and lv.get("chunked_loss")
     bare = not lv.get("tiled_mlp") and not lv.get("chunked_loss")
-    if row["method"] == "upipe":
+    column = family(row["method"])
+    if column == "upipe" and over_all_ranks(row):
         return "upipe" if full else None
-    if row["method"] == "no-cp":
+    if column == "fsdp":
         return "fsdp" if bare and not lv.get("ac") else None
     if not pure_ulysses(row):
         return None

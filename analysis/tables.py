@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from records.facts import facts_of, implementing
+
 from .load import human_size, load_paper, load_rows
 from .select import (
     PAPER_LENGTHS,
@@ -37,6 +39,7 @@ from .select import (
 from .style import MISSING, Table, display_name
 
 PAPER_MODE = "real, {gpus}×H100-80GB (paper)"
+PAPER_MODELS = [s.model for s in TABLE3_SETUPS]  # the models the paper ran (other models: our smaller scales)
 
 
 def _rows(rows: pd.DataFrame | str | Path | None) -> pd.DataFrame:
@@ -151,10 +154,14 @@ def table3_ratios(rows=None) -> Table:
                  pd.DataFrame(out, columns=cols), notes, used_df)
 
 
-def _ulysses_baselines(method: str) -> tuple[str, str]:
-    """Our methods a ratio of ``method`` divides by, in order: ``usp`` first for ``usp-upipe``
-    (the same Ulysses x Ring mesh), else ``ulysses`` first (Table 3's and the CPU table's ratios)."""
-    return ("usp", "ulysses") if method == "usp-upipe" else ("ulysses", "usp")
+def _ulysses_baselines(method: str) -> tuple[str, ...]:
+    """Our methods a ratio of ``method`` divides by, in order: our own implementations of the
+    paper's Ulysses column (``MethodFacts.reference``), for a mesh method of another column the
+    one on a mesh first (``usp`` for ``usp-upipe``, the same Ulysses x Ring mesh), else the one
+    without (``ulysses``: Table 3's and the CPU table's ratios)."""
+    mesh_first = facts_of(method).mesh and family(method) != "ulysses"
+    ours = [name for name in implementing("ulysses") if facts_of(name).reference]
+    return tuple(sorted(ours, key=lambda name: facts_of(name).mesh != mesh_first))
 
 
 def _ratio_baseline(base: pd.DataFrame, method: str) -> str:
@@ -169,11 +176,13 @@ def _ratio_baseline(base: pd.DataFrame, method: str) -> str:
 
 
 def cpu_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Our CPU variants of Table 3: rows on the ``cpu`` device preset from a ``table3*`` sweep."""
+    """Our CPU variants of Table 3: training steps (scope ``model``) on the ``cpu`` device preset
+    with the levers the paper ran their method with (what the ``table3-*-cpu`` sweeps run)."""
     if not len(rows):
         return rows
-    sel = (rows["kind"] == "trial") & (rows["device"] == "cpu") & _from_sweep(rows, "table3")
-    return rows[sel]
+    t = trials(rows, scope="model")
+    t = t[t["device"] == "cpu"] if len(t) else t
+    return t[has_paper_levers(t)] if len(t) else t
 
 
 def _paper_ratio_range(method: str) -> str:
@@ -437,22 +446,18 @@ def split_categories(cats: dict | None) -> tuple[float, float, float] | None:
 PAPER_FIG1 = ("llama3-8b", 3 * 2**20, 8)  # model, tokens, GPUs
 
 
-def _from_sweep(t: pd.DataFrame, prefix: str) -> pd.Series:
-    """Rows that a sweep whose rows file starts with ``prefix`` produced (or also produced)."""
-    files = t["source_files"] if "source_files" in t else t["source_file"].map(lambda f: (f,))
-    return files.map(lambda fs: any(Path(str(f)).name.startswith(prefix) for f in fs)).astype(bool)
-
-
 def fig1_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Our Fig. 1 bars: rows of the paper's setup (Llama3-8B, 3M, 8 GPUs) with a recognised lever
-    configuration, and those of any ``fig1-memory-breakdown*`` sweep at another scale (its
-    CPU variant). Adds ``config`` (the bar) and ``setup`` (model, tokens, ranks)."""
+    """Our Fig. 1 bars: rows with a recognised lever configuration (``fig1_config``) at the
+    paper's setup (Llama3-8B, 3M, 8 GPUs), and at the paper's GPU count on a model the paper did
+    not run (the ``fig1-memory-breakdown`` sweep's CPU-scale variant). Adds ``config`` (the bar)
+    and ``setup`` (model, tokens, ranks)."""
     t = trials(rows, scope="model")
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     model, seq, ws = PAPER_FIG1
     at_point = (t["model"] == model) & (t["seq_len"] == seq) & (t["world_size"] == ws)
-    t = t[_from_sweep(t, "fig1-memory-breakdown") | at_point]
+    other_scale = (t["world_size"] == ws) & ~t["model"].isin(PAPER_MODELS)
+    t = t[at_point | other_scale]
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     t = t.assign(config=t.apply(fig1_config, axis=1),
@@ -525,7 +530,8 @@ PAPER_FIG5 = ("llama3-8b", 16)
 
 def fig5_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """USP-Hybrid and UPipe on a Ulysses x Ring mesh: Llama3-8B on 16 GPUs with the paper's
-    levers, and any ``fig5-multinode*`` sweep at another scale. Adds ``setup`` (model, ranks)."""
+    levers, and, on a model the paper did not run (the ``fig5-multinode`` sweeps' CPU variant),
+    any setup where both series ran with the same levers in one mode. Adds ``setup`` (model, ranks)."""
     t = trials(rows, scope="model")
     if not len(t):
         return t.assign(setup=pd.Series(dtype=object), fig5_method=pd.Series(dtype=object))
@@ -534,17 +540,24 @@ def fig5_rows(rows: pd.DataFrame) -> pd.DataFrame:
     if not len(t):
         return t.assign(setup=pd.Series(dtype=object))
     paper_setup = (t["model"] == PAPER_FIG5[0]) & (t["world_size"] == PAPER_FIG5[1]) & has_paper_levers(t)
-    t = t[_from_sweep(t, "fig5-multinode") | paper_setup]
+    together = t.groupby(["model", "world_size", "mode_label", "levers"])["fig5_method"].transform("nunique") == 2
+    other_scale = together & ~t["model"].isin(PAPER_MODELS)
+    t = t[other_scale | paper_setup]
     return t.assign(setup=pd.Series(list(zip(t["model"], t["world_size"], strict=False)), index=t.index, dtype=object))
 
 
 def fig5_method(row: pd.Series) -> str | None:
-    """Which of Fig. 5's two series a row is: ``usp`` (USP-Hybrid: ours, or yunchang's USP as the
-    paper ran it, at a Ulysses degree below the world size) or ``usp-upipe``; None otherwise."""
-    if row["method"] == "usp-upipe":
-        return "usp-upipe"
+    """Which of Fig. 5's two series a row is, by the paper's names: ``usp`` (USP-Hybrid: a mesh
+    method of the Ulysses column, ours or yunchang's USP as the paper ran it, at a Ulysses degree
+    below the world size) or ``upipe`` (a mesh method of the UPipe column: ``usp-upipe``); None
+    otherwise (``MethodFacts.column`` and ``mesh``)."""
+    facts = facts_of(row["method"])
+    if not facts.mesh:
+        return None
+    if facts.column == "upipe":
+        return "upipe"
     degree = option(row, "ulysses_degree")
-    if row["method"] in ("usp", "yc-usp") and degree is not None and 1 < int(degree) < int(row["world_size"]):
+    if facts.column == "ulysses" and degree is not None and 1 < int(degree) < int(row["world_size"]):
         return "usp"
     return None
 
@@ -568,9 +581,9 @@ def fig5_table(rows=None) -> Table:
         name = setup_name(setup[0], None, setup[1])
         mine = ours[ours["setup"] == setup] if len(ours) else ours
         digits = 1 if setup == PAPER_FIG5 else 3
-        for method, pname in (("usp", "USP-Hybrid 8×2"), ("usp-upipe", "UPipe 8×2")):
+        for method, pname in (("usp", "USP-Hybrid 8×2"), ("upipe", "UPipe 8×2")):
             if setup == PAPER_FIG5:
-                p = paper[paper["method"] == ("usp" if method == "usp" else "upipe")].set_index("seq_len")
+                p = paper[paper["method"] == method].set_index("seq_len")
                 out.append([name, f"{pname} peak GiB", "paper (by eye ±1 GiB)", PAPER_MODE.format(gpus=16)]
                            + [paper_cell(p.loc[s, "status"], p.loc[s, "peak_mem_gib"], 1) if s in p.index else MISSING
                               for s in lengths])
@@ -584,7 +597,7 @@ def fig5_table(rows=None) -> Table:
                        + [paper_cell(p.loc[s, "status"], p.loc[s, "norm_throughput"], 3) if s in p.index else MISSING
                           for s in lengths])
         for ml, sub in (mine.groupby("mode_label") if len(mine) else []):
-            u, b = sub[sub["fig5_method"] == "usp-upipe"], sub[sub["fig5_method"] == "usp"]
+            u, b = sub[sub["fig5_method"] == "upipe"], sub[sub["fig5_method"] == "usp"]
             if len(u) and len(b):
                 out.append([name, "UPipe / USP throughput", "ours", ml]
                            + [_ratio(number(lookup(u, s), "tokens_per_s_per_device"),
@@ -605,13 +618,16 @@ PAPER_ATTN = (("llama3-8b", 8), ("qwen3-32b", 8))  # the paper's micro-benchmark
 
 
 def _with_u(t: pd.DataFrame) -> pd.DataFrame:
-    """Ulysses and UPipe rows without other options, with ``u`` = UPipe's U (None: Ulysses)."""
+    """Rows of our own Ulysses and UPipe (``MethodFacts.reference`` of those columns, without a
+    mesh) without other options, with ``u`` = UPipe's U (None: Ulysses)."""
     if not len(t):
         return t.assign(u=pd.Series(dtype=object))
-    t = t[t["method"].isin(["ulysses", "upipe"])]
+    column = {name: facts_of(name).column for name in t["method"].unique()
+              if facts_of(name).reference and not facts_of(name).mesh}
+    t = t[t["method"].map(column).isin(["ulysses", "upipe"])]
     plain = [not (set(o) - {"chunk_heads", "kernel"}) for o in t["options_dict"]]
     t = t[pd.Series(plain, index=t.index, dtype=bool)]
-    u = [None if m == "ulysses" else (o.get("chunk_heads") or ws)
+    u = [None if column[m] == "ulysses" else (o.get("chunk_heads") or ws)
          for m, o, ws in zip(t["method"], t["options_dict"], t["world_size"], strict=False)]
     return t.assign(u=pd.Series(u, index=t.index, dtype=object))
 
@@ -678,7 +694,7 @@ def attn_memory_table(rows=None) -> Table:
                         f"{paper_red:.1%} per-stage intermediates (1 − U/H)" if paper_red is not None else MISSING])
             continue
         for ml, msub in sub.groupby("mode_label"):
-            base = msub[msub["method"] == "ulysses"]
+            base = msub[msub["u"].isna()]
             variants = sorted(msub["u"].unique(), key=lambda u: -1 if u is None else u)
             for u in variants:
                 vs = msub[msub["u"].isna()] if u is None else msub[msub["u"] == u]
@@ -708,15 +724,19 @@ def attn_memory_table(rows=None) -> Table:
 # ----------------------------------------------------------------------------- U ablation
 
 def u_ablation_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows of a U ablation: the ``u-ablation*`` sweeps (any model, scope or device) and any
-    Llama3-8B training step on 4 GPUs with the paper's levers (the authors' rebuttal setup)."""
-    t = trials(rows)
+    """Rows of a U ablation (our Ulysses and UPipe, ``_with_u``): any Llama3-8B training step on
+    4 GPUs with the paper's levers (the authors' rebuttal setup, the ``u-ablation`` sweep), and,
+    on a model the paper did not run (the sweep's CPU-scale variant), any setup (model, world
+    size, scope, levers, mode) where UPipe ran at more than one U."""
+    t = _with_u(trials(rows))
     if not len(t):
-        return _with_u(t)
-    from_sweep = _from_sweep(t, "u-ablation")
+        return t
+    setup = ["model", "world_size", "scope", "levers", "mode_label"]
+    u_values = t.assign(_u=t["u"].astype(str).where(t["u"].notna(), None)).groupby(setup)["_u"].transform("nunique")
+    other_scale = (u_values > 1) & ~t["model"].isin(PAPER_MODELS)
     rebuttal = (t["model"] == "llama3-8b") & (t["world_size"] == 4) & (t["scope"] == "model")
     rebuttal &= has_paper_levers(t)
-    return _with_u(t[from_sweep | rebuttal])
+    return t[other_scale | rebuttal]
 
 
 def u_setups(ours: pd.DataFrame) -> list[tuple[str, int, str]]:

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import methods
 from records import GiB, Row, append_rows, fidelity_anchor_note, human, read_rows, trial_key
+from records.facts import TABLE3_COLUMNS
 
 from .measure import stack as paper_stack
 from .measure.run import HOST_OOM
@@ -53,9 +55,7 @@ STACKS = ("paper", "lean")
 KINDS = ("memory", "boundary")
 REL_TOL = 0.10  # the issue's target for memory anchors
 EYE_TOL_GIB = 1.0  # Fig. 5 was read by eye, +-1 GiB
-TABLE3_METHODS = ("torch-cp", "ring", "ulysses", "fpdt", "upipe")
-# the paper's FPDT chunk: --ds-sequence-parallel-fpdt-chunk-size 65536 in the authors' run_single_*.sh (docs/paper.md)
-FPDT_CHUNK_TOKENS = 65536
+TABLE3_METHODS = TABLE3_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -100,21 +100,21 @@ def fig1_rung(config: str, gpus: int) -> Impl:
 
 
 def implementation(method: str, gpus: int) -> Impl:
-    """The implementation the paper ran for ``method`` (its name in the paper's tables) on ``gpus``."""
-    fa3 = {"attn_type": "fa3"}
-    if method == "fsdp":  # Fig. 1's FSDP bar: no context parallelism, every GPU holds the whole sequence
-        return Impl("no-cp")
-    if method == "torch-cp":  # Native PyTorch: no tiled MLP or norms
-        return Impl("torch-cp", {}, {"tiled_mlp": False, "tiled_norm": False})
-    if method == "ring":  # yunchang's USP at Ulysses degree 1
-        return Impl("yc-usp", {"ulysses_degree": 1, **fa3})
-    if method in ("ulysses", "usp", "alst"):  # yunchang's USP, Ulysses 8 (x2 ring on 16 GPUs)
-        return Impl("yc-usp", {"ulysses_degree": 8, **fa3})
-    if method == "fpdt":  # ours (DeepSpeed's offload path cannot be simulated), at the paper's chunk size
-        return Impl("fpdt", {"chunk_tokens": FPDT_CHUNK_TOKENS})
-    if method == "upipe":
-        return Impl("upipe") if gpus <= 8 else Impl("usp-upipe", {"ulysses_degree": 8})
-    raise ValueError(f"no implementation known for the paper's method {method!r}")
+    """The implementation the paper ran for ``method`` (its name in the paper's tables, a
+    ``records.facts.PAPER_COLUMNS``) on ``gpus``: the registered method whose facts say it
+    simulates that column on that many GPUs (``MethodFacts.simulates``), with the run's options
+    and the levers the paper ran the column with (``MethodFacts.levers``)."""
+    found = [(info, run) for info in methods.all_infos() for run in info.facts.simulates
+             if run.column == method and run.covers(gpus)]
+    if not found:
+        known = sorted({run.column for info in methods.all_infos() for run in info.facts.simulates})
+        raise ValueError(f"no implementation known for the paper's method {method!r} on {gpus} GPUs; "
+                         f"the methods' facts simulate {known}")
+    if len(found) > 1:
+        raise ValueError(f"the paper's method {method!r} on {gpus} GPUs is simulated by "
+                         f"{[info.name for info, _ in found]}: the methods' facts must name one")
+    info, run = found[0]
+    return Impl(info.name, dict(run.options), dict(info.facts.levers))
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ Known residuals (named, not tuned away; ``paper_figs/table3_model.md`` shows the
   its ratio there is 0.923 against the paper's 0.983 (from 512K on within 0.026 of the paper's).
 * Fixed, no longer a residual: FPDT between 256K and 1M was 24-30% fast. The counts were of 16
   chunks per rank at every length where the paper's runs used chunks of 65,536 tokens (2 per rank
-  at 128K, 64 at 4M: ``bench.fidelity.FPDT_CHUNK_TOKENS``), and the model had no term for
+  at 128K, 64 at 4M: the chunk ``methods/fpdt.py`` declares for the paper's FPDT), and the model had no term for
   DeepSpeed FPDT's per-chunk host synchronisation, which the one ``latency_s`` absorbed (0.9 ms a
   call, for every method). With both (``ds_fpdt_chunk_s``, ``bench.measure.steptime``) every FPDT
   cell of both models is within -6%..+3%, from two fitted Llama3-8B cells.
@@ -93,6 +93,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import methods
 from records import append_rows, human, read_rows
 from records.outputs import OutputError, check_dir, check_file, runs_dir
 
@@ -235,8 +236,11 @@ def counts_for(all_counts, model: str, method: str, seq_len: int) -> dict[str, f
 
 
 def is_ds_fpdt(method: str) -> bool:
-    """Whether the paper's ``method`` ran DeepSpeed's FPDT (its cells pay the per-chunk synchronisation)."""
-    return method == "fpdt"
+    """Whether the paper's ``method`` (a Table 3 column) ran DeepSpeed's FPDT, so its cells pay the
+    per-chunk synchronisation: the paper's code for the column is DeepSpeed's (``MethodFacts``:
+    ``paper_code`` with ``library`` DeepSpeed; the one such column is FPDT, ``ds-fpdt``)."""
+    return any(info.facts.paper_code and info.facts.column == method and info.facts.library == "DeepSpeed"
+               for info in methods.all_infos())
 
 
 def kernel_of(model: str, method: str) -> str:

@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .core.base import MethodOptions, head_rows
 from .core.hostmem import simulated
 from .core.kernels import get_kernel
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 from .ds_ulysses import DEEPSPEED_HINT, init_deepspeed_comm, require_group
 from .fpdt import FPDT
@@ -60,6 +60,9 @@ class DSFPDTOptions(MethodOptions):
     "DeepSpeed's FPDT_Attention (chunked Ulysses with host offload; flash-attn, causal only)",
     requires=("deepspeed", "flash_attn"),
     install_hint=DEEPSPEED_HINT + "; flash-attn: pip install flash-attn --no-build-isolation (CUDA only)",
+    # the paper's FPDT (Megatron-DeepSpeed, not TorchTitan); DeepSpeed calls flash-attn 2 itself
+    facts=MethodFacts(column="fpdt", paper_code=True, library="DeepSpeed", kernel="fa2", library_kernels=True,
+                      torchtitan=False),
 )
 class DeepSpeedFPDT(FPDT):
     Options = DSFPDTOptions

@@ -27,7 +27,7 @@ from torch import nn
 
 from .core.base import AttentionMethod, MethodOptions
 from .core.kernels import attention
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 from .ulysses import replicated_kv_heads
 
@@ -83,6 +83,7 @@ class _LocalAttention(nn.Module):
     "DeepSpeed's DistributedAttention (Ulysses all-to-alls) around our attention kernel",
     requires=("deepspeed",),
     install_hint=DEEPSPEED_HINT,
+    facts=MethodFacts(column="ulysses", library="DeepSpeed"),
 )
 class DeepSpeedUlysses(AttentionMethod):
     @classmethod

@@ -29,7 +29,7 @@ import torch
 
 from .core.base import AttentionMethod, MethodOptions
 from .core.kernels import attention
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 from .ds_ulysses import init_deepspeed_comm, require_group
 
@@ -63,6 +63,8 @@ class _KernelAttentionInterface:
     "DeepSpeed's UlyssesSPAttentionHF (ALST, Ulysses under Transformers/Accelerate) around our attention kernel",
     requires=("deepspeed", "transformers"),
     install_hint=HF_HINT,
+    # the Hugging Face stack's Ulysses (ALST), not TorchTitan's model code
+    facts=MethodFacts(column="ulysses", library="DeepSpeed", torchtitan=False),
 )
 class DeepSpeedUlyssesHF(AttentionMethod):
     @classmethod

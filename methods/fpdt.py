@@ -71,7 +71,7 @@ from .core.base import AttentionMethod, MethodOptions, head_rows, index_tensor, 
 from .core.chunkstore import ChunkStore
 from .core.kernels import merge_partials
 from .core.layouts import cyclic_shard, cyclic_unshard
-from .core.registry import register
+from .core.registry import MethodFacts, PaperRun, register
 from .core.spec import AttnSpec
 from .core.tiling import counting_as, repeated
 from .ulysses import replicated_kv_heads
@@ -317,6 +317,10 @@ class _FPDTFunction(torch.autograd.Function):
 @register(
     "fpdt",
     "FPDT-style: Ulysses over a pipeline of sequence chunks, online softmax, K/V in host memory",
+    # the paper's FPDT ran in Megatron-DeepSpeed (DeepSpeed's, ds-fpdt), whose offload path cannot be
+    # simulated: ours stands for it, at the paper's chunk (--ds-sequence-parallel-fpdt-chunk-size 65536)
+    facts=MethodFacts(column="fpdt", reference=True, torchtitan=False,
+                      simulates=(PaperRun("fpdt", {"chunk_tokens": 65536}),)),
 )
 class FPDT(AttentionMethod):
     Options = FPDTOptions

@@ -21,12 +21,13 @@ import torch
 
 from .core.base import AttentionMethod, MethodOptions
 from .core.kernels import attention
-from .core.registry import register
+from .core.registry import MethodFacts, PaperRun, register
 from .core.spec import AttnSpec
 
 
 @register("no-cp", "No context parallelism: each rank attends over the whole sequence (the paper's Fig. 1 "
-          "'FSDP' bar: FSDP over the group, no sequence split)")
+          "'FSDP' bar: FSDP over the group, no sequence split)",
+          facts=MethodFacts(column="fsdp", reference=True, paper_code=True, simulates=(PaperRun("fsdp"),)))
 class NoCP(AttentionMethod):
     splits_sequence: ClassVar[bool] = False
 

@@ -44,7 +44,7 @@ import torch
 
 from .core.base import MethodOptions, ZigzagLayoutMethod
 from .core.kernels import attention, flash_attn_dtype, get_kernel
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
 
@@ -66,6 +66,7 @@ def load_zigzag_func():
     "ring-flash-attention's zigzag ring attention (flash-attn kernels, causal only)",
     requires=("ring_flash_attn", "flash_attn"),
     install_hint="pip install ring-flash-attn flash-attn --no-build-isolation (CUDA only)",
+    facts=MethodFacts(column="ring", library="ring-flash-attn", kernel="fa2", library_kernels=True),
 )
 class RingFlashAttnZigzag(ZigzagLayoutMethod):
     @classmethod

@@ -30,7 +30,7 @@ import torch
 from .core import comm
 from .core.base import ZigzagLayoutMethod
 from .core.kernels import merge_partials
-from .core.registry import register
+from .core.registry import MethodFacts, register
 
 FULL = slice(None)
 
@@ -150,7 +150,8 @@ def ring_attention(q, k, v, causal: bool, kernel, scale: float, group) -> torch.
     return _RingAttention.apply(q, k, v, causal, scale, kernel, group)
 
 
-@register("ring", "Ring Attention: K/V blocks passed around the ring (p2p overlapped), LSE merge, zigzag")
+@register("ring", "Ring Attention: K/V blocks passed around the ring (p2p overlapped), LSE merge, zigzag",
+          facts=MethodFacts(column="ring", reference=True))
 class Ring(ZigzagLayoutMethod):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)

@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from .core.base import MethodOptions, ZigzagLayoutMethod
-from .core.registry import register
+from .core.registry import MethodFacts, PaperRun, register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
 
@@ -225,7 +225,10 @@ def _sdpa_op(backend: str):
 
 @register(NAME, "PyTorch's context parallel (torch.distributed.tensor.experimental): its ring attention "
           "around CUDA SDPA, head-tail layout, K/V repeated to H heads (the paper's Native PyTorch)",
-          requires=(CP_MODULE,), install_hint="a torch with torch.distributed (pip install 'torch>=2.9')")
+          requires=(CP_MODULE,), install_hint="a torch with torch.distributed (pip install 'torch>=2.9')",
+          # SDPA's flash kernel is FlashAttention 2's code; the paper ran it without tiled MLP or norms
+          facts=MethodFacts(column="torch-cp", paper_code=True, library="PyTorch", kernel="fa2",
+                            levers={"tiled_mlp": False, "tiled_norm": False}, simulates=(PaperRun("torch-cp"),)))
 class TorchCP(ZigzagLayoutMethod):
     Options = TorchCPOptions
     cuda_only_reason = "torch's context parallel dispatches only the CUDA SDPA kernels"

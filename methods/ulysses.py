@@ -12,7 +12,7 @@ import torch
 from .core import comm
 from .core.base import AttentionMethod, MethodOptions
 from .core.kernels import attention
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 
 
@@ -21,7 +21,8 @@ def replicated_kv_heads(spec: AttnSpec, replication: int) -> list[int]:
     return [j // replication for j in range(spec.n_kv_heads * replication)]
 
 
-@register("ulysses", "DeepSpeed-Ulysses: all-to-all seq->heads, attention on H/C heads, all-to-all back")
+@register("ulysses", "DeepSpeed-Ulysses: all-to-all seq->heads, attention on H/C heads, all-to-all back",
+          facts=MethodFacts(column="ulysses", reference=True))
 class Ulysses(AttentionMethod):
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:

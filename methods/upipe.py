@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from .core import comm
 from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, index_tensor
 from .core.normtile import norm_backward_, norm_linear, norm_weight_grad
-from .core.registry import register
+from .core.registry import MethodFacts, PaperRun, register
 from .core.rope import apply_rope
 from .core.spec import AttnSpec
 
@@ -233,6 +233,7 @@ class _UPipeFunction(torch.autograd.Function):
 @register(
     "upipe",
     "UPipe / Untied Ulysses: Ulysses in stages of U heads, GQA-aware, recomputing per stage",
+    facts=MethodFacts(column="upipe", reference=True, paper_code=True, simulates=(PaperRun("upipe", max_gpus=8),)),
 )
 class UPipe(AttentionMethod):
     Options = UPipeOptions

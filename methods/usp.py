@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .core import comm
 from .core.base import AttentionMethod, MethodOptions
 from .core.layouts import zigzag_shard, zigzag_unshard
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 from .ring import ring_attention
 from .ulysses import replicated_kv_heads
@@ -84,7 +84,8 @@ def _my_group(parent, parent_ranks: list[int], candidates: list[list[int]]):
     return mine
 
 
-@register("usp", "USP hybrid: Ulysses all-to-all within groups of ulysses_degree ranks, zigzag Ring across")
+@register("usp", "USP hybrid: Ulysses all-to-all within groups of ulysses_degree ranks, zigzag Ring across",
+          facts=MethodFacts(column="ulysses", mesh=True, reference=True))
 class USP(AttentionMethod):
     Options = USPOptions
 

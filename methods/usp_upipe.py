@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .core.registry import register
+from .core.registry import MethodFacts, PaperRun, register
 from .core.spec import AttnSpec
 from .ring import RingKernel
 from .upipe import UPipe, UPipeOptions, plan_stages, upipe_block
@@ -26,7 +26,10 @@ class USPUPipeOptions(USPOptions):
     chunk_heads: int | None = None  # U, query heads per stage (multiple of ulysses_degree); None: U = u
 
 
-@register("usp-upipe", "UPipe on the Ulysses dimension of a USP mesh, zigzag Ring across (multi-node UPipe)")
+@register("usp-upipe", "UPipe on the Ulysses dimension of a USP mesh, zigzag Ring across (multi-node UPipe)",
+          # the paper's UPipe on two nodes: 8 Ulysses x 2 Ring, UPipe's ring code synchronising every step
+          facts=MethodFacts(column="upipe", mesh=True, reference=True, paper_code=True, ring_barrier=True,
+                            simulates=(PaperRun("upipe", {"ulysses_degree": 8}, min_gpus=9),)))
 class USPUPipe(USP):
     Options = USPUPipeOptions
 

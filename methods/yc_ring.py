@@ -33,7 +33,7 @@ import torch
 from .core import yc_fa3
 from .core.base import ZigzagLayoutMethod
 from .core.kernels import get_kernel
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
 from .yc_ulysses import YUNCHANG_HINT, YunchangOptions, check_common, compute_dtype, load_yunchang
@@ -49,6 +49,8 @@ def check_causal(who: str, spec: AttnSpec, fix: str) -> None:
     "yunchang's zigzag ring attention (flash-attn blocks, K/V heads not repeated; causal only)",
     requires=("yunchang", "flash_attn"),
     install_hint=YUNCHANG_HINT,
+    # stands for the ring code the paper ran (the authors' vendored yunchang, a barrier after every ring step)
+    facts=MethodFacts(column="ring", library="yunchang", library_kernels=True, ring_barrier=True),
 )
 class YunchangRing(ZigzagLayoutMethod):
     Options = YunchangOptions

@@ -36,7 +36,7 @@ import torch
 
 from .core.base import AttentionMethod, MethodOptions
 from .core.kernels import flash_attn_dtype, get_kernel
-from .core.registry import register
+from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
 
@@ -111,6 +111,7 @@ def compute_dtype(who: str, x: torch.Tensor, ring: bool) -> torch.dtype:
     "yunchang's UlyssesAttention (all-to-alls around flash-attn; K/V heads not repeated)",
     requires=("yunchang", "flash_attn"),
     install_hint=YUNCHANG_HINT,
+    facts=MethodFacts(column="ulysses", library="yunchang", library_kernels=True),
 )
 class YunchangUlysses(AttentionMethod):
     Options = YunchangOptions

@@ -39,7 +39,7 @@ import torch
 from .core import yc_fa3
 from .core.base import AttentionMethod
 from .core.kernels import get_kernel
-from .core.registry import register
+from .core.registry import MethodFacts, PaperRun, register
 from .core.spec import AttnSpec
 from .ds_ulysses import require_group
 from .usp import USP, mesh_groups
@@ -57,6 +57,13 @@ class YunchangUSPOptions(YunchangOptions):
     "yunchang's LongContextAttention: Ulysses x zigzag Ring (flash-attn, K/V heads not repeated; causal only)",
     requires=("yunchang", "flash_attn"),
     install_hint=YUNCHANG_HINT,
+    # the paper's Ring (Ulysses degree 1) and Ulysses (degree 8: all Ulysses on one node, the 8 x 2
+    # mesh on two; Fig. 5's USP-Hybrid; Fig. 1's ALST), with flash-attn 3, its ring code's barriers
+    facts=MethodFacts(column="ulysses", mesh=True, paper_code=True, library="yunchang", library_kernels=True,
+                      ring_barrier=True,
+                      simulates=(PaperRun("ring", {"ulysses_degree": 1, "attn_type": "fa3"}),
+                                 *(PaperRun(c, {"ulysses_degree": 8, "attn_type": "fa3"})
+                                   for c in ("ulysses", "usp", "alst")))),
 )
 class YunchangUSP(USP):
     Options = YunchangUSPOptions

@@ -15,13 +15,16 @@ so a second ``make demo`` only redraws the figures.
 """
 from __future__ import annotations
 
+import csv
 import os
 import sys
 import time
 from pathlib import Path
 
+import methods
 from analysis.report import make_all
 from records import human, read_rows
+from records.facts import TABLE3_COLUMNS
 from records.outputs import runs_dir
 
 from .runner import run_sweep
@@ -30,13 +33,35 @@ from .spec import load_spec
 REPO = Path(__file__).resolve().parents[1]
 SPECS = ("table3-llama3-8b-cpu", "demo-maxctx-llama3-8b")
 OUT = runs_dir() / "demo"  # relative to the repository: main() works from there
+# the paper's setup of the max-context summary (results/paper/max_context.csv)
+PAPER_SETUP = ("llama3-8b", 8)
+
+
+def column_order(method: str) -> tuple[int, str]:
+    """A method's place in the summary: by its paper column in Table 3's order (``MethodFacts.column``),
+    then by name (methods of no Table 3 column last)."""
+    column = methods.get_info(method).facts.column
+    return (TABLE3_COLUMNS.index(column) if column in TABLE3_COLUMNS else len(TABLE3_COLUMNS), method)
+
+
+# our own implementations of Table 3's columns without a mesh (``MethodFacts.reference``), in the
+# paper's order: what the demo's CPU sweep runs (PyTorch's CP, the paper's Native PyTorch, is CUDA only)
+CPU_ORDER = tuple(sorted((info.name for info in methods.all_infos()
+                          if info.facts.reference and not info.facts.mesh and info.facts.column in TABLE3_COLUMNS),
+                         key=column_order))
 # keeps the whole demo within about 10 minutes on 2 cores (the full specs are one command away)
 # (the spec's own table: 8 methods at 2 and 4 ranks; the demo: the paper's four at 2 ranks)
-DEMO_OVERRIDES = {"table3-llama3-8b-cpu": {"seq_lens": ["2K"], "world_sizes": [2],
-                                           "methods": ["ring", "ulysses", "fpdt", "upipe"]}}
-CPU_ORDER = ("ring", "ulysses", "fpdt", "upipe")
-MAXCTX_ORDER = ("ring", "ulysses", "fpdt", "upipe", "offload")
-PAPER_MAX_CONTEXT = {"ring": "3M", "ulysses": "3M", "fpdt": "4M", "upipe": "5M", "offload": "not in paper"}
+DEMO_OVERRIDES = {"table3-llama3-8b-cpu": {"seq_lens": ["2K"], "world_sizes": [2], "methods": list(CPU_ORDER)}}
+
+
+def paper_max_context(method: str) -> str:
+    """The paper's max context of ``method``'s column on the summary's setup (``results/paper/max_context.csv``)."""
+    column = methods.get_info(method).facts.column
+    with open(REPO / "results" / "paper" / "max_context.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if (r["model"], int(r["gpus"]), r["method"]) == (*PAPER_SETUP, column):
+                return human(int(r["max_seq_len"]))
+    return "not in paper"
 # Where our simulated search and the paper's measurement differ, and why (docs/paper.md).
 WHY_DIFFERENT = {
     "ring": "ours: own zigzag ring, simulated under the paper stack (modelled allocator reserve, CUDA context and "
@@ -72,13 +97,13 @@ def summary() -> None:
     print(f"[simulated, Llama3-8B, 8 x h100-80g, paper's levers] max context: ours (paper); search step "
           f"{', '.join(human(s) for s in steps) or '—'} (the committed paper-stack searches use 256K)")
     newest = {r.method: r for r in sorted(rows, key=lambda r: r.env.time)}
-    for method in sorted(newest, key=lambda m: (MAXCTX_ORDER.index(m) if m in MAXCTX_ORDER else 99, m)):
+    for method in sorted(newest, key=column_order):
         r = newest[method]
         found = r.figures.max_context
         step = (r.search or {}).get("step")
         # a search whose first step already fails found nothing at this granularity
         ours = f"<{_human(step)}" if found == 0 and r.status == "ok" and step else _human(found)
-        print(f"  {r.method:<8} {ours:>6}  ({PAPER_MAX_CONTEXT.get(r.method, '—')})"
+        print(f"  {r.method:<8} {ours:>6}  ({paper_max_context(r.method)})"
               + ("" if r.status == "ok" else f"  [{r.status}: {r.message.splitlines()[0][:80]}]"))
         stop = _first_failure(failed, r.method, found or 0)
         if stop is not None:  # what ended the search: the device, the host memory, an error

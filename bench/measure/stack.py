@@ -33,10 +33,11 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
    3-12% under. The committed 16-GPU plans and max-context rows were simulated with ``shared``
    and say so (results/plan/README.md).
 2. ``kernel_scratch``: the attention backward's scratch buffers. Methods that call flash-attn
-   through a library (yunchang, ring-flash-attn, DeepSpeed) get them from
-   ``bench.measure.fake_flash_attn`` (flash-attn's ``mha_bwd``); our own methods get the FA3
-   model of ``bench.measure.workspace`` (the paper's runs used FlashAttention 3, "Kernels and
-   versions"), and ``torch-cp`` the FA2 model (torch's SDPA flash kernel is FA2's code).
+   through a library (yunchang, ring-flash-attn, DeepSpeed; ``MethodFacts.library_kernels``) get
+   them from ``bench.measure.fake_flash_attn`` (flash-attn's ``mha_bwd``); the others get the
+   model of ``bench.measure.workspace`` for their ``MethodFacts.kernel``: FA3 for our own
+   kernels (the paper's runs used FlashAttention 3, "Kernels and versions"), FA2 for
+   ``torch-cp`` (torch's SDPA flash kernel is FA2's code).
 3. ``offload_first_only``: with checkpoint offload, only the first block's checkpoint stays
    on the device. Source: the authors' ``parallelize_llama.py`` full-checkpointing path
    passes no "last layer" flag to their checkpoint wrapper (docs/paper.md, "Checkpoint
@@ -53,7 +54,7 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
    ``training.seq_len``; the buffer is registered with ``persistent=False`` and built on
    the device); UPipe's ``fully_fused_attn.py`` and the USP path read it from there. Applies
    to the methods the paper ran in its TorchTitan fork (every method but FPDT, which ran in
-   Megatron-DeepSpeed, and the Hugging Face stack's Ulysses), unless the trial sets
+   Megatron-DeepSpeed, and the Hugging Face stack's Ulysses: ``MethodFacts.torchtitan``), unless the trial sets
    ``rope_table`` itself (``none``: our decoder's own RoPE, angles of the local positions only).
 6. ``cuda_context``: device memory outside the caching allocator, taken off the capacity:
    the CUDA context with lazy module loading, about 400 MB per process on CUDA >= 11.7
@@ -89,7 +90,7 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
    ``max_memory_allocated`` counts them on a GPU (simulated GPU code path only).
 9. ``ring_step_barrier``: a barrier over the ring's group after every ring step
    (``StepConfig.ring_barrier``, ``methods.core.ringsync``), for the methods that stand for the
-   paper's ring code (:data:`PAPER_RING_METHODS`: yunchang's Ring and USP, and UPipe 8 x 2).
+   paper's ring code (``MethodFacts.ring_barrier``: yunchang's Ring and USP, and UPipe 8 x 2).
    Source: the authors' vendored yunchang (``long-context-attention/yunchang/ring/utils.py``) and
    UPipe's ring (``untied_ulysses/flash_attn_utils.py``) both end ``RingComm.wait`` with
    ``dist.barrier(group=self._process_group)``; pip yunchang does not. It changes what runs
@@ -113,6 +114,7 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
+import methods
 from records import GiB, MiB
 
 from ..training.config import StepConfig
@@ -171,20 +173,13 @@ PAPER_TERMS: tuple[Term, ...] = (
          "pytorch aten/src/ATen/cuda/CublasHandlePool.cpp (parseChosenWorkspaceSize, getNewWorkspace)"),
 )
 
-# methods whose library calls flash-attn itself: the fake flash-attn allocates its scratch
-LIBRARY_KERNELS = ("yc-ulysses", "yc-ring", "yc-usp", "rfa-zigzag", "ds-fpdt")
-SDPA_METHODS = ("torch-cp",)
-# methods that stand for the ring code the paper ran, which synchronises every ring step (term 9)
-PAPER_RING_METHODS = ("yc-ring", "yc-usp", "usp-upipe")
-# methods whose paper runs did not use TorchTitan's model code (term 5 does not apply)
-OUTSIDE_TORCHTITAN = ("fpdt", "ds-fpdt", "ds-ulysses-hf")
-
-
 def scratch_model(method: str) -> str:
-    """The ``kernel_workspace`` model the paper stack gives ``method`` (see term 2)."""
-    if method in LIBRARY_KERNELS:
-        return "none"  # bench.measure.fake_flash_attn allocates the real kernels' scratch
-    return "fa2" if method in SDPA_METHODS else "fa3"
+    """The ``kernel_workspace`` model the paper stack gives ``method`` (see term 2): none where its
+    library calls flash-attn itself (``MethodFacts.library_kernels``: ``bench.measure.fake_flash_attn``
+    allocates the real kernels' scratch), else its kernel's (``MethodFacts.kernel``: fa3 for our
+    kernels, fa2 for torch's SDPA flash kernel)."""
+    facts = methods.get_info(method).facts
+    return "none" if facts.library_kernels else facts.kernel
 
 
 def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
@@ -211,10 +206,11 @@ def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
             notes.append("paper stack: tiled_mlp_deepspeed (DeepSpeed's TiledMLP)")
         else:
             notes.append("paper stack: DeepSpeed not installed, so the tiled MLP is ours, not its TiledMLP")
-    if step.rope_table == "auto" and method not in OUTSIDE_TORCHTITAN and step.scope == "model":
+    facts = methods.get_info(method).facts
+    if step.rope_table == "auto" and facts.torchtitan and step.scope == "model":
         changes["rope_table"] = "checkpointed"
         notes.append("paper stack: rope_table (TorchTitan's freqs_cis over the whole sequence on every rank)")
-    if not step.ring_barrier and method in PAPER_RING_METHODS:
+    if not step.ring_barrier and facts.ring_barrier:
         changes["ring_barrier"] = True
         notes.append("paper stack: ring_step_barrier (a barrier after every ring step, as the paper's ring code)")
     return dataclasses.replace(step, **changes), notes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import methods
 from bench.measure import stack
 from bench.measure.hardware import get_device
 from bench.measure.run import run_trial
@@ -28,12 +29,30 @@ def test_paper_fills_in_its_terms_and_keeps_explicit_levers():
     assert stack.apply(StepConfig(stack="paper"), "torch-cp")[0].kernel_workspace == "fa2"
     # TorchTitan's RoPE table: every method the paper ran in TorchTitan, not FPDT or the HF stack
     assert step.rope_table == library.rope_table == "checkpointed"
-    for outside in stack.OUTSIDE_TORCHTITAN:
+    outside_torchtitan = [info.name for info in methods.all_infos() if not info.facts.torchtitan]
+    assert {"fpdt", "ds-fpdt", "ds-ulysses-hf"} <= set(outside_torchtitan)  # Megatron-DeepSpeed, Hugging Face
+    for outside in outside_torchtitan:
         assert stack.apply(StepConfig(stack="paper"), outside)[0].rope_table == "auto"
     assert stack.apply(StepConfig(stack="paper", scope="attention"), "upipe")[0].rope_table == "auto"
     assert stack.apply(StepConfig(stack="paper", rope_table="none"), "upipe")[0].rope_table == "none"
     with pytest.raises(ValueError, match="rope_table must be one of"):
         StepConfig(rope_table="yes")
+
+
+def test_paper_terms_follow_each_methods_facts():
+    """The kernel-scratch model, the RoPE table and the ring-step barrier come from each method's
+    registration (``MethodFacts``), for every registered method."""
+    for info in methods.all_infos():
+        facts = info.facts
+        step, notes = stack.apply(StepConfig(stack="paper"), info.name)
+        scratch = "none" if facts.library_kernels else facts.kernel
+        assert stack.scratch_model(info.name) == scratch and step.kernel_workspace == scratch, info.name
+        assert step.ring_barrier == facts.ring_barrier, info.name
+        assert (step.rope_table == "checkpointed") == facts.torchtitan, info.name
+        assert any("ring_step_barrier" in n for n in notes) == facts.ring_barrier, info.name
+    assert {i.name for i in methods.all_infos() if i.facts.ring_barrier} >= {"yc-ring", "yc-usp", "usp-upipe"}
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        stack.apply(StepConfig(stack="paper"), "nope")
 
 
 def test_paper_budget_is_capacity_less_the_context():
