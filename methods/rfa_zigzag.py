@@ -68,6 +68,8 @@ def load_zigzag_func():
     install_hint="pip install ring-flash-attn flash-attn --no-build-isolation (CUDA only)",
 )
 class RingFlashAttnZigzag(ZigzagLayoutMethod):
+    calls_suite_kernel = False  # ring_flash_attn calls flash-attn itself
+
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
         if options.kernel not in (None, "flash-attn"):
