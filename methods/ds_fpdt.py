@@ -67,6 +67,7 @@ class DSFPDTOptions(MethodOptions):
 class DeepSpeedFPDT(FPDT):
     Options = DSFPDTOptions
     accepts_input_norm = False  # DeepSpeed's layer takes the normed input; no fused_attn_norm
+    calls_suite_kernel = False  # DeepSpeed's FPDT calls flash-attn itself
     simulated_cpu_path_reason = (
         "DeepSpeed picks its accelerator at import from torch.cuda.is_available(), which the simulated "
         "CUDA device leaves False, so FPDT makes its buffers on the CPU: simulated on the CPU code path")

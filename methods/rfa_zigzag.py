@@ -69,6 +69,8 @@ def load_zigzag_func():
     facts=MethodFacts(column="ring", library="ring-flash-attn", kernel="fa2", library_kernels=True),
 )
 class RingFlashAttnZigzag(ZigzagLayoutMethod):
+    calls_suite_kernel = False  # ring_flash_attn calls flash-attn itself
+
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
         if options.kernel not in (None, "flash-attn"):

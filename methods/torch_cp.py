@@ -232,6 +232,7 @@ def _sdpa_op(backend: str):
 class TorchCP(ZigzagLayoutMethod):
     Options = TorchCPOptions
     cuda_only_reason = "torch's context parallel dispatches only the CUDA SDPA kernels"
+    calls_suite_kernel = False  # torch's ring calls SDPA itself, on DTensors
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: TorchCPOptions) -> None:

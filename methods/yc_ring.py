@@ -54,6 +54,7 @@ def check_causal(who: str, spec: AttnSpec, fix: str) -> None:
 )
 class YunchangRing(ZigzagLayoutMethod):
     Options = YunchangOptions
+    calls_suite_kernel = False  # yunchang calls flash-attn itself
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: YunchangOptions) -> None:

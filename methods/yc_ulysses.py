@@ -115,6 +115,7 @@ def compute_dtype(who: str, x: torch.Tensor, ring: bool) -> torch.dtype:
 )
 class YunchangUlysses(AttentionMethod):
     Options = YunchangOptions
+    calls_suite_kernel = False  # yunchang calls flash-attn itself
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: YunchangOptions) -> None:

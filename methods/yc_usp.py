@@ -67,6 +67,7 @@ class YunchangUSPOptions(YunchangOptions):
 )
 class YunchangUSP(USP):
     Options = YunchangUSPOptions
+    calls_suite_kernel = False  # yunchang calls flash-attn itself
 
     @classmethod
     def fits(cls, spec: AttnSpec, ulysses_degree: int) -> bool:

@@ -24,7 +24,7 @@ V1_OMITTED_LEVERS: dict[str, Any] = {
     "kernel_workspace": "none", "tiled_mlp_impl": "ours", "chunked_loss_impl": "ours", "sim_device": "auto",
     "allocator_model": "none", "stack": "lean", "offload_keep": "first_last", "fsdp_offload": False,
     "fused_attn_norm": False, "rope_table": "auto", "ac_group": 1, "allocator_pools": "shared",
-    "ring_barrier": False, "attention_math": "compute",
+    "ring_barrier": False, "attention_math": "compute", "ac_keep_attn": False,
 }
 
 

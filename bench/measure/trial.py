@@ -283,6 +283,11 @@ class Trial:
         if self.step.fused_attn_norm and not getattr(self.method_cls(), "accepts_input_norm", False):
             raise ValueError(f"fused_attn_norm: method {self.method!r} cannot run the block's RMSNorm inside its "
                              f"projections (only upipe and fpdt can); drop fused_attn_norm")
+        if self.step.ac_keep_attn and not (self.method_cls().calls_suite_kernel and self.kernel_name() == "torch"):
+            why = (f"kernel {self.kernel_name()!r} runs no torch flash-attention op (use kernel torch)"
+                   if self.method_cls().calls_suite_kernel else "its library calls its attention kernel itself")
+            raise ValueError(f"ac_keep_attn keeps the outputs of the suite's torch attention kernel, which method "
+                             f"{self.method!r} does not call: {why}; drop ac_keep_attn")
         if self.mode != Mode.SIMULATED:
             defaults = {f.name: f.default for f in dataclasses.fields(StepConfig)}
             for name, what, instead, fix in SIMULATION_ONLY:

@@ -181,7 +181,8 @@ class SimCache:
     # step fields added after the committed cache was written: keyed only away from their default,
     # so that the committed keys (which lack them) still name the same simulations (a new
     # StepConfig field goes here too; test_plan's committed-cache test fails until it does)
-    LATE_STEP_FIELDS = {"allocator_pools": "shared", "ring_barrier": False, "attention_math": "compute"}
+    LATE_STEP_FIELDS = {"allocator_pools": "shared", "ring_barrier": False, "attention_math": "compute",
+                        "ac_keep_attn": False}
 
     @staticmethod
     def key(trial: Trial, name: str, n_layers: int) -> str:

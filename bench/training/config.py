@@ -126,6 +126,9 @@ class StepConfig:
     ac_group: int = lever(1, "two-level checkpointing (Chen et al. 2016): blocks in groups of K under an outer "
                           "checkpoint, so the host holds about n/K + K - 1 block inputs instead of n; up to one "
                           "more forward per block (1: one checkpoint per block)", metavar="K")
+    ac_keep_attn: bool = lever(False, "selective checkpointing: each block keeps its attention kernel's outputs "
+                               "(out and LSE) until its backward, so the recomputation does not run the attention "
+                               "forward again (bench.training.step.keep_attention)", requires="ac")
     allocator_pools: AllocatorPools = lever(
         "shared", "the modelled allocator's pools: per-stream (a pool per CUDA stream, as the caching allocator "
         "keys its blocks) or shared (one pool for every stream); a simulated trial that leaves it unset gets "
@@ -165,6 +168,10 @@ class StepConfig:
             raise ValueError(f"ac_group must be an integer >= 1 (blocks per outer checkpoint), got {self.ac_group!r}")
         if self.ac_group > 1 and not self.ac:
             raise ValueError(f"ac_group={self.ac_group} groups activation checkpoints: it needs ac=True")
+        if self.ac_keep_attn and self.ac_group > 1:
+            raise ValueError(f"ac_keep_attn with ac_group={self.ac_group}: a group's recomputation runs its blocks' "
+                             f"attention again, so the outputs kept in forward would go unused; use ac_group=1 or "
+                             f"drop ac_keep_attn")
         for name, needed in _REQUIRES.items():  # a lever another lever switched off would do nothing
             value = getattr(self, name)
             if getattr(self, needed) or value == _DEFAULTS[name] or name in _CHECKED_ABOVE:

@@ -66,7 +66,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import methods
 from methods.core import comm, ringsync
@@ -128,22 +128,47 @@ class HostOffload:
             self.pack, self._unpack_remembering if remember else self.unpack)
 
 
+# the attention forward ops of ``methods.core.kernels.TorchKernel`` (CPU, CUDA); a simulation dispatches
+# the same ops (their fake implementations, on fake CPU or CUDA tensors), so it sees the same saving
+ATTENTION_FORWARD_OPS = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                   torch.ops.aten._scaled_dot_product_flash_attention.default})
+
+
+def _keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_FORWARD_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_attention():
+    """``StepConfig.ac_keep_attn``: the checkpoint's contexts (``context_fn``) of torch's selective
+    activation checkpointing. The forward keeps what each attention forward kernel call returns
+    (out and LSE, on the device, whatever ``ac_offload`` does with the block's input) until the
+    block's recomputation, which takes them instead of running the kernel again; everything else is
+    recomputed as before. Every call's outputs are kept: where a method calls the kernel on parts
+    of the block's attention (a ring's steps, FPDT's chunk pairs), the partial outputs, which can
+    exceed the block's merged output. Only methods that call the suite's torch kernel run these ops
+    (``bench.measure.trial.Trial.validate`` refuses the others)."""
+    return create_selective_checkpoint_contexts(_keep_attention_policy)
+
+
 class CheckpointedBlock(nn.Module):
     """A block run under non-reentrant activation checkpointing; its saved input (the only
     tensor a checkpoint keeps) optionally offloaded to the host."""
 
-    def __init__(self, block: nn.Module, offload: HostOffload | None = None) -> None:
+    def __init__(self, block: nn.Module, offload: HostOffload | None = None, keep_attn: bool = False) -> None:
         super().__init__()
         self.block = block
         self.offload = offload
+        self.keep_attn = keep_attn
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, *rope_table: torch.Tensor) -> torch.Tensor:
         # rope_table (when the model keeps one) is a checkpoint input like x: offloaded with it
         if not torch.is_grad_enabled():
             return self.block(x, positions, *rope_table)
         ctx = self.offload() if self.offload is not None else contextlib.nullcontext()
+        # keep_attn: the attention kernels' outputs are kept too (keep_attention)
+        extra = {"context_fn": keep_attention} if self.keep_attn else {}
         with ctx:
-            return checkpoint(self.block, x, positions, *rope_table, use_reentrant=False)
+            return checkpoint(self.block, x, positions, *rope_table, use_reentrant=False, **extra)
 
 
 # --------------------------------------------------------------------------- building
@@ -209,7 +234,7 @@ def build_model(
         if step.ac_group == 1:
             for i in range(n):
                 use = offload if not kept_on_device(i, n, step.offload_keep) else None
-                model.layers[i] = CheckpointedBlock(model.layers[i], use)
+                model.layers[i] = CheckpointedBlock(model.layers[i], use, keep_attn=step.ac_keep_attn)
         else:  # bench.training.nested: the block inputs are saved to their group's checkpoint
             for i in range(n):
                 model.layers[i] = CheckpointedBlock(model.layers[i], None)

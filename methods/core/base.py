@@ -167,6 +167,9 @@ class AttentionMethod(AttentionParams):
     # False for a method that splits no sequence (``no-cp``): every rank holds all tokens and the
     # full weight gradient, so a per-rank figure is the whole sequence's, not a 1/C share of it
     splits_sequence: ClassVar[bool] = True
+    # False for a method whose wrapped library calls its attention kernel itself (flash-attn, torch's
+    # SDPA): the levers that act on the kernels of ``methods.core.kernels`` (``ac_keep_attn``) refuse it
+    calls_suite_kernel: ClassVar[bool] = True
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec)
