@@ -45,6 +45,7 @@ from records.facts import TABLE3_COLUMNS
 from .measure import stack as paper_stack
 from .measure.run import HOST_OOM
 from .measure.trial import Trial
+from .resolve import Request, resolve
 from .search.extrapolate import layer_extrapolated_runner
 from .training.config import StepConfig
 
@@ -146,9 +147,10 @@ class Anchor:
     def trial(self, stack: str, pools: str = paper_stack.PAPER_POOLS) -> Trial:
         """The anchor's trial under ``stack``; ``pools``: the paper stack's allocator pools
         (``bench.measure.stack.allocator_pools``; the lean stack has no allocator model)."""
-        step = StepConfig(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools), **self.impl.levers)
-        return Trial.make(self.impl.method, self.model, self.seq_len, self.gpus, dict(self.impl.options),
-                          mode="simulated", device=DEVICE, step=step)
+        levers = {**self.impl.levers, "stack": stack, "allocator_pools": paper_stack.allocator_pools(stack, pools)}
+        request = Request(self.impl.method, self.model, self.seq_len, self.gpus, dict(self.impl.options),
+                          mode="simulated", device=DEVICE, levers=levers)
+        return resolve(request, validate=False)  # run_anchors validates each trial it simulates
 
 
 def fig1_slug(config: str) -> str:
