@@ -76,7 +76,7 @@ def torch_ring_vs_full(group, rotate: str, causal: bool, dtype: str) -> dict:
         return layouts.zigzag_shard(t, 1, rank, size).to(dt).transpose(1, 2)
 
     ql, kl, vl, dl = (local(t) for t in (q, k, v, dout))
-    with _cp_call(rotate, causal, False):
+    with _cp_call(rotate, causal):
         out, lse = cp._templated_ring_attention(
             group, 2, aten._scaled_dot_product_flash_attention_for_cpu, query=ql, key=kl, value=vl,
             is_causal=causal, scale=scale)[:2]
