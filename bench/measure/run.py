@@ -366,7 +366,7 @@ def _load_figures(f: Figures, result: Measurement) -> list[str]:
     own = result.own_threads or result.threads or 1
     f.host_load_before, f.host_load_after = round(load.before, 2), round(load.after, 2)
     f.host_cpus, f.trial_threads = load.cpus, own
-    f.host_shared = host_shared(load["before"], load["after"], own)
+    f.host_shared = host_shared(load.before, load.after, own)
     said = (f"1-min load average {f.host_load_before:.2f} before / {f.host_load_after:.2f} after the timed "
             f"steps, {f.host_cpus} logical CPUs, {own} thread(s) of this trial")
     notes = [f"host shared: {said}: other work ran on the host while the steps were timed" if f.host_shared
