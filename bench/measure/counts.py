@@ -109,6 +109,7 @@ class StepCounts:
                                fn(*(get(p).get(k, Traffic()).bytes for p in parts))) for k in keys}
 
         bound = [p.memory_bound for p in parts]
+        names = dict.fromkeys(name for p in parts for name in p.events)
         return cls(
             flops_matmul=fn(*(p.flops_matmul for p in parts)),
             flops_attention=fn(*(p.flops_attention for p in parts)),
@@ -116,8 +117,7 @@ class StepCounts:
             host_copies=entries(lambda p: p.host_copies),
             memory_bound=None if all(b is None for b in bound) else Traffic(
                 fn(*((b or Traffic()).calls for b in bound)), fn(*((b or Traffic()).bytes for b in bound))),
-            events={k: fn(*(p.events.get(k, 0) for p in parts)) for k in dict.fromkeys(k for p in parts
-                                                                                         for k in p.events)},
+            events={name: fn(*(p.events.get(name, 0) for p in parts)) for name in names},
             collectives=entries(lambda p: p.collectives),
         )
 
@@ -159,6 +159,8 @@ class StepCounts:
                     kind = Collective(parts[0], int(parts[1]), int(parts[2]), _COMM_PREFIXES[head])
                 except ValueError as err:
                     raise ValueError(f"step count {key!r}: {err}") from None
+                if f"{_flat_name(kind)}.{parts[3]}" != key:
+                    raise ValueError(f"step count {key!r} is not written as {_flat_name(kind)}.{parts[3]}")
                 pairs.setdefault(kind, {})[parts[3]] = value
             else:
                 events[key] = value

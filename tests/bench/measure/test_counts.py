@@ -151,6 +151,7 @@ FLOPS = {"flops.matmul": 1, "flops.attention": 2, "flops.other": 0}
     ({**FLOPS, "comm.all_gather.x.8.bytes": 1}, "comm.all_gather.x.8.bytes"),
     ({**FLOPS, "comm.all_gather.8.8.bytes": 1}, "comm.all_gather.8.8"),  # its calls missing
     ({**FLOPS, "comm.all_gather.4.8.bytes": 1, "comm.all_gather.4.8.calls": 1}, "in_node"),
+    ({**FLOPS, "comm.all_gather.08.8.bytes": 1}, "comm.all_gather.8.8.bytes"),  # one key per kind
     ({**FLOPS, "flops.tensor": 1}, "flops.tensor"),
     ({"flops.matmul": 1, "flops.attention": 2}, "flops.other"),
     ({**FLOPS, "host.offload.d2h_calls": 1}, "host.offload.d2h"),
