@@ -99,6 +99,7 @@ from records.outputs import OutputError, check_dir, check_file, runs_dir
 
 from .fidelity import PAPER_DIR, TABLE3_METHODS, implementation
 from .measure import stack
+from .measure.counts import StepCounts
 from .measure.hardware import get_device, get_link
 from .measure.steptime import EFF_MATMUL_MEASURED, FIT_CELLS, FITTED, StepTimeConstants, attention_kernel, step_time
 from .measure.trial import Trial
@@ -173,7 +174,8 @@ def refresh_rows(path: Path, constants: StepTimeConstants = FITTED) -> int:
         if not model:
             continue
         dev = get_device(r.device)
-        figs = figures_from_counts(model["counts"], dev, get_link((r.link or {}).get("name") or dev.link),
+        figs = figures_from_counts(StepCounts.from_flat(model["counts"]), dev,
+                                   get_link((r.link or {}).get("name") or dev.link),
                                    r.figures.tokens_per_device, r.method, constants)
         for key, value in figs.items():
             setattr(r.figures, key, value)
@@ -193,26 +195,24 @@ def paper_method(row) -> str | None:
     return None
 
 
-def load_counts(path: Path = COUNTS) -> dict[tuple[str, str, int], dict[str, float]]:
+def load_counts(path: Path = COUNTS) -> dict[tuple[str, str, int], StepCounts]:
     """(model, paper method, seq_len) -> counts, from the committed rows."""
     out = {}
     for r in read_rows(path):
         meth = paper_method(r)
         model = r.model
         if meth and r.status in ("ok", "oom") and r.figures.step_time_model:  # oom: the counts are still whole
-            out[(model, meth, r.seq_len)] = r.figures.step_time_model["counts"]
+            out[(model, meth, r.seq_len)] = StepCounts.from_flat(r.figures.step_time_model["counts"])
     return out
 
 
-def interpolate(points: dict[int, dict[str, float]], seq_len: int) -> dict[str, float]:
-    """Counts at ``seq_len`` from three lengths: the quadratic through them, key by key."""
+def interpolate(points: dict[int, StepCounts], seq_len: int) -> StepCounts:
+    """Counts at ``seq_len`` from three lengths: the quadratic through them, figure by figure."""
     xs = sorted(points)
     if len(xs) != 3:
         raise ValueError(f"need counts at exactly 3 lengths to interpolate, got {xs}")
-    keys = set().union(*(points[x] for x in xs))
-    out = {}
-    for k in keys:
-        ys = [points[x].get(k, 0) for x in xs]
+
+    def quadratic(*ys: float) -> float:
         val = 0.0
         for i, xi in enumerate(xs):  # Lagrange basis
             w = 1.0
@@ -220,8 +220,9 @@ def interpolate(points: dict[int, dict[str, float]], seq_len: int) -> dict[str, 
                 if j != i:
                     w *= (seq_len - xj) / (xi - xj)
             val += w * ys[i]
-        out[k] = max(0.0, val)
-    return out
+        return max(0.0, val)
+
+    return StepCounts.combine([points[x] for x in xs], quadratic)
 
 
 def paper_cells(paper_dir: Path = PAPER_DIR) -> list[dict[str, Any]]:
@@ -229,7 +230,7 @@ def paper_cells(paper_dir: Path = PAPER_DIR) -> list[dict[str, Any]]:
         return [r for r in csv.DictReader(handle) if r["status"] in ("ok", "oom")]
 
 
-def counts_for(all_counts, model: str, method: str, seq_len: int) -> dict[str, float]:
+def counts_for(all_counts, model: str, method: str, seq_len: int) -> StepCounts:
     """The counts at ``seq_len``: always the quadratic through the model's ``COUNT_LENGTHS`` (exact
     there; the direct ``CHECK_CELL`` simulation is for the test only)."""
     return interpolate({s: all_counts[(model, method, s)] for s in COUNT_LENGTHS[model]}, seq_len)
@@ -247,7 +248,8 @@ def kernel_of(model: str, method: str) -> str:
     return attention_kernel(implementation(method, SETUPS[model]).method)
 
 
-def modelled_tps(counts, model: str, method: str, seq_len: int, constants: StepTimeConstants) -> tuple[float, dict]:
+def modelled_tps(counts: StepCounts, model: str, method: str, seq_len: int,
+                 constants: StepTimeConstants) -> tuple[float, dict]:
     """Tokens/s per GPU of the paper's ``method``; its FPDT is DeepSpeed's, with the per-chunk synchronisation."""
     gpus = SETUPS[model]
     dev = get_device(DEVICE)
@@ -312,22 +314,22 @@ class _TensorConstants:  # StepTimeConstants' fields as tensors, for the fit's g
     barrier_s: Any
 
 
-def _step_time_t(counts, dev, link, consts, ds_fpdt: bool = False):
+def _step_time_t(counts: StepCounts, dev, link, consts, ds_fpdt: bool = False):
     """``step_time``'s total with tensor constants (the same formula, differentiable)."""
     import torch
 
     from .measure.steptime import HOST_LINK_Bps, _comm_terms, ds_fpdt_sync_seconds, memory_bound_seconds
 
     peak = dev.peak_bf16_flops
-    mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (consts.eff_matmul * peak)
-    attn = counts.get("flops.attention", 0) / (consts.eff_attention * peak)
+    mm = (counts.flops_matmul + counts.flops_other) / (consts.eff_matmul * peak)
+    attn = counts.flops_attention / (consts.eff_attention * peak)
     compute = mm + attn + memory_bound_seconds(counts, dev)
     bw = _comm_terms(counts, link, 0.0, 0.0)
     critical = (bw["critical_s"] + consts.latency_s * (bw["critical_calls"] - bw["barrier_calls"])
                 + consts.barrier_s * bw["barrier_calls"])
     overlapped = bw["overlapped_s"] + consts.latency_s * bw["overlapped_calls"]
-    offload = (counts.get("host.offload.d2h_bytes", 0) + counts.get("host.offload.h2d_bytes", 0)) / HOST_LINK_Bps
-    method = (counts.get("host.method.d2h_bytes", 0) + counts.get("host.method.h2d_bytes", 0)) / HOST_LINK_Bps
+    offload = counts.host_bytes("offload") / HOST_LINK_Bps
+    method = counts.host_bytes("method") / HOST_LINK_Bps
     sync = ds_fpdt_sync_seconds(counts, consts) if ds_fpdt else 0.0
     zero = torch.zeros((), dtype=torch.float64)
     return (compute + critical + torch.maximum(zero, overlapped - compute) + offload

@@ -31,6 +31,9 @@ A trial "fits" in simulated mode (and on a CPU device in the other modes, which 
 out-of-memory error to catch) when its peak is within the preset's usable bytes; otherwise
 its status is ``oom``. On CUDA an out-of-memory error is caught and makes the row ``oom``.
 Any other exception makes an ``error`` row: a trial never raises.
+
+Every mode's measurement is a ``bench.measure.result.Measurement`` (the simulated step's counts
+in it: ``bench.measure.counts.StepCounts``); :func:`build_row` makes the row of one.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import math
 import socket
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -50,8 +53,10 @@ from records import Figures, GiB, Row, cpu_name, environment
 from ..model.config import flops_per_device
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import fake_flash_attn, launch, simcuda, stack
-from .allocator import record_step, replay
+from .allocator import Trace, record_step, replay
+from .counts import StepCounts
 from .hardware import CommCounter
+from .result import AllocatorReplay, KeptTrace, LoadAround, Measurement, failed
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .skipmath import NOTE as SKIP_NOTE
 from .skipmath import SkipAttentionMath
@@ -124,46 +129,45 @@ def simulated_device(trial: Trial) -> torch.device:
     return torch.device("cuda", 0)
 
 
-TRACE_KEY = "allocator_trace"  # measure_simulated(keep_trace=True): (trace, device, trial), for replay_with_reserve
-
-
-def _replayed(trial: Trial, trace, device_key: str, collectives: dict[str, float],
-              reserve: int = 0) -> dict[str, Any]:
-    """The allocator figures of ``trace`` replayed against what the allocator may map: the
-    device less what lives outside it (the CUDA context; under the paper stack NCCL's buffers
-    too), less ``reserve`` bytes held by something the trace does not contain."""
+def _replayed(trial: Trial, trace: Trace, device_key: str, counts: StepCounts | None,
+              reserve: int = 0) -> tuple[int, AllocatorReplay]:
+    """(reserved peak, the replay) of ``trace`` replayed against what the allocator may map: the
+    device less what lives outside it (the CUDA context; under the paper stack NCCL's buffers for
+    the collectives in ``counts`` too), less ``reserve`` bytes held by something the trace does not contain."""
     t0 = time.perf_counter()
-    nccl = stack.nccl_buffer_bytes(collectives) if trial.step.stack == "paper" else 0
+    nccl = stack.nccl_buffer_bytes(counts) if trial.step.stack == "paper" else 0
     capacity = stack.usable_bytes(trial.preset(), "paper", nccl=nccl) - reserve
     replayed = replay(trace, device_key, expandable_segments=trial.step.allocator_model == "expandable",
                       capacity=capacity, per_stream=trial.step.allocator_pools == "per-stream",
                       device_bytes=trial.preset().capacity())
-    return {"peak_reserved_bytes": replayed.peak_reserved + reserve,
-            "allocator": {"model": trial.step.allocator_model, "pools": trial.step.allocator_pools,
-                          "peak_allocated_bytes": replayed.peak_allocated + reserve,
-                          "events": replayed.events, "replay_s": time.perf_counter() - t0,
-                          "cache_releases": replayed.cache_releases, "oom": replayed.oom,
-                          **({"reserve_bytes": reserve} if reserve else {})}}
+    return replayed.peak_reserved + reserve, AllocatorReplay(
+        model=trial.step.allocator_model, pools=trial.step.allocator_pools,
+        peak_allocated_bytes=replayed.peak_allocated + reserve, events=replayed.events,
+        replay_s=time.perf_counter() - t0, cache_releases=replayed.cache_releases, oom=replayed.oom,
+        reserve_bytes=reserve or None)
 
 
-def replay_with_reserve(result: dict[str, Any], reserve: int) -> dict[str, Any]:
-    """``result``'s allocator figures (``peak_reserved_bytes``, ``allocator``) replayed again from
-    its trace (``measure_simulated(keep_trace=True)``) as if ``reserve`` more bytes were held on the
+def replay_with_reserve(result: Measurement, reserve: int) -> tuple[int, AllocatorReplay]:
+    """(reserved peak, the replay): ``result``'s allocator figures replayed again from its trace
+    (``measure_simulated(keep_trace=True)``) as if ``reserve`` more bytes were held on the
     device for the whole step: what a deeper model's extra layers hold (their sharded parameters,
     gradients and optimizer state; ``bench.search.extrapolate``). The caching allocator then meets
     its capacity earlier and, as the real one does, releases its cached blocks and retries before
     it fails, so the deeper model's reserved peak is not the shallow one's plus ``reserve``."""
-    trace, device_key, trial = result[TRACE_KEY]
-    return _replayed(trial, trace, device_key, result.get("step_counts") or {}, reserve)  # NCCL reads its comm keys
+    if result.trace is None:
+        raise ValueError("replay_with_reserve needs the allocation trace: simulate with keep_trace=True "
+                         "and allocator_model other than none")
+    kept = result.trace
+    return _replayed(kept.trial, kept.trace, kept.device_key, result.step_counts, reserve)
 
 
-def measure_simulated(trial: Trial, keep_trace: bool = False) -> dict[str, Any]:
+def measure_simulated(trial: Trial, keep_trace: bool = False) -> Measurement:
     """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated).
 
     Where no flash-attn is installed, ``fake_flash_attn`` supplies one (installed before the
     method is built, so that the libraries it wraps import it) whose kernels allocate what
     flash-attn's do, scratch included. ``keep_trace``: the result also carries the allocation
-    trace under ``TRACE_KEY`` (not a row field; :func:`replay_with_reserve` replays it again)."""
+    trace (``Measurement.trace``, not a row field; :func:`replay_with_reserve` replays it again)."""
     resolution = trial.resolved()  # what runs: the levers after the presets (bench.resolve)
     stack_notes = list(resolution.notes)
     trial = dataclasses.replace(trial, step=resolution.step)
@@ -208,29 +212,28 @@ def measure_simulated(trial: Trial, keep_trace: bool = False) -> dict[str, Any]:
     device_key = str(device)  # the simulated accelerator's device
     device_peak = peaks.get(device_key)
     host_peak = peaks.get(host) if host != device_key else None
-    extra: dict[str, Any] = {}
-    collectives = comm_counts(counter, trial.link_model().ranks_per_node)
+    counts = dataclasses.replace(steps.counts(), collectives=comm_counts(counter, trial.link_model().ranks_per_node))
+    out = Measurement(
+        peak_bytes=device_peak.total if device_peak else 0,
+        peak_by_category=dict(device_peak.by_category) if device_peak else {},
+        host_peak_bytes=host_peak.total if host_peak else 0,
+        comm_bytes=counter.bytes,
+        comm_bytes_by_op=counter.by_op(),
+        comm_time_s=counter.time(trial.link_model()),
+        step_counts=counts,
+        sim_device=str(device),
+        flash_attn_simulated=needs and "flash_attn" in added,
+        stack_notes=stack_notes,
+    )
     if allocator != "none":
-        extra = _replayed(trial, trace, device_key, collectives)
+        out.peak_reserved_bytes, out.allocator = _replayed(trial, trace, device_key, counts)
         if keep_trace:
-            extra[TRACE_KEY] = (trace, device_key, trial)  # the trial as the stack ran it
-    return {
-        **extra,
-        "peak_bytes": device_peak.total if device_peak else 0,
-        "peak_by_category": dict(device_peak.by_category) if device_peak else {},
-        "host_peak_bytes": host_peak.total if host_peak else 0,
-        "comm_bytes": counter.bytes,
-        "comm_bytes_by_op": counter.by_op(),
-        "comm_time_s": counter.time(trial.link_model()),
-        "step_counts": {**steps.counts(), **collectives},
-        "sim_device": str(device),
-        "flash_attn_simulated": needs and "flash_attn" in added,
-        "stack_notes": stack_notes,
-    }
+            out.trace = KeptTrace(trace, device_key, trial)  # the trial as the stack ran it
+    return out
 
 
 def measure_on_device(trial: Trial, group, device: torch.device,
-                      around_step: contextlib.AbstractContextManager | None = None) -> dict[str, Any]:
+                      around_step: contextlib.AbstractContextManager | None = None) -> Measurement:
     """Build, warm up, measure memory and time ``trial.iters`` steps on real tensors; the
     host's load average is read before and after the timed steps (``bench.measure.timing``).
     ``around_step``: a reusable context every step runs in (``SkipAttentionMath``)."""
@@ -256,13 +259,12 @@ def measure_on_device(trial: Trial, group, device: torch.device,
     for _ in range(trial.warmup - 1):
         run()
     _sync(device)
-    out: dict[str, Any] = {"comm_bytes": counter.bytes, "comm_bytes_by_op": counter.by_op(),
-                           "comm_calls": list(counter.calls)}
+    out = Measurement(comm_bytes=counter.bytes, comm_bytes_by_op=counter.by_op(), comm_calls=list(counter.calls))
     if device.type == "cpu":
         peaks = track_peaks(run, *_externals(trial, built))
         peak = peaks.get("cpu")
-        out.update(peak_bytes=peak.total if peak else 0,
-                   peak_by_category=dict(peak.by_category) if peak else {})
+        out.peak_bytes = peak.total if peak else 0
+        out.peak_by_category = dict(peak.by_category) if peak else {}
     else:
         torch.cuda.reset_peak_memory_stats(device)
     load_before = HostLoad.now()
@@ -274,41 +276,40 @@ def measure_on_device(trial: Trial, group, device: torch.device,
         _sync(device)
         times.append(time.perf_counter() - t0)
     if device.type == "cuda":
-        out.update(peak_bytes=torch.cuda.max_memory_allocated(device),
-                   peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
+        out.peak_bytes = torch.cuda.max_memory_allocated(device)
+        out.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
     load_after = HostLoad.now()
-    out["compute_time_s"] = StepStats(tuple(times)).median
-    out["step_times_s"] = times
-    out["host"] = socket.gethostname()
-    out["host_load"] = {"before": load_before.load_1m, "after": load_after.load_1m, "cpus": load_after.cpus}
+    out.compute_time_s = StepStats(tuple(times)).median
+    out.step_times_s = times
+    out.host = socket.gethostname()
+    out.host_load = LoadAround(load_before.load_1m, load_after.load_1m, load_after.cpus)
     if loss is not None and trial.step.scope == "model":
-        out["loss"] = float(loss)
-    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    out["threads"] = torch.get_num_threads()
+        out.loss = float(loss)
+    out.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    out.threads = torch.get_num_threads()
     return out
 
 
-def guarded(fn, *args) -> dict[str, Any]:
+def guarded(fn: Callable[..., Measurement], *args) -> Measurement:
     """Run a measurement; turn an exception into a status (so ranks report, not crash)."""
     try:
-        return {"status": "ok", **fn(*args)}
+        return fn(*args)
     except BaseException as err:  # noqa: BLE001 - every failure becomes a row
         if isinstance(err, KeyboardInterrupt):
             raise
-        status = "oom" if is_oom(err) else "error"
-        return {"status": status, "message": short_error(err), "traceback": traceback.format_exc()}
+        return failed("oom" if is_oom(err) else "error", short_error(err), traceback.format_exc())
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def real_rank(group, trial: Trial) -> dict[str, Any]:
+def real_rank(group, trial: Trial) -> Measurement:
     """Run on every real rank (module level: it is sent to spawned processes)."""
     device = launch.local_device(trial.preset().kind)
     return guarded(measure_on_device, trial, group, device)
 
 
-def _emulated(trial: Trial) -> dict[str, Any]:
+def _emulated(trial: Trial) -> Measurement:
     """Rank 0 on this device with a fake process group. With ``attention_math="skip"`` the
     memory-faithful flash-attn stands in where none is installed (as in simulated mode) and every
     step runs under ``SkipAttentionMath`` (``bench.measure.skipmath``)."""
@@ -323,45 +324,50 @@ def _emulated(trial: Trial) -> dict[str, Any]:
     if not skip.calls:
         raise RuntimeError(f"attention_math='skip': no attention kernel of {trial.method!r} was answered "
                            f"(it calls none that bench.measure.skipmath knows); drop --attention-math skip")
-    out["skipped_calls"] = dict(skip.calls)
-    out["flash_attn_simulated"] = needs and "flash_attn" in added
+    out.skipped_calls = dict(skip.calls)
+    out.flash_attn_simulated = needs and "flash_attn" in added
     return out
 
 
 # --------------------------------------------------------------------------- rows
 
 
-def _combine_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+def _worst(values: Iterable[float | None]) -> float | None:
+    """The largest of the values measured (None where no rank measured it)."""
+    measured = [v for v in values if v is not None]
+    return max(measured) if measured else None
+
+
+def _combine_ranks(results: list[Measurement]) -> Measurement:
     """Real mode: the worst rank decides (first failure; max peak; each step as long as its
     slowest rank's; mean loss). Host load is rank 0's host's; the trial's own threads there
     are those of the ranks on that host."""
     for r in results:
-        if r["status"] != "ok":
+        if r.status != "ok":
             return r
-    out = dict(results[0])
-    for key in ("peak_bytes", "peak_reserved_bytes", "compute_time_s"):
-        values = [r[key] for r in results if r.get(key) is not None]
-        if values:
-            out[key] = max(values)
-    if all(r.get("step_times_s") for r in results):
-        out["step_times_s"] = slowest_rank_steps([r["step_times_s"] for r in results])
-        out["compute_time_s"] = StepStats(tuple(out["step_times_s"])).median
-    out["own_threads"] = sum(r.get("threads") or 1 for r in results if r.get("host") == out.get("host"))
-    losses = [r["loss"] for r in results if r.get("loss") is not None]
+    first = results[0]
+    out = dataclasses.replace(first, peak_bytes=_worst(r.peak_bytes for r in results),
+                              peak_reserved_bytes=_worst(r.peak_reserved_bytes for r in results),
+                              compute_time_s=_worst(r.compute_time_s for r in results))
+    if all(r.step_times_s for r in results):
+        out.step_times_s = slowest_rank_steps([r.step_times_s for r in results])
+        out.compute_time_s = StepStats(tuple(out.step_times_s)).median
+    out.own_threads = sum(r.threads or 1 for r in results if r.host == first.host)
+    losses = [r.loss for r in results if r.loss is not None]
     if losses:
-        out["loss"] = sum(losses) / len(losses)
+        out.loss = sum(losses) / len(losses)
     return out
 
 
-def _load_figures(f: Figures, result: dict[str, Any]) -> list[str]:
+def _load_figures(f: Figures, result: Measurement) -> list[str]:
     """Host load around the timed steps into ``f``; the notes that say whether the host was shared."""
-    load = result.get("host_load")
+    load = result.host_load
     if not load:
         return []
-    own = result.get("own_threads") or result.get("threads") or 1
-    f.host_load_before, f.host_load_after = round(load["before"], 2), round(load["after"], 2)
-    f.host_cpus, f.trial_threads = load["cpus"], own
-    f.host_shared = host_shared(load["before"], load["after"], own)
+    own = result.own_threads or result.threads or 1
+    f.host_load_before, f.host_load_after = round(load.before, 2), round(load.after, 2)
+    f.host_cpus, f.trial_threads = load.cpus, own
+    f.host_shared = host_shared(load.before, load.after, own)
     said = (f"1-min load average {f.host_load_before:.2f} before / {f.host_load_after:.2f} after the timed "
             f"steps, {f.host_cpus} logical CPUs, {own} thread(s) of this trial")
     notes = [f"host shared: {said}: other work ran on the host while the steps were timed" if f.host_shared
@@ -382,29 +388,30 @@ def budgeted_peak(trial: Trial, f: Figures) -> tuple[bool, int | None]:
     return paper, (max(f.peak_reserved_bytes, f.peak_bytes) if paper else f.peak_bytes)
 
 
-def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: str | None = None) -> Row:
+def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str | None = None) -> Row:
+    """The row of ``trial`` from its measurement: the figures, the budget's verdict (``oom`` past the
+    usable bytes), the modelled step time of a simulation and the notes that say how each was had."""
     cfg = trial.config()
     preset = trial.preset()
-    status = result.get("status", "ok")
-    message = result.get("message", "")
+    status = result.status
+    message = result.message or ""
     notes: list[str] = []
-    f = Figures()
-    for key in ("peak_bytes", "peak_reserved_bytes", "peak_by_category", "host_peak_bytes",
-                "comm_bytes", "comm_bytes_by_op", "loss", "compute_time_s"):
-        if result.get(key) is not None:
-            setattr(f, key, result[key])
+    f = Figures(peak_bytes=result.peak_bytes, peak_reserved_bytes=result.peak_reserved_bytes,
+                peak_by_category=result.peak_by_category, host_peak_bytes=result.host_peak_bytes,
+                comm_bytes=result.comm_bytes, comm_bytes_by_op=result.comm_bytes_by_op, loss=result.loss,
+                compute_time_s=result.compute_time_s)
     if trial.mode == "emulated" and f.loss is not None and not math.isfinite(f.loss):
         # a fake process group's collectives return their output buffers unwritten, so the
         # values downstream of one are whatever memory held: the loss may not be a number
         notes.append(f"emulated: loss {f.loss} not recorded (collectives of a fake process group "
                      "return unwritten buffers; memory and compute time are still real)")
         f.loss = None
-    if result.get("skipped_calls"):
+    if result.skipped_calls:
         f.loss = None  # the attention returned zeros: the loss is no measurement
     ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
     f.capacity_bytes = preset.capacity(ranks_here)
     accounting = trial.step.stack if trial.mode == "simulated" else "lean"
-    nccl = stack.nccl_buffer_bytes(result.get("step_counts")) if accounting == "paper" and preset.kind != "cpu" else 0
+    nccl = stack.nccl_buffer_bytes(result.step_counts) if accounting == "paper" and preset.kind != "cpu" else 0
     f.usable_bytes = stack.usable_bytes(preset, accounting, ranks_here, nccl=nccl)
     outside = f"{stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context" + (
         f" and {nccl / GiB:.2f} GiB of NCCL buffers" if nccl else "")
@@ -416,19 +423,19 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     f.wall_s = round(wall_s, 3)
     link = trial.link_model()
     if trial.mode == "emulated" and f.compute_time_s is not None:
-        f.comm_time_s = sum(link.time(op, b, s) for op, b, s in result.get("comm_calls", [])) \
-            if "comm_calls" in result else result.get("comm_time_s")
+        f.comm_time_s = sum(link.time(op, b, s) for op, b, s in result.comm_calls) \
+            if result.comm_calls is not None else result.comm_time_s
         f.step_time_s = f.compute_time_s + (f.comm_time_s or 0.0)
     elif trial.mode == "simulated":
-        f.comm_time_s = result.get("comm_time_s")
+        f.comm_time_s = result.comm_time_s
         if trial.step.scope == "model":
-            for key, value in figures_from_counts(result.get("step_counts"), preset, link,
+            for key, value in figures_from_counts(result.step_counts, preset, link,
                                                   f.tokens_per_device, trial.method).items():
                 setattr(f, key, value)
     elif trial.mode == "real":
         f.step_time_s = f.compute_time_s
-    if result.get("step_times_s") and f.step_time_s is not None:
-        steps = StepStats(tuple(result["step_times_s"])).plus(f.comm_time_s if trial.mode == "emulated" else 0.0)
+    if result.step_times_s and f.step_time_s is not None:
+        steps = StepStats(tuple(result.step_times_s)).plus(f.comm_time_s if trial.mode == "emulated" else 0.0)
         f.step_times_s = list(steps.times)
         f.step_time_s, f.step_time_min_s, f.step_time_max_s = steps.median, steps.min, steps.max
     notes.extend(_load_figures(f, result))
@@ -439,7 +446,7 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     paper, compared = budgeted_peak(trial, f)
     # paper stack: a replay that ran out (even after releasing its cache) is an OOM whatever the
     # peak it reached
-    allocator_oom = paper and (result.get("allocator") or {}).get("oom")
+    allocator_oom = paper and result.allocator is not None and result.allocator.oom
     if status == "ok" and paper and allocator_oom:
         status = "oom"
         message = (f"the modelled caching allocator ran out of the {f.usable_bytes / GiB:.2f} GiB it may map "
@@ -465,25 +472,25 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
         notes.append(trial.method_cls().simulated_cpu_path_reason)
     if trial.mode == "simulated" and trial.step.kernel_workspace != "none":
         notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} (bench.measure.workspace)")
-    if result.get("flash_attn_simulated"):
+    if result.flash_attn_simulated:
         notes.append("flash-attn (not installed) simulated by bench.measure.fake_flash_attn: its kernels' outputs "
                      "and backward scratch (mha_bwd) are allocated whatever kernel_workspace says")
-    allocator = result.get("allocator")
+    allocator = result.allocator
     if trial.mode == "simulated" and allocator:
         notes.append(
-            f"peak_reserved_bytes: the step's {allocator['events']} device allocations and frees replayed through "
-            f"a model of the CUDA caching allocator ({allocator['model']} segments, "
-            f"{allocator.get('pools', 'shared')} pools, bench.measure.allocator; "
-            f"its allocated peak {allocator['peak_allocated_bytes'] / GiB:.2f} GiB, "
-            f"{allocator['cache_releases']} cache releases, replay {allocator['replay_s']:.2f} s)")
-        if allocator.get("reserve_bytes"):
+            f"peak_reserved_bytes: the step's {allocator.events} device allocations and frees replayed through "
+            f"a model of the CUDA caching allocator ({allocator.model} segments, "
+            f"{allocator.pools or 'shared'} pools, bench.measure.allocator; "
+            f"its allocated peak {allocator.peak_allocated_bytes / GiB:.2f} GiB, "
+            f"{allocator.cache_releases} cache releases, replay {allocator.replay_s:.2f} s)")
+        if allocator.reserve_bytes:
             notes.append(f"extrapolated model: the larger simulation's trace replayed again with "
-                         f"{allocator['reserve_bytes'] / GiB:.2f} GiB of the further layers held on the device, "
-                         f"{allocator['cache_releases']} cache releases (bench.search.extrapolate.under_pressure)")
-        if allocator["oom"]:
+                         f"{allocator.reserve_bytes / GiB:.2f} GiB of the further layers held on the device, "
+                         f"{allocator.cache_releases} cache releases (bench.search.extrapolate.under_pressure)")
+        if allocator.oom:
             notes.append(f"the modelled allocator ran out of the device's memory (the reserved peak is up to "
-                         f"that point; under the lean stack the allocated peak decides the status): {allocator['oom']}")
-    notes.extend(result.get("stack_notes") or [])
+                         f"that point; under the lean stack the allocated peak decides the status): {allocator.oom}")
+    notes.extend(result.stack_notes or [])
     if trial.mode == "simulated" and trial.step.stack == "paper":
         notes.append("simulated, paper stack (bench.measure.stack): FakeTensorMode + fake process group + MemTracker "
                      f"on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
@@ -495,13 +502,13 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
     if trial.mode == "emulated":
         notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
                      "modelled communication (no overlap)")
-    if result.get("skipped_calls"):
-        calls = ", ".join(f"{name} x{n}" for name, n in sorted(result["skipped_calls"].items()))
+    if result.skipped_calls:
+        calls = ", ".join(f"{name} x{n}" for name, n in sorted(result.skipped_calls.items()))
         notes.append(f"{SKIP_NOTE} (calls answered over the warm-up and timed steps: {calls})")
     if trial.step.scope == "attention":
         notes.append("scope attention: one attention block forward + backward; levers other than dtype unused")
-    if result.get("threads") and trial.mode != "simulated":
-        notes.append(f"torch CPU threads per rank: {result['threads']}")
+    if result.threads and trial.mode != "simulated":
+        notes.append(f"torch CPU threads per rank: {result.threads}")
     if f.step_times_s:
         notes.append("timed steps (s): " + ", ".join(f"{t:.4f}" for t in f.step_times_s)
                      + f"; step_time_s is their median ({f.step_time_min_s:.4f}-{f.step_time_max_s:.4f})")
@@ -510,8 +517,8 @@ def build_row(trial: Trial, result: dict[str, Any], wall_s: float, device_name: 
                          "the median and range are not a spread to report")
     kernel = trial.kernel_name()
     if device_name is None:
-        device_name = result.get("device_name") or (
-            f"fake {result.get('sim_device', 'cpu').split(':')[0]} tensors on {cpu_name()} (simulating {preset.name})"
+        device_name = result.device_name or (
+            f"fake {(result.sim_device or 'cpu').split(':')[0]} tensors on {cpu_name()} (simulating {preset.name})"
             if trial.mode == "simulated" else cpu_name())
     resolution = trial.resolved()
     return Row(**trial.row_fields(), status=status, message=message, figures=f,
@@ -539,7 +546,7 @@ def run_trial(trial: Trial) -> Row:
             result = _combine_ranks(per_rank)
         except launch.RankError as err:
             killed = err.exitcode is not None and err.exitcode in (-9, 137)
-            result = {"status": "oom" if killed else "error",
-                      "message": ("rank killed by SIGKILL (host out of memory?): " if killed else "")
-                      + str(err).strip().splitlines()[0]}
+            result = failed("oom" if killed else "error",
+                            ("rank killed by SIGKILL (host out of memory?): " if killed else "")
+                            + str(err).strip().splitlines()[0])
     return build_row(trial, result, time.perf_counter() - t0)

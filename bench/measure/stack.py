@@ -118,6 +118,7 @@ import methods
 from records import GiB, MiB
 
 from ..training.config import StepConfig
+from .counts import StepCounts
 from .hardware import DevicePreset
 
 CUDA_CONTEXT_BYTES = GiB // 2  # ~400 MB measured by PyTorch's maintainers; rounded up (see the docstring)
@@ -236,17 +237,16 @@ def cublas_note(preset: DevicePreset) -> str:
             "held through the caching allocator)")
 
 
-def nccl_buffer_bytes(counts: dict[str, float] | None) -> int:
-    """Term 7: NCCL's connection buffers on one rank for the collectives in ``counts``
-    (``bench.measure.steptime.comm_counts``' keys ``comm.<op>.<group size>.<members in the rank's
-    node>.calls``; 0 without them)."""
+def nccl_buffer_bytes(counts: StepCounts | None) -> int:
+    """Term 7: NCCL's connection buffers on one rank for the collectives in ``counts`` (their kinds,
+    ``StepCounts.collectives``: op, group size, members in the rank's node; kinds with no call do
+    not connect; 0 without counts)."""
     peers: dict[tuple[int, int], tuple[int, int]] = {}  # group shape -> (NVLink peers, network peers)
     rings: set[tuple[int, int]] = set()
-    for key, calls in (counts or {}).items():
-        if not key.startswith("comm.") or not key.endswith(".calls") or not calls:
+    for kind, traffic in (counts.collectives if counts is not None else {}).items():
+        if kind.attention or not traffic.calls:  # the attention's own calls: counted in their kind already
             continue
-        _, op, size, in_node, _ = key.split(".")
-        shape = (int(size), int(in_node))
+        op, shape = kind.op, (kind.size, kind.in_node)
         if shape[0] <= 1:
             continue
         if op in RING_OPS:

@@ -1,7 +1,8 @@
 """What a simulated step executes, counted: FLOPs by kernel class and host<->device copies.
 
-The step-time model (``bench.measure.steptime``) turns these counts, with the collectives
-``bench.measure.hardware.CommCounter`` records, into seconds. Counting happens under the same
+The step-time model (``bench.measure.steptime``) turns these counts (``StepCounter.counts``:
+``bench.measure.counts.StepCounts``), with the collectives ``bench.measure.hardware.CommCounter``
+records, into seconds. Counting happens under the same
 FakeTensorMode as the memory simulation, so the counts are exactly what the code issues,
 activation-checkpoint recompute included (the recomputed forward runs its kernels again). Where
 a simulation runs a few tiles of a tiled loop for all of them (tiled MLP and norms, the chunked
@@ -63,6 +64,8 @@ from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_bac
 import methods
 from methods.core import events
 from methods.core.tiling import counted_as
+
+from .counts import KERNEL_CLASSES, HostCopy, StepCounts, Traffic
 
 aten = torch.ops.aten
 
@@ -205,7 +208,7 @@ class HostCopies(TorchDispatchMode):
     def __init__(self, accelerator: str, host: str) -> None:
         super().__init__()
         self.accelerator, self.host = accelerator, host
-        self.counts: dict[str, float] = {}
+        self.counts: dict[HostCopy, Traffic] = {}
 
     def _add(self, src: torch.device, dst: torch.device, nbytes: int) -> None:
         if src.type == self.accelerator and dst.type == self.host:
@@ -214,10 +217,9 @@ class HostCopies(TorchDispatchMode):
             way = "h2d"
         else:
             return
-        who = "method" if _issued_by_a_method() else "offload"
+        kind = HostCopy("method" if _issued_by_a_method() else "offload", way)
         weight = counted_as()
-        for key, val in ((f"host.{who}.{way}_bytes", weight * nbytes), (f"host.{who}.{way}_calls", weight)):
-            self.counts[key] = self.counts.get(key, 0) + val
+        self.counts[kind] = self.counts.get(kind, Traffic()) + Traffic(weight, weight * nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -419,15 +421,13 @@ class StepCounter:
             self.events = noted
             yield self
 
-    def counts(self) -> dict[str, float]:
-        """Flat counts: ``flops.<class>``, ``host.<issuer>.<d2h|h2d>_<bytes|calls>``,
-        ``bytes.memory_bound[_calls]`` and the methods' noted events (``methods.core.events``:
-        ``pipeline.chunk_passes``)."""
-        out: dict[str, float] = {"flops.matmul": 0, "flops.attention": 0, "flops.other": 0}
+    def counts(self) -> StepCounts:
+        """The FLOPs by kernel class, the host copies, the memory-bound kernels' traffic and the
+        methods' noted events (``methods.core.events``: ``pipeline.chunk_passes``); no collectives
+        (``bench.measure.steptime.comm_counts`` counts those)."""
+        flops = dict.fromkeys(KERNEL_CLASSES, 0)
         for op, n in self.flops.get_flop_counts().get("Global", {}).items():
-            out[f"flops.{kernel_class(op)}"] += n
-        out.update(self.copies.counts)
-        out["bytes.memory_bound"] = self.traffic.bytes
-        out["bytes.memory_bound_calls"] = self.traffic.calls
-        out.update(self.events)
-        return out
+            flops[kernel_class(op)] += n
+        return StepCounts(flops_matmul=flops["matmul"], flops_attention=flops["attention"],
+                          flops_other=flops["other"], host_copies=dict(self.copies.counts),
+                          memory_bound=Traffic(self.traffic.calls, self.traffic.bytes), events=dict(self.events))

@@ -1,4 +1,4 @@
-"""A step's modelled time from what the simulation observed (``bench.measure.stepcount`` counts).
+"""A step's modelled time from what the simulation observed (``bench.measure.counts.StepCounts``).
 
 Version ``STEPTIME_VERSION``. Every simulated row carries the counts and this model's terms in
 ``figures.step_time_model`` and its total in ``step_time_s`` (mode ``simulated``: a model, not
@@ -37,14 +37,15 @@ a measurement). The terms, each a named mechanism:
   large ones.
   Overlap, as the code runs them: all-to-alls (Ulysses, UPipe, USP, FPDT's exchanges, torch's
   CP rotations) and any other collective the attention itself issues (torch's CP all-gathers
-  K/V before its ring: ``comm_attn.*`` counts, ``CommCounter.issuers``) are waited on before
+  K/V before its ring: ``Collective(..., attention=True)``, ``comm_attn.*`` in a row's counts,
+  ``CommCounter.issuers``) are waited on before
   the attention kernel or the next projection can run, so they are **on the critical path**;
   FSDP2's all-gathers (prefetched one block ahead) and reduce-scatters (issued on their own
   stream), and ring attention's P2P sends (posted before the block's kernel runs) **overlap
   compute**: only what exceeds the compute is exposed, ``max(0, overlapped − compute)``.
 * **The paper's ring-step barriers** (paper stack term 9, ``methods.core.ringsync``): the ring
   code the paper ran ends every ring step with ``dist.barrier(group)``; the counts have them
-  (``comm.barrier.*``, bytes 0), on the critical path (``CRITICAL_OPS``: the host waits for it),
+  (``Collective("barrier", ...)``, bytes 0), on the critical path (``CRITICAL_OPS``: the host waits for it),
   each at ``barrier_s`` (fitted) instead of ``latency_s``: ``4R - 3`` per layer and ring pass
   (forward R-1, its recomputation R-1, backward 2R-1) for a ring of R, per UPipe stage for
   UPipe 8 x 2. A barrier costs more than an asynchronous collective's launch: NCCL's
@@ -111,6 +112,7 @@ from typing import Any
 
 from methods.core.events import CHUNK_PASSES
 
+from .counts import Collective, StepCounts, Traffic
 from .hardware import CommCounter, DevicePreset, LinkModel
 from .stack import scratch_model
 
@@ -167,10 +169,10 @@ FITTED_V2 = StepTimeConstants(eff_matmul=0.426829, eff_attention=0.614063, eff_a
 FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): every Table 3 method there
 
 
-def counts_version(counts: dict[str, float]) -> int:
+def counts_version(counts: StepCounts) -> int:
     """3 for counts with the memory-bound bytes (``bench.measure.stepcount`` since ``STEPTIME_VERSION`` 3,
     skipped tiles weighed), else 2."""
-    return 3 if "bytes.memory_bound" in counts else 2
+    return 3 if counts.memory_bound is not None else 2
 
 
 def constants_of(version: int) -> StepTimeConstants:
@@ -179,35 +181,37 @@ def constants_of(version: int) -> StepTimeConstants:
     return FITTED if version >= 3 else FITTED_V2
 
 
-def constants_for(counts: dict[str, float]) -> StepTimeConstants:
+def constants_for(counts: StepCounts) -> StepTimeConstants:
     """``constants_of`` the counts' version."""
     return constants_of(counts_version(counts))
 
 
-def memory_bound_seconds(counts: dict[str, float], device: DevicePreset) -> float:
+def memory_bound_seconds(counts: StepCounts, device: DevicePreset) -> float:
     """The memory-bound kernels' term: their bytes at the device's HBM bandwidth (0 without one)."""
-    return counts.get("bytes.memory_bound", 0) / device.hbm_Bps if device.hbm_Bps else 0.0
+    moved = counts.memory_bound.bytes if counts.memory_bound is not None else 0
+    return moved / device.hbm_Bps if device.hbm_Bps else 0.0
 
 
 # --------------------------------------------------------------------------- collective counts
 
 
-def comm_counts(counter: CommCounter, ranks_per_node: int, rank: int = 0) -> dict[str, float]:
-    """Flat counts ``comm.<op>.<group size>.<members in rank's node>.<bytes|calls>`` of a step's collectives."""
+def comm_counts(counter: CommCounter, ranks_per_node: int, rank: int = 0) -> dict[Collective, Traffic]:
+    """A step's collectives by kind (op, group size, members in ``rank``'s node), in the order first
+    issued (``StepCounts.collectives``): every call, and the attention's blocking ones again as
+    ``Collective(..., attention=True)``."""
     node = rank // ranks_per_node
-    out: dict[str, float] = {}
+    out: dict[Collective, Traffic] = {}
     for i, (op, nbytes, size) in enumerate(counter.calls):
         if size <= 1:
             continue
         members = counter.members[i] if i < len(counter.members) else ()
         in_node = sum(1 for r in members if r // ranks_per_node == node) if members else min(size, ranks_per_node)
-        keys = [f"comm.{op}.{size}.{in_node}"]
+        kinds = [Collective(op, size, in_node)]
         by_attention = i < len(counter.issuers) and counter.issuers[i] == "attention"
         if by_attention and op in BLOCKING_IF_ATTENTION:
-            keys.append(f"comm_attn.{op}.{size}.{in_node}")  # the same call, also on the critical path
-        for key in keys:
-            out[f"{key}.bytes"] = out.get(f"{key}.bytes", 0) + nbytes
-            out[f"{key}.calls"] = out.get(f"{key}.calls", 0) + 1
+            kinds.append(Collective(op, size, in_node, attention=True))  # the same call, also on the critical path
+        for kind in kinds:
+            out[kind] = out.get(kind, Traffic()) + Traffic(1, nbytes)
     return out
 
 
@@ -230,21 +234,18 @@ def collective_seconds(op: str, nbytes: float, size: int, in_node: int, link: Li
     return 0.0
 
 
-def _comm_terms(counts: dict[str, float], link: LinkModel, latency_s: float, barrier_s: float) -> dict[str, float]:
+def _comm_terms(counts: StepCounts, link: LinkModel, latency_s: float, barrier_s: float) -> dict[str, float]:
     """Critical and overlapped communication: bandwidth time plus ``latency_s`` per call, ``barrier_s``
-    per barrier (``barrier_calls``, also among ``critical_calls``)."""
+    per barrier (``barrier_calls``, also among ``critical_calls``); summed in the collectives' order."""
     out = {"critical_s": 0.0, "overlapped_s": 0.0, "critical_calls": 0.0, "overlapped_calls": 0.0,
            "barrier_calls": 0.0}
-    for key, nbytes in counts.items():
-        if not key.startswith("comm") or not key.endswith(".bytes"):
-            continue
-        kind, op, size, in_node, _ = key.split(".")
-        calls = counts.get(key[:-len("bytes")] + "calls", 0)
-        t = collective_seconds(op, nbytes, int(size), int(in_node), link) + calls * (
+    for kind, traffic in counts.collectives.items():
+        op, calls = kind.op, traffic.calls
+        t = collective_seconds(op, traffic.bytes, kind.size, kind.in_node, link) + calls * (
             barrier_s if op == "barrier" else latency_s)
         if op == "barrier":
             out["barrier_calls"] += calls
-        if kind == "comm_attn":  # counted under comm.* as overlapped: move it to the critical path
+        if kind.attention:  # counted without the flag as overlapped: move it to the critical path
             out["overlapped_s"] -= t
             out["overlapped_calls"] -= calls
             out["critical_s"] += t
@@ -265,12 +266,12 @@ def attention_kernel(method: str) -> str:
     return "fa2" if scratch_model(method) == "fa2" else "fa3"
 
 
-def ds_fpdt_sync_seconds(counts: dict[str, float], constants: StepTimeConstants) -> float:
+def ds_fpdt_sync_seconds(counts: StepCounts, constants: StepTimeConstants) -> float:
     """DeepSpeed FPDT's per-chunk synchronisation: the chunk passes at ``ds_fpdt_chunk_s`` each."""
-    return counts.get(CHUNK_PASSES, 0) * constants.ds_fpdt_chunk_s
+    return counts.events.get(CHUNK_PASSES, 0) * constants.ds_fpdt_chunk_s
 
 
-def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
+def step_time(counts: StepCounts, device: DevicePreset, link: LinkModel,
               constants: StepTimeConstants = FITTED, kernel: str = "fa3", ds_fpdt_sync: bool = False) -> dict[str, Any]:
     """The modelled step: ``{"step_time_s", "compute_time_s", "terms", "constants", "version"}``
     (``kernel``: the attention kernel family, ``attention_kernel(method)``; ``ds_fpdt_sync``: the
@@ -280,15 +281,15 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
     if kernel not in ("fa3", "fa2"):
         raise ValueError(f"kernel must be 'fa3' or 'fa2', got {kernel!r}")
     peak = device.peak_bf16_flops
-    mm = (counts.get("flops.matmul", 0) + counts.get("flops.other", 0)) / (constants.eff_matmul * peak)
+    mm = (counts.flops_matmul + counts.flops_other) / (constants.eff_matmul * peak)
     eff_attn = constants.eff_attention if kernel == "fa3" else constants.eff_attention_fa2
-    attn = counts.get("flops.attention", 0) / (eff_attn * peak)
+    attn = counts.flops_attention / (eff_attn * peak)
     memory = memory_bound_seconds(counts, device)
     compute = mm + attn + memory
     comm = _comm_terms(counts, link, constants.latency_s, constants.barrier_s)
     exposed_overlap = max(0.0, comm["overlapped_s"] - compute)
-    offload_b = counts.get("host.offload.d2h_bytes", 0) + counts.get("host.offload.h2d_bytes", 0)
-    method_b = counts.get("host.method.d2h_bytes", 0) + counts.get("host.method.h2d_bytes", 0)
+    offload_b = counts.host_bytes("offload")
+    method_b = counts.host_bytes("method")
     host_offload = offload_b / HOST_LINK_Bps
     host_method = method_b / HOST_LINK_Bps
     exposed_method = max(0.0, host_method - attn)
@@ -307,30 +308,32 @@ def step_time(counts: dict[str, float], device: DevicePreset, link: LinkModel,
                           "hbm_Bps": device.hbm_Bps, "link": link.name, "attention_kernel": kernel}}
 
 
-def scale_counts(counts: dict[str, float], from_len: int, to_len: int) -> dict[str, float]:
+def scale_counts(counts: StepCounts, from_len: int, to_len: int) -> StepCounts:
     """Counts at ``from_len`` carried to ``to_len`` by their leading power in the length: attention
-    FLOPs ∝ S², the other FLOPs, collective bytes and host bytes ∝ S, call counts constant. Exact
-    up to the lower-order terms (attention's S·d diagonal, per-call fixed sizes)."""
+    FLOPs ∝ S², the other FLOPs, collective, host and memory-bound bytes and the events ∝ S, call
+    counts constant. Exact up to the lower-order terms (attention's S·d diagonal, per-call fixed sizes)."""
     r = to_len / from_len
-    out = {}
-    for k, v in counts.items():
-        if k.endswith("_calls") or k.endswith(".calls"):
-            out[k] = v
-        elif k == "flops.attention":
-            out[k] = v * r * r
-        else:
-            out[k] = v * r
-    return out
+
+    def bytes_scaled(entries: dict) -> dict:
+        return {k: Traffic(t.calls, t.bytes * r) for k, t in entries.items()}
+
+    bound = counts.memory_bound
+    return StepCounts(flops_matmul=counts.flops_matmul * r, flops_attention=counts.flops_attention * r * r,
+                      flops_other=counts.flops_other * r, host_copies=bytes_scaled(counts.host_copies),
+                      memory_bound=None if bound is None else Traffic(bound.calls, bound.bytes * r),
+                      events={k: v * r for k, v in counts.events.items()},
+                      collectives=bytes_scaled(counts.collectives))
 
 
-def figures_from_counts(counts: dict[str, float] | None, device: DevicePreset, link: LinkModel,
+def figures_from_counts(counts: StepCounts | None, device: DevicePreset, link: LinkModel,
                         tokens_per_device: int, method: str, constants: StepTimeConstants = FITTED) -> dict[str, Any]:
     """``step_time_s``, ``compute_time_s``, ``tokens_per_s_per_device`` and ``step_time_model``
-    (the counts included) for a simulated row; ``{}`` without counts or a device peak."""
-    if not counts or not device.peak_bf16_flops:
+    (the counts included, in the flat form rows store: ``StepCounts.to_flat``) for a simulated row;
+    ``{}`` without counts or a device peak."""
+    if counts is None or not device.peak_bf16_flops:
         return {}
     model = step_time(counts, device, link, constants, attention_kernel(method))
     total = model.pop("step_time_s")
     return {"step_time_s": total, "compute_time_s": model.pop("compute_time_s"),
             "tokens_per_s_per_device": tokens_per_device / total if total > 0 else None,
-            "step_time_model": {**model, "counts": dict(counts)}}
+            "step_time_model": {**model, "counts": counts.to_flat()}}

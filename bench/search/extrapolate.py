@@ -82,11 +82,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from records import GiB, Row
 
-from ..measure.run import TRACE_KEY, build_row, guarded, measure_simulated, replay_with_reserve
+from ..measure.counts import StepCounts
+from ..measure.result import Measurement
+from ..measure.run import build_row, guarded, measure_simulated, replay_with_reserve
 from ..measure.trial import Trial
 
 LOW = 3  # layer counts simulated: 3 and 4 (step.py keeps the first and last block's checkpoints on
@@ -152,36 +153,39 @@ def scheme(n_layers: int, ac_group: int = 1, offload_keep: str = "first_last") -
     return Scheme(ac_group, low, groups)
 
 
-LINEAR = ("peak_bytes", "host_peak_bytes", "comm_bytes", "comm_time_s")
+LINEAR = ("peak_bytes", "host_peak_bytes", "comm_bytes", "comm_time_s")  # Measurement fields linear in the layers
 
 
-def extrapolate(r3: dict[str, Any], r4: dict[str, Any], layers: int, low: int = LOW) -> dict[str, Any]:
+def extrapolate(r3: Measurement, r4: Measurement, layers: int, low: int = LOW) -> Measurement:
     """The full model's simulated result from the ``low``- and ``low + 1``-unit ones: by default
     the 3- and 4-layer ones for ``layers`` > 4 layers; for two-level checkpoints, ``layers``
     and ``low`` count groups (``scheme``)."""
     n = layers - low
-    out = dict(r4)
+    linear = {}
     for key in LINEAR:
-        if r3.get(key) is not None and r4.get(key) is not None:
-            value = r3[key] + (r4[key] - r3[key]) * n
-            out[key] = value if isinstance(r3[key], float) else int(value)
-    if r4.get("peak_reserved_bytes") is not None:
-        out["peak_reserved_bytes"] = out["peak_bytes"] + max(0, r4["peak_reserved_bytes"] - r4["peak_bytes"])
-    c3, c4 = r3.get("step_counts") or {}, r4.get("step_counts") or {}
-    if c3 or c4:  # FLOPs, collectives and host copies per layer are identical: linear too
-        out["step_counts"] = {k: c3.get(k, 0) + (c4.get(k, 0) - c3.get(k, 0)) * n for k in set(c3) | set(c4)}
-    cats = set(r3.get("peak_by_category") or {}) | set(r4.get("peak_by_category") or {})
-    out["peak_by_category"] = {c: int(r3["peak_by_category"].get(c, 0)
-                                      + (r4["peak_by_category"].get(c, 0) - r3["peak_by_category"].get(c, 0)) * n)
-                               for c in cats}
-    alloc3, alloc4 = r3.get("allocator"), r4.get("allocator")
+        a, b = getattr(r3, key), getattr(r4, key)
+        if a is not None and b is not None:
+            value = a + (b - a) * n
+            linear[key] = value if isinstance(a, float) else int(value)
+    out = dataclasses.replace(r4, **linear)
+    if r4.peak_reserved_bytes is not None:
+        out.peak_reserved_bytes = out.peak_bytes + max(0, r4.peak_reserved_bytes - r4.peak_bytes)
+    if r3.step_counts is not None or r4.step_counts is not None:  # FLOPs, collectives and host copies per
+        # layer are identical: linear too
+        out.step_counts = StepCounts.combine([r3.step_counts or StepCounts(), r4.step_counts or StepCounts()],
+                                             lambda a, b: a + (b - a) * n)
+    cat3, cat4 = r3.peak_by_category or {}, r4.peak_by_category or {}
+    out.peak_by_category = {c: int(cat3.get(c, 0) + (cat4.get(c, 0) - cat3.get(c, 0)) * n)
+                            for c in dict.fromkeys([*cat3, *cat4])}
+    alloc3, alloc4 = r3.allocator, r4.allocator
     if alloc4:
-        out["allocator"] = {**alloc4, "oom": (alloc4.get("oom") or (alloc3 or {}).get("oom")),
-                            "peak_allocated_bytes": out.get("peak_bytes", alloc4["peak_allocated_bytes"])}
+        out.allocator = dataclasses.replace(
+            alloc4, oom=alloc4.oom or (alloc3.oom if alloc3 else None),
+            peak_allocated_bytes=out.peak_bytes if out.peak_bytes is not None else alloc4.peak_allocated_bytes)
     return out
 
 
-def under_pressure(high: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+def under_pressure(high: Measurement, out: Measurement) -> Measurement:
     """``out`` (the model extrapolated from ``high``, the larger simulation, run with
     ``keep_trace``) with its reserved peak replayed rather than added: ``high``'s allocation
     trace through the allocator model again, against the capacity less the bytes the extra
@@ -189,21 +193,20 @@ def under_pressure(high: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     would pass the capacity, the modelled allocator meets it, releases its cached blocks and
     retries, as the real one does, so the model fits unless what is live (page-rounded) does
     not. Without a trace (lean stack), ``out`` unchanged."""
-    out = {k: v for k, v in out.items() if k != TRACE_KEY}  # extrapolate() copied the larger result
-    if TRACE_KEY not in high or not out.get("allocator"):
+    out = dataclasses.replace(out, trace=None)  # extrapolate() copied the larger result's
+    if high.trace is None or not out.allocator:
         return out
-    reserve = max(0, out["peak_bytes"] - high["peak_bytes"])
-    replayed = replay_with_reserve(high, reserve)
-    alloc = replayed["allocator"]
-    if alloc["oom"]:  # keep the slack rule's figure: what the model would need, not where the replay stopped
-        oom = f"{alloc['oom']} (with {reserve / GiB:.2f} GiB of the further layers held; bench.search.extrapolate)"
-        return {**out, "allocator": {**out["allocator"], "oom": oom, "reserve_bytes": reserve,
-                                     "cache_releases": alloc["cache_releases"]}}
-    return {**out, "peak_reserved_bytes": max(replayed["peak_reserved_bytes"], out["peak_bytes"]),
-            "allocator": {**out["allocator"], "reserve_bytes": reserve, "cache_releases": alloc["cache_releases"]}}
+    reserve = max(0, out.peak_bytes - high.peak_bytes)
+    reserved, alloc = replay_with_reserve(high, reserve)
+    if alloc.oom:  # keep the slack rule's figure: what the model would need, not where the replay stopped
+        oom = f"{alloc.oom} (with {reserve / GiB:.2f} GiB of the further layers held; bench.search.extrapolate)"
+        return dataclasses.replace(out, allocator=dataclasses.replace(
+            out.allocator, oom=oom, reserve_bytes=reserve, cache_releases=alloc.cache_releases))
+    return dataclasses.replace(out, peak_reserved_bytes=max(reserved, out.peak_bytes), allocator=dataclasses.replace(
+        out.allocator, reserve_bytes=reserve, cache_releases=alloc.cache_releases))
 
 
-def simulated_pair(trial: Trial, how: Scheme, directory: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def simulated_pair(trial: Trial, how: Scheme, directory: str) -> tuple[list[Measurement], Measurement | None]:
     """The two shallow simulations ``how`` names (the larger one keeping its trace) and the model
     extrapolated from them and replayed under pressure (``under_pressure``); ``None`` for the
     latter if either simulation failed with an error."""
@@ -211,9 +214,9 @@ def simulated_pair(trial: Trial, how: Scheme, directory: str) -> tuple[list[dict
     shallow = [dataclasses.replace(trial, model=layer_variant(cfg, n, directory)) for n in how.layers]
     results = [guarded(measure_simulated, t, i == 1) for i, t in enumerate(shallow)]
     out = None
-    if not any(r["status"] == "error" for r in results):
+    if not any(r.status == "error" for r in results):
         out = under_pressure(results[1], extrapolate(results[0], results[1], how.units, how.low))
-    results[1].pop(TRACE_KEY, None)
+    results[1].trace = None
     return results, out
 
 
@@ -231,17 +234,17 @@ def layer_extrapolated_runner(workdir: str | None = None) -> Callable[[Trial], R
         how = scheme(cfg.n_layers, trial.step.ac_group, trial.step.offload_keep)
         if how.whole:
             result = guarded(measure_simulated, trial)
-            if how.size > 1 and result["status"] != "error":
-                result["stack_notes"] = list(result.get("stack_notes") or []) + [how.describe()]
+            if how.size > 1 and result.status != "error":
+                result.stack_notes = list(result.stack_notes or []) + [how.describe()]
             return build_row(trial, result, time.perf_counter() - t0)
         results, extrapolated = simulated_pair(trial, how, directory)
-        failed = next((r for r in results if r["status"] == "error"), None)
+        failed = next((r for r in results if r.status == "error"), None)
         result = failed or extrapolated
         if not failed:
-            result["status"] = "ok"  # the budget is judged on the extrapolated figures (build_row)
+            result.status = "ok"  # the budget is judged on the extrapolated figures (build_row)
             rule = (f"figure({cfg.n_layers}) = figure(3) + (figure(4) - figure(3)) x {cfg.n_layers - LOW}, "
                     "from 3- and 4-layer simulations" if how.size == 1 else how.describe())
-            result["stack_notes"] = list(result.get("stack_notes") or []) + [
+            result.stack_notes = list(result.stack_notes or []) + [
                 f"extrapolated over {'layers' if how.size == 1 else 'two-level checkpoint groups'}: {rule} "
                 "(bench.search.extrapolate)"]
         return build_row(trial, result, time.perf_counter() - t0)

@@ -31,6 +31,7 @@ from typing import TextIO
 from records import Figures, GiB, Kind, Row, human, validate_row
 
 from ..measure import launch
+from ..measure.result import failed
 from ..measure.run import build_row
 from ..measure.trial import Trial
 from .autochunk import run
@@ -79,8 +80,7 @@ def run_isolated(trial: Trial, timeout_s: float = 3600, target: Callable = _chil
     else:
         message = (f"trial process killed by SIGKILL (exit {code}): host out of memory?" if killed
                    else f"trial process died without a result (exit code {code})")
-    return build_row(trial, {"status": "oom" if killed else "error", "message": message},
-                     time.perf_counter() - t0)
+    return build_row(trial, failed("oom" if killed else "error", message), time.perf_counter() - t0)
 
 
 def default_runner(trial: Trial) -> Row:

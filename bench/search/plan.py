@@ -98,7 +98,9 @@ from analysis.plan_figure import draw_plan
 from records import GiB, human, read_rows, requested_options
 
 from ..measure import stack as paper_stack
+from ..measure.counts import StepCounts
 from ..measure.hardware import get_device
+from ..measure.result import Measurement
 from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
 from ..measure.steptime import (
     COUNTS_VERSION,
@@ -211,7 +213,7 @@ class SimCache:
 _CACHE: SimCache | None = None  # this process's (set by plan(); workers get theirs in _worker_init)
 
 
-def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
+def _sim(trial, n_layers: int, workdir: str, cache: dict) -> Measurement:
     key = (trial.seq_len, n_layers)
     if key not in cache:
         cfg = trial.config()
@@ -219,16 +221,17 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> dict:
             trial, model=layer_variant(cfg, n_layers, workdir))
         t = dataclasses.replace(t, mode="simulated")
         stored = _CACHE.key(t, cfg.name, n_layers) if _CACHE is not None else None
-        result = _CACHE.get(stored) if stored else None
+        hit = _CACHE.get(stored) if stored else None
+        result = Measurement.from_dict(hit) if hit is not None else None
         if result is None:
             result = guarded(measure_simulated, t)
             if _CACHE is not None:
-                _CACHE.put(stored, result)
+                _CACHE.put(stored, result.to_dict())
         cache[key] = result
     return cache[key]
 
 
-def fresh_counts(trial, workdir: str) -> dict:
+def fresh_counts(trial, workdir: str) -> StepCounts | None:
     """The step counts of ``trial`` simulated anew (extrapolated as ``sim_scheme`` says), for an entry
     whose cached simulations predate the counts of ``COUNTS_VERSION`` (memory figures do not
     depend on the counting, so the search's answer stands); the new results replace the cached
@@ -242,43 +245,40 @@ def fresh_counts(trial, workdir: str) -> dict:
             trial, model=layer_variant(cfg, n_layers, workdir))
         result = guarded(measure_simulated, t)
         if _CACHE is not None:
-            _CACHE.put(_CACHE.key(t, cfg.name, n_layers), result)
+            _CACHE.put(_CACHE.key(t, cfg.name, n_layers), result.to_dict())
         results.append(result)
-    if any(r["status"] == "error" for r in results):
-        return {}
+    if any(r.status == "error" for r in results):
+        return None
     if how.whole:
-        return results[0].get("step_counts") or {}
-    return extrapolate(results[0], results[1], how.units, how.low).get("step_counts") or {}
+        return results[0].step_counts
+    return extrapolate(results[0], results[1], how.units, how.low).step_counts
 
 
-def _slope(r3: dict, r4: dict) -> dict:
+def _slope(r3: Measurement, r4: Measurement) -> dict:
     """Per-unit (layer or group) increments of everything ``bench.search.extrapolate.extrapolate`` carries."""
-    cats = set(r3.get("peak_by_category") or {}) | set(r4.get("peak_by_category") or {})
-    c3, c4 = r3.get("step_counts") or {}, r4.get("step_counts") or {}
-    out = {k: (r4.get(k) or 0) - (r3.get(k) or 0) for k in LINEAR}
-    out["peak_by_category"] = {c: (r4.get("peak_by_category") or {}).get(c, 0)
-                               - (r3.get("peak_by_category") or {}).get(c, 0) for c in cats}
-    out["step_counts"] = {k: c4.get(k, 0) - c3.get(k, 0) for k in set(c3) | set(c4)}
-    if r4.get("peak_reserved_bytes") is not None:
-        out["reserved_slack"] = r4["peak_reserved_bytes"] - r4["peak_bytes"]
+    cat3, cat4 = r3.peak_by_category or {}, r4.peak_by_category or {}
+    out = {k: (getattr(r4, k) or 0) - (getattr(r3, k) or 0) for k in LINEAR}
+    out["peak_by_category"] = {c: cat4.get(c, 0) - cat3.get(c, 0) for c in dict.fromkeys([*cat3, *cat4])}
+    if r3.step_counts is not None or r4.step_counts is not None:
+        out["step_counts"] = StepCounts.combine([r3.step_counts or StepCounts(), r4.step_counts or StepCounts()],
+                                                lambda a, b: b - a)
+    if r4.peak_reserved_bytes is not None:
+        out["reserved_slack"] = r4.peak_reserved_bytes - r4.peak_bytes
     return out
 
 
-def _estimated_r4(r3: dict, slope: dict) -> dict:
+def _estimated_r4(r3: Measurement, slope: dict) -> Measurement:
     """The larger simulation's result (4 layers, or ``g + 1`` groups) from the smaller one and
     increments measured at another length."""
-    r4 = {**r3}
-    for k in LINEAR:
-        if r3.get(k) is not None:
-            r4[k] = r3[k] + slope.get(k, 0)
-    r4["peak_by_category"] = {c: (r3.get("peak_by_category") or {}).get(c, 0) + d
-                              for c, d in slope.get("peak_by_category", {}).items()}
-    c3 = r3.get("step_counts") or {}
-    r4["step_counts"] = {k: c3.get(k, 0) + slope.get("step_counts", {}).get(k, 0)
-                         for k in set(c3) | set(slope.get("step_counts", {}))}
-    if r3.get("peak_reserved_bytes") is not None:
-        r4["peak_reserved_bytes"] = r4["peak_bytes"] + slope.get(
-            "reserved_slack", r3["peak_reserved_bytes"] - r3["peak_bytes"])
+    r4 = dataclasses.replace(r3, **{k: getattr(r3, k) + slope.get(k, 0) for k in LINEAR if getattr(r3, k) is not None})
+    cat3 = r3.peak_by_category or {}
+    r4.peak_by_category = {c: cat3.get(c, 0) + d for c, d in slope.get("peak_by_category", {}).items()}
+    if r3.step_counts is not None or "step_counts" in slope:
+        r4.step_counts = StepCounts.combine([r3.step_counts or StepCounts(), slope.get("step_counts", StepCounts())],
+                                            lambda a, d: a + d)
+    if r3.peak_reserved_bytes is not None:
+        r4.peak_reserved_bytes = r4.peak_bytes + slope.get(
+            "reserved_slack", r3.peak_reserved_bytes - r3.peak_bytes)
     return r4
 
 
@@ -308,33 +308,34 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         r3 = _sim(trial, low, workdir, cache)
         if slope is None or (trial.seq_len, high) in cache:
             r4 = _sim(trial, high, workdir, cache)
-            slope = _slope(r3, r4) if r4["status"] == "ok" else {}
+            slope = _slope(r3, r4) if r4.status == "ok" else {}
             rows, exact = [r3, r4], True
         else:
             r4, rows, exact = _estimated_r4(r3, slope), [r3], False
-        result = r4 if any(r["status"] == "error" for r in rows) else extrapolate(r3, r4, how.units, how.low)
-    bad = [r for r in rows if r["status"] == "error"]
+        result = r4 if any(r.status == "error" for r in rows) else extrapolate(r3, r4, how.units, how.low)
+    bad = [r for r in rows if r.status == "error"]
     if bad:
-        p = Point(trial.seq_len, "error", 0, 0, 0.0, 0, bad[0].get("message", ""))
+        p = Point(trial.seq_len, "error", 0, 0, 0.0, 0, bad[0].message or "")
         p.load = float("inf")  # type: ignore[attr-defined]
         return p
-    row = build_row(trial, {**result, "status": "ok"}, 0.0)
+    row = build_row(trial, dataclasses.replace(result, status="ok"), 0.0)
     if exact and not how.whole and _past_capacity_by_slack(trial, row, result):
         # the slack rule passes the capacity where the live bytes do not: the allocator would release
         # its cache and retry (bench.search.extrapolate.under_pressure), so replay the larger
         # simulation's trace with the further layers held. Both simulations run again (the cache
         # keeps no trace, and a pair from one code version keeps the per-layer increment exact)
         stored = _CACHE.key(trial, cfg.name, cfg.n_layers) + PRESSURE_KEY if _CACHE is not None else None
-        replayed = _CACHE.get(stored) if stored else None
+        hit = _CACHE.get(stored) if stored else None
+        replayed = Measurement.from_dict(hit) if hit is not None else None
         if replayed is None:
             pair, replayed = simulated_pair(trial, how, workdir)
-            if any(r["status"] != "ok" for r in pair):
+            if any(r.status != "ok" for r in pair):
                 replayed = None
             elif stored:
-                _CACHE.put(stored, replayed)
+                _CACHE.put(stored, replayed.to_dict())
         if replayed is not None:
             result = replayed
-            row = build_row(trial, {**result, "status": "ok"}, 0.0)
+            row = build_row(trial, dataclasses.replace(result, status="ok"), 0.0)
     f = row.figures
     _, compared = budgeted_peak(trial, f)
     host_usable = f.host_usable_bytes
@@ -346,7 +347,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
               int(f.usable_bytes), row.message)
     p.load = load  # type: ignore[attr-defined]
     p.exact, p.slope = exact, slope  # type: ignore[attr-defined]
-    p.step_counts = result.get("step_counts") or {}  # type: ignore[attr-defined]
+    p.step_counts = result.step_counts  # type: ignore[attr-defined]
     p.row = row  # type: ignore[attr-defined]
     return p
 
@@ -354,13 +355,13 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
 PRESSURE_KEY = " under_pressure"  # SimCache key suffix: the whole model's figures from the pressure replay
 
 
-def _past_capacity_by_slack(trial, row, result: dict) -> bool:
+def _past_capacity_by_slack(trial, row, result: Measurement) -> bool:
     """A paper-stack row out of device memory only because its reserved peak (the slack rule's)
     passes the capacity: the allocated peak fits and the replay itself did not run out."""
     f = row.figures
     return (row.status == "oom" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
             and f.peak_bytes <= f.usable_bytes < f.peak_reserved_bytes
-            and not (result.get("allocator") or {}).get("oom"))
+            and not (result.allocator is not None and result.allocator.oom))
 
 
 def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
@@ -447,7 +448,7 @@ class Entry:
     peak_bytes: int | None = None
     host_peak_bytes: int | None = None
     comm_time_s: float | None = None  # at max_context
-    step_counts: dict | None = None  # at max_context (bench.measure.stepcount), for the step-time model
+    step_counts: StepCounts | None = None  # at max_context (bench.measure.stepcount), for the step-time model
     points: int = 0
     error: str = ""
     skipped: str = ""

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from bench.measure.counts import StepCounts  # noqa: E402
 from bench.measure.hardware import get_device, get_link  # noqa: E402
 from bench.measure.steptime import FITTED, STEPTIME_VERSION, step_time  # noqa: E402
 
@@ -93,7 +94,7 @@ def modelled_step_s(sim: dict, compute_only: bool = False, attention: bool = Tru
     """The modelled step on the simulation's counts with the kernel that ran (FA2); its compute
     part alone for an emulated row, whose collectives took no time; without the attention
     kernels for a row that skipped their arithmetic."""
-    counts = sim["figures"]["step_time_model"]["counts"]
+    counts = StepCounts.from_flat(sim["figures"]["step_time_model"]["counts"])
     device = get_device(sim["device"])
     model = step_time(counts, device, get_link(device.link), FITTED, "fa2")
     seconds = model["compute_time_s" if compute_only else "step_time_s"]

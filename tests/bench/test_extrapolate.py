@@ -15,6 +15,8 @@ import pytest
 
 from bench.cli import main
 from bench.measure import hardware, stack
+from bench.measure.counts import Collective, HostCopy, StepCounts, Traffic
+from bench.measure.result import AllocatorReplay, Measurement
 from bench.measure.run import guarded, measure_simulated, run_trial
 from bench.measure.trial import Trial
 from bench.model.config import get_config
@@ -68,21 +70,21 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
         return Trial.make("upipe", str(path), 32 << 10, 2, mode="simulated", device=device, step=step)
 
     free = guarded(measure_simulated, trial("h100-80g"))
-    allocated, reserved = free["peak_bytes"], free["peak_reserved_bytes"]
+    allocated, reserved = free.peak_bytes, free.peak_reserved_bytes
     assert reserved - allocated > 1 << 30, "the per-stream slack this test needs is gone"
     h100 = hardware.DEVICES["h100-80g"]
-    outside = stack.CUDA_CONTEXT_BYTES + stack.nccl_buffer_bytes(free["step_counts"])  # not the allocator's
+    outside = stack.CUDA_CONTEXT_BYTES + stack.nccl_buffer_bytes(free.step_counts)  # not the allocator's
     usable = (allocated + reserved) // 2
     monkeypatch.setitem(hardware.DEVICES, "tight", dataclasses.replace(h100, name="tight",
                                                                        capacity_bytes=usable + outside))
     full = guarded(measure_simulated, trial("tight"))
-    assert full["status"] == "ok" and not full["allocator"]["oom"] and full["allocator"]["cache_releases"] > 0
-    assert full["peak_reserved_bytes"] <= usable
+    assert full.status == "ok" and not full.allocator.oom and full.allocator.cache_releases > 0
+    assert full.peak_reserved_bytes <= usable
     extra = layer_extrapolated_runner()(trial("tight"))
     assert extra.status == "ok", extra.message
-    assert extra.figures.peak_bytes == full["peak_bytes"]
+    assert extra.figures.peak_bytes == full.peak_bytes
     page = 20 << 20
-    assert abs(extra.figures.peak_reserved_bytes - full["peak_reserved_bytes"]) <= 2 * page
+    assert abs(extra.figures.peak_reserved_bytes - full.peak_reserved_bytes) <= 2 * page
     assert any("further layers held" in n and "cache releases" in n for n in extra.notes)
     # the planner (its cache keeps no traces) simulates the steps again for the replay, and caches
     # the outcome: a second plan over the same cache simulates nothing
@@ -124,15 +126,35 @@ def seven_layers_path(tmp_path) -> str:
 
 
 def test_the_rule_on_hand_made_results():
-    r3 = {"status": "ok", "peak_bytes": 100, "peak_reserved_bytes": 110, "host_peak_bytes": 10,
-          "comm_bytes": 5, "comm_time_s": 1.0, "peak_by_category": {"parameter": 30, "activation": 70}}
-    r4 = {**r3, "peak_bytes": 120, "peak_reserved_bytes": 125, "host_peak_bytes": 14, "comm_bytes": 5,
-          "comm_time_s": 1.5, "peak_by_category": {"parameter": 40, "activation": 80}}
+    r3 = Measurement(peak_bytes=100, peak_reserved_bytes=110, host_peak_bytes=10, comm_bytes=5, comm_time_s=1.0,
+                     peak_by_category={"parameter": 30, "activation": 70})
+    r4 = dataclasses.replace(r3, peak_bytes=120, peak_reserved_bytes=125, host_peak_bytes=14, comm_bytes=5,
+                             comm_time_s=1.5, peak_by_category={"parameter": 40, "activation": 80})
     out = extrapolate(r3, r4, layers=10)
-    assert out["peak_bytes"] == 100 + 20 * 7 and out["host_peak_bytes"] == 10 + 4 * 7
-    assert out["peak_reserved_bytes"] == out["peak_bytes"] + 5  # the 4-layer slack, not extrapolated
-    assert out["comm_time_s"] == pytest.approx(1.0 + 0.5 * 7)
-    assert out["peak_by_category"] == {"parameter": 100, "activation": 140}
+    assert out.peak_bytes == 100 + 20 * 7 and out.host_peak_bytes == 10 + 4 * 7
+    assert out.peak_reserved_bytes == out.peak_bytes + 5  # the 4-layer slack, not extrapolated
+    assert out.comm_time_s == pytest.approx(1.0 + 0.5 * 7)
+    assert out.peak_by_category == {"parameter": 100, "activation": 140}
+
+
+def test_the_rule_on_hand_made_counts_and_allocator():
+    """Every count is linear in the layers, a kind of collective or copy one simulation lacks counting
+    0 there; the memory-bound traffic stays absent where both lack it; the allocator keeps the larger
+    simulation's replay with the extrapolated allocated peak and either simulation's OOM."""
+    a2a, gather = Collective("all_to_all", 4, 4), Collective("all_gather", 4, 4, attention=True)
+    c3 = StepCounts(flops_matmul=30, flops_attention=300, host_copies={HostCopy("offload", "d2h"): Traffic(2, 20)},
+                    collectives={a2a: Traffic(12, 1200)}, events={"pipeline.chunk_passes": 3})
+    c4 = StepCounts(flops_matmul=40, flops_attention=400, host_copies={HostCopy("offload", "d2h"): Traffic(3, 30)},
+                    collectives={a2a: Traffic(16, 1600), gather: Traffic(1, 10)}, events={"pipeline.chunk_passes": 4})
+    replay = AllocatorReplay("expandable", "shared", 0, 7, 0.1, 0, None)
+    r3 = Measurement(peak_bytes=100, step_counts=c3, allocator=dataclasses.replace(replay, oom="out at layer 3"))
+    r4 = Measurement(peak_bytes=120, step_counts=c4, allocator=replay)
+    out = extrapolate(r3, r4, layers=10)
+    assert out.step_counts == StepCounts(
+        flops_matmul=100, flops_attention=1000, host_copies={HostCopy("offload", "d2h"): Traffic(9, 90)},
+        collectives={a2a: Traffic(40, 4000), gather: Traffic(7, 70)}, events={"pipeline.chunk_passes": 10})
+    assert out.step_counts.memory_bound is None
+    assert out.allocator == dataclasses.replace(replay, peak_allocated_bytes=240, oom="out at layer 3")
 
 
 def test_extrapolation_is_refused_outside_simulation(capsys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
 from bench.training.config import StepConfig
@@ -47,7 +48,7 @@ def test_lever_step_equals_plain_single_device_step(pool, lever):
     _close(got, _ref("upipe"))
 
 
-def sim(seq_len: int = 8192, **levers) -> dict:
+def sim(seq_len: int = 8192, **levers) -> Measurement:
     trial = Trial.make("upipe", "tiny-llama", seq_len, 2, mode="simulated", device="h100-80g",
                        step=StepConfig(**levers))
     return measure_simulated(trial)
@@ -61,9 +62,9 @@ def test_offload_keep_none_moves_the_first_and_last_checkpoints_to_the_host():
     first = sim(offload_keep="first_last")
     none = sim(offload_keep="none")
     # two more block inputs (first and last) on the host, each with its positions (int64)
-    assert none["host_peak_bytes"] - first["host_peak_bytes"] == pytest.approx(2 * (hidden + 8192 // 2 * 8),
+    assert none.host_peak_bytes - first.host_peak_bytes == pytest.approx(2 * (hidden + 8192 // 2 * 8),
                                                                                  rel=0.01)
-    assert none["peak_bytes"] < first["peak_bytes"]
+    assert none.peak_bytes < first.peak_bytes
 
 
 def test_fsdp_offload_moves_masters_and_adam_state_to_the_host():
@@ -71,11 +72,11 @@ def test_fsdp_offload_moves_masters_and_adam_state_to_the_host():
 
     n = get_config("tiny-llama").n_params
     plain, off = sim(), sim(fsdp_offload=True)
-    assert plain["peak_by_category"]["optstate"] > 0
-    assert off["peak_by_category"]["optstate"] == 0
+    assert plain.peak_by_category["optstate"] > 0
+    assert off.peak_by_category["optstate"] == 0
     # fp32 master shard + AdamW's two fp32 states of this rank's half now on the host (at least)
-    assert off["host_peak_bytes"] - plain["host_peak_bytes"] >= 0.95 * 12 * n / 2
-    assert off["peak_bytes"] < plain["peak_bytes"]
+    assert off.host_peak_bytes - plain.host_peak_bytes >= 0.95 * 12 * n / 2
+    assert off.peak_bytes < plain.peak_bytes
 
 
 def test_fsdp_offload_needs_fsdp_and_the_gpu_code_path():
@@ -130,7 +131,7 @@ def test_fused_attn_norm_removes_the_saved_normed_input():
     hidden = seq // 2 * get_config("tiny-llama").dim * 2
     plain, fused = sim(seq), sim(seq, fused_attn_norm=True)
     # the normed input [1, S/C, dim] bf16 the attention saved is gone from the peak
-    assert plain["peak_bytes"] - fused["peak_bytes"] == pytest.approx(hidden, rel=0.01)
+    assert plain.peak_bytes - fused.peak_bytes == pytest.approx(hidden, rel=0.01)
 
 
 def test_fused_attn_norm_removes_fpdts_saved_normed_input():
@@ -145,7 +146,7 @@ def test_fused_attn_norm_removes_fpdts_saved_normed_input():
     def fpdt(**levers):
         trial = Trial.make("fpdt", "tiny-llama", seq, 2, mode="simulated", device="h100-80g",
                            options={"num_chunks": 8}, step=StepConfig(stack="paper", **levers))
-        return measure_simulated(trial)["peak_bytes"]
+        return measure_simulated(trial).peak_bytes
 
     saved = fpdt() - fpdt(fused_attn_norm=True)
     assert hidden * 3 // 4 <= saved <= hidden
@@ -269,24 +270,24 @@ def test_ac_group_host_peak_is_group_inputs_plus_one_group(tmp_path):
     ckpt = hidden + seq // ws * 8  # + positions int64
     cfg = _mid(tmp_path)
 
-    def run(k: int, keep: str = "none") -> dict:
+    def run(k: int, keep: str = "none") -> Measurement:
         trial = Trial.make("upipe", cfg, seq, ws, mode="simulated", device="h100-80g",
                            step=StepConfig(ac_group=k, offload_keep=keep))
         return measure_simulated(trial)
 
     small = 4096  # besides the checkpoints, a few bytes of index tensors made on the host (test_step's)
     base = run(1)
-    assert 0 <= base["host_peak_bytes"] - 8 * ckpt < small
+    assert 0 <= base.host_peak_bytes - 8 * ckpt < small
     # groups [2,2,2,2]: 4 inputs + 1 hidden; [3,3,2]: max(2 + 2 hidden, 3 + 1 hidden)
     for k, inputs, hiddens in ((2, 4, 1), (3, 3, 1)):
         r = run(k)
-        assert 0 <= r["host_peak_bytes"] - (inputs * ckpt + hiddens * hidden) < small, k
-        assert r["peak_bytes"] <= base["peak_bytes"] + ckpt, k
+        assert 0 <= r.host_peak_bytes - (inputs * ckpt + hiddens * hidden) < small, k
+        assert r.peak_bytes <= base.peak_bytes + ckpt, k
     # offload_keep applies to the group inputs: first and last group stay on the device, and a
     # kept group's re-created input is its device input itself (groups 1, 2 + one re-created hidden)
     r = run(2, "first_last")
-    assert 0 <= r["host_peak_bytes"] - (2 * ckpt + hidden) < small
-    assert r["peak_bytes"] <= run(1, "first_last")["peak_bytes"] + ckpt  # and adds nothing on the device
+    assert 0 <= r.host_peak_bytes - (2 * ckpt + hidden) < small
+    assert r.peak_bytes <= run(1, "first_last").peak_bytes + ckpt  # and adds nothing on the device
 
 
 def test_ac_group_refusals_and_cli():

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import signal
 
+from bench.measure.result import Measurement, failed
 from bench.measure.run import build_row
 from bench.measure.trial import Search, Trial
 from bench.search.maxctx import run_isolated, search
@@ -22,10 +23,10 @@ def fake_runner(limit: int, error_at: int | None = None, seen: list | None = Non
         if seen is not None:
             seen.append(trial.seq_len)
         if error_at is not None and trial.seq_len >= error_at:
-            return build_row(trial, {"status": "error", "message": "boom"}, 0.0)
+            return build_row(trial, failed("error", "boom"), 0.0)
         if trial.seq_len <= limit:
-            return build_row(trial, {"status": "ok", "peak_bytes": trial.seq_len}, 0.0)
-        return build_row(trial, {"status": "oom", "message": "too long"}, 0.0)
+            return build_row(trial, Measurement(peak_bytes=trial.seq_len), 0.0)
+        return build_row(trial, failed("oom", "too long"), 0.0)
 
     return run
 

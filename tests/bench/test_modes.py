@@ -11,6 +11,7 @@ import torch
 import methods
 from bench.measure import run as trial_mod
 from bench.measure.hardware import LINKS, CommCounter, get_device
+from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated, real_rank, run_trial
 from bench.measure.simulate import fake_process_group
 from bench.measure.trial import Trial
@@ -33,14 +34,14 @@ def test_simulated_peak_matches_real_within_5_percent(pool, method, ws, dtype, s
     real = Trial.make(method, "tiny-llama", seq, ws, mode="real", device="cpu", warmup=1, iters=1, smoke=True,
                       step=StepConfig(dtype=dtype))
     results = pool.run(real_rank, real, world_size=ws)
-    assert all(r["status"] == "ok" for r in results), results[0].get("traceback")
+    assert all(r.status == "ok" for r in results), results[0].traceback
     sim = measure_simulated(dataclasses.replace(real, mode="simulated"))
-    real_peak = results[0]["peak_bytes"]
-    assert abs(sim["peak_bytes"] - real_peak) <= 0.05 * real_peak, (sim["peak_bytes"], real_peak)
+    real_peak = results[0].peak_bytes
+    assert abs(sim.peak_bytes - real_peak) <= 0.05 * real_peak, (sim.peak_bytes, real_peak)
     # the categories line up too: same weights, gradients and optimizer state
     for cat in ("parameter", "gradient", "optstate"):
-        assert sim["peak_by_category"][cat] == results[0]["peak_by_category"][cat], cat
-    assert sim["comm_bytes"] == results[0]["comm_bytes"]
+        assert sim.peak_by_category[cat] == results[0].peak_by_category[cat], cat
+    assert sim.comm_bytes == results[0].comm_bytes
 
 
 def test_emulated_row_adds_modelled_communication_to_measured_compute():
@@ -65,7 +66,7 @@ def test_emulated_row_drops_a_loss_that_is_not_a_number(monkeypatch):
     real = trial_mod._emulated
 
     def nan_loss(trial):
-        return {**real(trial), "loss": float("nan")}
+        return dataclasses.replace(real(trial), loss=float("nan"))
 
     monkeypatch.setattr(trial_mod, "_emulated", nan_loss)
     row = run_trial(Trial.make("ulysses", "tiny-mha", 512, 2, mode="emulated", device="cpu", iters=1, smoke=True,
@@ -139,14 +140,14 @@ def test_kernel_workspace_model_adds_the_flash_backward_scratch():
 
     s, ws = 1 << 20, 8
     base = Trial.make("ulysses", "llama3-8b", s, ws, step=StepConfig(scope="attention"))
-    plain = measure_simulated(base)["peak_bytes"]
+    plain = measure_simulated(base).peak_bytes
     fa3 = measure_simulated(dataclasses.replace(base, step=StepConfig(scope="attention", kernel_workspace="fa3")))
     q = torch.empty(1, 4, s, 128, device="meta")
     k = torch.empty(1, 1, s, 128, device="meta")
     scratch = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
                   for shape, dt in workspace_shapes("fa3", q, k))
     assert scratch == 4 * s * 128 * 4 + 2 * 4 * s * 4 + 2 * s * 128 * 4
-    assert plain + scratch // 2 < fa3["peak_bytes"] <= plain + scratch
+    assert plain + scratch // 2 < fa3.peak_bytes <= plain + scratch
     with pytest.raises(ValueError, match="kernel_workspace must be one of"):
         StepConfig(kernel_workspace="fa4")
     with pytest.raises(ValueError, match="in emulated mode the real kernel"):
@@ -160,6 +161,6 @@ def test_host_memory_budget_under_simulation():
 
     row = run_trial(Trial.make("upipe", "tiny-llama", 2048, 2))
     assert row.status == "ok" and row.figures.host_usable_bytes == DEVICES["h100-80g"].host_usable()
-    result = {"status": "ok", "peak_bytes": 1, "host_peak_bytes": 300 * 2**30}
+    result = Measurement(peak_bytes=1, host_peak_bytes=300 * 2**30)
     over = trial_mod.build_row(Trial.make("upipe", "llama3-8b", 1 << 20, 8), result, 0.0)
     assert over.status == "oom" and over.message.startswith("host memory: offloads of 300.00 GiB")

@@ -100,8 +100,8 @@ for name, method, options in json.loads(sys.argv[1]):
     trial = Trial.make(method, "tiny-llama", 4096, 4, options, mode="simulated", device="h100-80g",
                        step=StepConfig(scope="attention"))
     r = guarded(measure_simulated, trial)
-    out[name] = {"status": r["status"], "message": r.get("message"), "calls": list(calls),
-                 "flops": r.get("step_counts", {}).get("flops.attention")}
+    out[name] = {"status": r.status, "message": r.message, "calls": list(calls),
+                 "flops": r.step_counts.flops_attention if r.step_counts else None}
 print(json.dumps(out), flush=True)
 os._exit(0)  # the interpreter's teardown sometimes aborts after several fake process groups (seen without yc_fa3 too)
 """

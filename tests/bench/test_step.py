@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import methods
+from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated
 from bench.measure.simulate import fake_process_group
 from bench.measure.trial import Trial
@@ -34,7 +35,7 @@ def cfg_file(tmp_path_factory):
     return str(path)
 
 
-def sim(cfg_file, seq_len=32768, ws=4, method="ulysses", **levers):
+def sim(cfg_file, seq_len=32768, ws=4, method="ulysses", **levers) -> Measurement:
     trial = Trial.make(method, cfg_file, seq_len, ws, mode="simulated", device="h100-80g",
                        step=StepConfig(**levers))
     return measure_simulated(trial)
@@ -43,9 +44,9 @@ def sim(cfg_file, seq_len=32768, ws=4, method="ulysses", **levers):
 def test_checkpointing_lowers_activation_memory(cfg_file):
     on = sim(cfg_file, ac=True, ac_offload=False)
     off = sim(cfg_file, ac=False, ac_offload=False)
-    act_on = on["peak_by_category"]["activation"] + on["peak_by_category"]["temp"]
-    act_off = off["peak_by_category"]["activation"] + off["peak_by_category"]["temp"]
-    assert on["peak_bytes"] < 0.7 * off["peak_bytes"], (on["peak_bytes"], off["peak_bytes"])
+    act_on = on.peak_by_category["activation"] + on.peak_by_category["temp"]
+    act_off = off.peak_by_category["activation"] + off.peak_by_category["temp"]
+    assert on.peak_bytes < 0.7 * off.peak_bytes, (on.peak_bytes, off.peak_bytes)
     assert act_on < 0.6 * act_off
 
 
@@ -55,13 +56,13 @@ def test_offload_moves_checkpoints_to_the_host(cfg_file):
     # on the GPU code path (fake CUDA, bench.measure.simcuda) the host also holds a few bytes of
     # index tensors made there before their copy to the device, as a GPU run does
     small = 4096
-    assert kept["host_peak_bytes"] < small
+    assert kept.host_peak_bytes < small
     # every block but the first and last offloads its inputs: 2 of 4 here, each the hidden
     # states [1, S/C, dim] bf16 and the positions [S/C] int64
     hidden, positions = 32768 // 4 * 512 * 2, 32768 // 4 * 8
-    assert 0 <= moved["host_peak_bytes"] - 2 * (hidden + positions) < small
+    assert 0 <= moved.host_peak_bytes - 2 * (hidden + positions) < small
     # the device keeps the positions (one tensor shared by all blocks) but not the hidden states
-    assert moved["peak_bytes"] <= kept["peak_bytes"] - 2 * hidden
+    assert moved.peak_bytes <= kept.peak_bytes - 2 * hidden
 
 
 def test_rope_table_is_held_whole_and_travels_with_the_checkpoints(cfg_file):
@@ -72,16 +73,16 @@ def test_rope_table_is_held_whole_and_travels_with_the_checkpoints(cfg_file):
     table = seq * (CFG["head_dim"] // 2) * 8
     base = sim(cfg_file, seq, ac=True, ac_offload=True)
     held = sim(cfg_file, seq, ac=True, ac_offload=True, rope_table="checkpointed")
-    assert held["peak_by_category"]["buffer"] - base["peak_by_category"]["buffer"] == table
+    assert held.peak_by_category["buffer"] - base.peak_by_category["buffer"] == table
     # two of the four blocks are offloaded (first and last kept): one host copy each
-    assert held["host_peak_bytes"] - base["host_peak_bytes"] == 2 * table
+    assert held.host_peak_bytes - base.host_peak_bytes == 2 * table
     # with the last block offloaded too, the peak (its attention backward) holds the buffer and
     # the block's unpacked copy
     base_first = sim(cfg_file, seq, ac=True, ac_offload=True, offload_keep="first")
     held_first = sim(cfg_file, seq, ac=True, ac_offload=True, offload_keep="first", rope_table="checkpointed")
-    assert held_first["peak_bytes"] - base_first["peak_bytes"] == 2 * table
+    assert held_first.peak_bytes - base_first.peak_bytes == 2 * table
     kept = sim(cfg_file, seq, ac=True, ac_offload=False, rope_table="checkpointed")
-    assert kept["host_peak_bytes"] < 4096  # nothing offloaded: no copies anywhere
+    assert kept.host_peak_bytes < 4096  # nothing offloaded: no copies anywhere
     with pytest.raises(ValueError, match="pass build_model"):
         from bench.model.config import get_config
         build_model(get_config("tiny-llama"), "ulysses", {}, None, StepConfig.plain(rope_table="checkpointed"), "cpu")
@@ -91,15 +92,15 @@ def test_tiled_mlp_and_norm_lower_memory(cfg_file):
     tiled = sim(cfg_file)
     plain_mlp = sim(cfg_file, tiled_mlp=False)
     plain_norm = sim(cfg_file, tiled_norm=False)
-    assert tiled["peak_bytes"] < plain_mlp["peak_bytes"]
-    assert tiled["peak_bytes"] < plain_norm["peak_bytes"]
+    assert tiled.peak_bytes < plain_mlp.peak_bytes
+    assert tiled.peak_bytes < plain_norm.peak_bytes
 
 
 def test_chunked_loss_lowers_memory(cfg_file):
     chunked = sim(cfg_file)
     full = sim(cfg_file, chunked_loss=False)
     logits = 32768 // 4 * CFG["vocab_size"] * 4  # fp32 logits of the local tokens
-    assert full["peak_bytes"] - chunked["peak_bytes"] > logits
+    assert full.peak_bytes - chunked.peak_bytes > logits
 
 
 def test_fsdp_shards_master_weights_and_adam_state(cfg_file):
@@ -107,11 +108,11 @@ def test_fsdp_shards_master_weights_and_adam_state(cfg_file):
     for ws in (2, 8):
         r = sim(cfg_file, ws=ws, seq_len=8192)
         # fp32 AdamW exp_avg + exp_avg_sq of this rank's shard (FSDP pads each tensor to ws rows)
-        assert r["peak_by_category"]["optstate"] == pytest.approx(8 * n / ws, rel=0.02)
+        assert r.peak_by_category["optstate"] == pytest.approx(8 * n / ws, rel=0.02)
     replicated = sim(cfg_file, ws=8, seq_len=8192, fsdp=False)
     # without FSDP: bf16 states of every parameter on every rank (the peak may also hold the
     # foreach step's temporaries, also counted as optimizer memory)
-    assert replicated["peak_by_category"]["optstate"] >= 0.98 * 2 * 2 * n
+    assert replicated.peak_by_category["optstate"] >= 0.98 * 2 * 2 * n
 
 
 def test_mixed_precision_keeps_fp32_masters_and_computes_in_bf16():

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from bench.measure.counts import Collective, HostCopy, StepCounts, Traffic
 from bench.measure.hardware import CommCounter, get_device, get_link
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
@@ -51,12 +52,17 @@ from records import Row, validate_row
 NO_LEVERS = dict(ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False, chunked_loss=False)
 
 
-def _counts(method: str, seq_len: int, world: int, **step) -> dict:
+def _counts(method: str, seq_len: int, world: int, **step) -> StepCounts:
     trial = Trial.make(method, "tiny-llama", seq_len, world, mode="simulated", device="h100-80g",
                        step=StepConfig(**step))
     r = guarded(measure_simulated, trial)
-    assert r["status"] == "ok", r.get("message")
-    return r["step_counts"]
+    assert r.status == "ok", r.message
+    return r.step_counts
+
+
+def _flat(flat: dict[str, float]) -> StepCounts:
+    """Hand-made counts in a row's flat form, FLOPs not given taken as 0."""
+    return StepCounts.from_flat({"flops.matmul": 0, "flops.attention": 0, "flops.other": 0, **flat})
 
 
 def test_counted_flops_equal_the_analytic_count():
@@ -67,9 +73,9 @@ def test_counted_flops_equal_the_analytic_count():
     c = _counts("ulysses", s, w, **NO_LEVERS)
     cfg = get_config("tiny-llama")
     attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * s * s // 2
-    assert c["flops.matmul"] == (flops_per_step(cfg, s) - attn) / w
-    assert c["flops.attention"] == pytest.approx(attn / w * 14 / 12, rel=2 / s)
-    assert c["flops.other"] == 0
+    assert c.flops_matmul == (flops_per_step(cfg, s) - attn) / w
+    assert c.flops_attention == pytest.approx(attn / w * 14 / 12, rel=2 / s)
+    assert c.flops_other == 0
 
 
 def test_checkpoint_recompute_is_counted():
@@ -78,8 +84,8 @@ def test_checkpoint_recompute_is_counted():
     s, w = 4096, 2
     plain = _counts("ulysses", s, w, **NO_LEVERS)
     ac = _counts("ulysses", s, w, **{**NO_LEVERS, "ac": True})
-    assert ac["flops.attention"] == pytest.approx(plain["flops.attention"] * 18 / 14, rel=1e-9)
-    assert ac["flops.matmul"] > plain["flops.matmul"] * 1.2
+    assert ac.flops_attention == pytest.approx(plain.flops_attention * 18 / 14, rel=1e-9)
+    assert ac.flops_matmul > plain.flops_matmul * 1.2
 
 
 def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
@@ -89,13 +95,14 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
     paper = _counts("upipe", 8192, 4, stack="paper")
     plain = _counts("upipe", 8192, 4, stack="lean")
     # DeepSpeed's TiledMLP and ours both recompute each tile's forward in backward: the same matmuls
-    assert plain["flops.matmul"] == paper["flops.matmul"]
-    assert plain["bytes.memory_bound"] != paper["bytes.memory_bound"]  # but not the same elementwise work
-    assert plain["host.offload.d2h_bytes"] < paper["host.offload.d2h_bytes"]  # one more block offloaded
+    assert plain.flops_matmul == paper.flops_matmul
+    assert plain.memory_bound.bytes != paper.memory_bound.bytes  # but not the same elementwise work
+    offloaded = HostCopy("offload", "d2h")
+    assert plain.host_copies[offloaded].bytes < paper.host_copies[offloaded].bytes  # one more block offloaded
     trial = Trial.make("upipe", "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
                        step=as_paper_runs(StepConfig(stack="lean"), "upipe"))
     r = guarded(measure_simulated, trial)
-    assert r["step_counts"] == paper
+    assert r.step_counts == paper
 
 
 @pytest.mark.parametrize("method", ["ulysses", "upipe"])
@@ -112,7 +119,7 @@ def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
     monkeypatch.setattr(simulate, "compressing_repeats", contextlib.nullcontext)
     every = _counts(method, 8192, 2, **step)
     for key in ("flops.matmul", "flops.attention", "bytes.memory_bound", "host.offload.d2h_bytes"):
-        assert skipped[key] == pytest.approx(every[key], rel=1e-9), key
+        assert skipped.to_flat()[key] == pytest.approx(every.to_flat()[key], rel=1e-9), key
 
 
 @pytest.mark.parametrize("stack", ["lean", "paper"])
@@ -130,7 +137,7 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
         trial = Trial.make("fpdt", "tiny-llama", 8192, 2, options={"num_chunks": 8}, mode="simulated",
                            device="h100-80g", step=StepConfig(stack=stack))
         r = guarded(measure_simulated, trial)
-        assert r["status"] == "ok", r.get("message")
+        assert r.status == "ok", r.message
         return r
 
     ran = []
@@ -143,7 +150,7 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     monkeypatch.setattr(simulate_module, "compressing_repeats", contextlib.nullcontext)
     every = simulate()
     for key in ("peak_bytes", "peak_by_category", "host_peak_bytes", "peak_reserved_bytes", "step_counts"):
-        assert skipped.get(key) == every.get(key), key
+        assert getattr(skipped, key) == getattr(every, key), key
 
 
 def test_memory_traffic_counts_what_kernels_read_and_write():
@@ -170,7 +177,7 @@ def test_memory_traffic_counts_what_kernels_read_and_write():
 
 def test_memory_bound_bytes_take_the_device_bandwidth():
     dev, link = get_device("h100-80g"), get_link("nvlink-h100")
-    terms = step_time({"bytes.memory_bound": dev.hbm_Bps}, dev, link)["terms"]
+    terms = step_time(StepCounts(memory_bound=Traffic(1, dev.hbm_Bps)), dev, link)["terms"]
     assert terms["compute_memory_bound_s"] == pytest.approx(1.0)
 
 
@@ -204,17 +211,18 @@ def test_comm_counts_see_which_nodes_a_group_spans():
             torch.distributed.all_gather_into_tensor(torch.zeros(2048), x, group=across)
             torch.distributed.all_gather_into_tensor(torch.zeros(8192), x, group=inside)
     counts = comm_counts(counter, ranks_per_node=8)
-    assert counts["comm.all_gather.2.1.calls"] == 1 and counts["comm.all_gather.8.8.calls"] == 1
-    assert counts["comm.all_gather.2.1.bytes"] == 2048 * 4
+    assert counts[Collective("all_gather", 2, 1)].calls == 1 and counts[Collective("all_gather", 8, 8)].calls == 1
+    assert counts[Collective("all_gather", 2, 1)].bytes == 2048 * 4
 
 
 def test_the_model_refuses_bad_input():
     with pytest.raises(ValueError, match="peak_bf16_flops"):
-        step_time({}, dataclasses.replace(get_device("h100-80g"), peak_bf16_flops=0.0), get_link("nvlink-h100"))
+        step_time(StepCounts(), dataclasses.replace(get_device("h100-80g"), peak_bf16_flops=0.0),
+                  get_link("nvlink-h100"))
     with pytest.raises(ValueError, match="efficiencies"):
         StepTimeConstants(1.5, 0.5, 0.5, 0.0)
     with pytest.raises(ValueError, match="kernel"):
-        step_time({}, get_device("h100-80g"), get_link("nvlink-h100"), FITTED, kernel="fa1")
+        step_time(StepCounts(), get_device("h100-80g"), get_link("nvlink-h100"), FITTED, kernel="fa1")
 
 
 def test_fpdt_chunk_passes_are_counted_forward_recompute_and_backward():
@@ -224,8 +232,8 @@ def test_fpdt_chunk_passes_are_counted_forward_recompute_and_backward():
         trial = Trial.make("fpdt", "tiny-llama", seq_len, 2, options, mode="simulated", device="h100-80g",
                            step=StepConfig(**{**NO_LEVERS, "ac": True}))
         r = guarded(measure_simulated, trial)
-        assert r["status"] == "ok", r.get("message")
-        return r["step_counts"]["pipeline.chunk_passes"]
+        assert r.status == "ok", r.message
+        return r.step_counts.events["pipeline.chunk_passes"]
 
     layers = get_config("tiny-llama").n_layers
     assert passes(4096, num_chunks=4) == 3 * 4 * layers
@@ -235,7 +243,7 @@ def test_fpdt_chunk_passes_are_counted_forward_recompute_and_backward():
 
 def test_ds_fpdt_sync_is_paid_per_chunk_pass_only_for_deepspeeds_fpdt():
     link, dev = get_link("nvlink-h100"), get_device("h100-80g")
-    counts = {"flops.matmul": 1e15, "pipeline.chunk_passes": 96}
+    counts = _flat({"flops.matmul": 1e15, "pipeline.chunk_passes": 96})
     c = dataclasses.replace(FITTED, ds_fpdt_chunk_s=0.01)
     ours = step_time(counts, dev, link, c)
     ds = step_time(counts, dev, link, c, ds_fpdt_sync=True)
@@ -253,8 +261,8 @@ def test_eff_matmul_is_the_measured_gemm_rate():
 
 def test_latency_is_paid_per_call():
     link, dev = get_link("nvlink-h100"), get_device("h100-80g")
-    few = {"comm.all_to_all.8.8.bytes": 1e9, "comm.all_to_all.8.8.calls": 4}
-    many = {**few, "comm.all_to_all.8.8.calls": 400}
+    few = StepCounts(collectives={Collective("all_to_all", 8, 8): Traffic(4, 1e9)})
+    many = StepCounts(collectives={Collective("all_to_all", 8, 8): Traffic(400, 1e9)})
     c = StepTimeConstants(0.5, 0.5, 0.5, 1e-4)
     assert step_time(many, dev, link, c)["step_time_s"] - step_time(few, dev, link, c)["step_time_s"] \
         == pytest.approx(396 * 1e-4)
@@ -264,8 +272,8 @@ def test_a_barrier_costs_barrier_s_on_the_critical_path_not_latency_s():
     """The paper's ring-step barriers (paper stack term 9) are priced at their own constant and
     waited on (the fit's twin prices them alike: ``test_the_fit_times_steps_as_the_model_does``)."""
     link, dev = get_link("nvlink-h100"), get_device("h100-80g")
-    base = {"flops.matmul": 1e15, "comm.send.8.8.bytes": 1e9, "comm.send.8.8.calls": 8}
-    synced = {**base, "comm.barrier.8.8.bytes": 0, "comm.barrier.8.8.calls": 100}
+    base = _flat({"flops.matmul": 1e15, "comm.send.8.8.bytes": 1e9, "comm.send.8.8.calls": 8})
+    synced = dataclasses.replace(base, collectives={**base.collectives, Collective("barrier", 8, 8): Traffic(100, 0)})
     c = StepTimeConstants(0.5, 0.5, 0.5, 1e-5, 0.0, 3e-3)
     extra = step_time(synced, dev, link, c)["step_time_s"] - step_time(base, dev, link, c)["step_time_s"]
     assert extra == pytest.approx(100 * 3e-3)  # not hidden behind compute as the sends are
@@ -274,10 +282,11 @@ def test_a_barrier_costs_barrier_s_on_the_critical_path_not_latency_s():
 
 
 def test_scale_counts_by_leading_power():
-    c = scale_counts({"flops.attention": 4.0, "flops.matmul": 2.0, "comm.x.8.8.calls": 3,
-                      "comm.x.8.8.bytes": 10.0, "host.offload.d2h_calls": 5}, 100, 200)
-    assert c == {"flops.attention": 16.0, "flops.matmul": 4.0, "comm.x.8.8.calls": 3, "comm.x.8.8.bytes": 20.0,
-                 "host.offload.d2h_calls": 5}
+    c = scale_counts(_flat({"flops.attention": 4.0, "flops.matmul": 2.0, "comm.x.8.8.calls": 3,
+                            "comm.x.8.8.bytes": 10.0, "host.offload.d2h_calls": 5, "host.offload.d2h_bytes": 7.0}),
+                     100, 200)
+    assert c == _flat({"flops.attention": 16.0, "flops.matmul": 4.0, "comm.x.8.8.calls": 3, "comm.x.8.8.bytes": 20.0,
+                       "host.offload.d2h_calls": 5, "host.offload.d2h_bytes": 14.0})
 
 
 # --------------------------------------------------------------------------- the committed counts and fit
@@ -293,7 +302,8 @@ def committed():
 def test_interpolation_matches_a_direct_simulation(committed):
     model, method, s = CHECK_CELL
     direct = committed[(model, method, s)]
-    est = interpolate({n: committed[(model, method, n)] for n in COUNT_LENGTHS[model]}, s)
+    est = interpolate({n: committed[(model, method, n)] for n in COUNT_LENGTHS[model]}, s).to_flat()
+    direct = direct.to_flat()
     for key in ("flops.matmul", "flops.attention"):
         assert est[key] == pytest.approx(direct[key], rel=1e-3), key
     for key in direct:
@@ -318,7 +328,7 @@ def test_table3_fpdt_cells_count_the_papers_chunks(committed):
 
     for model, layers in (("llama3-8b", 32), ("qwen3-32b", 64)):
         for s in COUNT_LENGTHS[model]:
-            assert committed[(model, "fpdt", s)]["pipeline.chunk_passes"] == 3 * (s // 65536) * layers
+            assert committed[(model, "fpdt", s)].events["pipeline.chunk_passes"] == 3 * (s // 65536) * layers
     counts = counts_for(committed, "llama3-8b", "fpdt", 1 << 20)
     _, res = modelled_tps(counts, "llama3-8b", "fpdt", 1 << 20, FITTED)
     assert res["terms"]["ds_fpdt_sync_s"] == pytest.approx(3 * 16 * 32 * FITTED.ds_fpdt_chunk_s, rel=1e-6)
@@ -416,9 +426,10 @@ def test_the_plan_times_with_this_model():
     length, with the constants fitted on counts of their version (the plan's cache holds older ones)."""
     from bench.search.plan import Entry, modelled_time
 
-    old = {"flops.matmul": 1e15, "flops.attention": 2e15, "comm.all_to_all.8.8.bytes": 1e10,
-           "comm.all_to_all.8.8.calls": 100, "host.offload.d2h_bytes": 1e9, "host.offload.h2d_bytes": 1e9}
-    new = {**old, "bytes.memory_bound": 1e13}
+    old = _flat({"flops.matmul": 1e15, "flops.attention": 2e15, "comm.all_to_all.8.8.bytes": 1e10,
+                 "comm.all_to_all.8.8.calls": 100, "host.offload.d2h_bytes": 1e9, "host.offload.d2h_calls": 4,
+                 "host.offload.h2d_bytes": 1e9, "host.offload.h2d_calls": 4})
+    new = dataclasses.replace(old, memory_bound=Traffic(1000, 1e13))
     for counts, constants in ((old, FITTED_V2), (new, FITTED)):
         e = Entry("upipe", Trial.make("upipe", "llama3-8b", 1 << 20, 8), max_context=1 << 20, step_counts=counts)
         want = step_time(scale_counts(counts, 1 << 20, 1 << 19), get_device("h100-80g"), get_link("nvlink-h100"),
@@ -438,25 +449,26 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
                        step=StepConfig(stack="paper"))
     counted = guarded(measure_simulated, trial)
     monkeypatch.setattr(stepcount.StepCounter, "counting", lambda self: contextlib.nullcontext(self))
-    monkeypatch.setattr(stepcount.StepCounter, "counts", lambda self: {})
+    monkeypatch.setattr(stepcount.StepCounter, "counts", lambda self: StepCounts())
     plain = guarded(measure_simulated, trial)
     for key in ("peak_bytes", "host_peak_bytes", "peak_reserved_bytes", "peak_by_category", "comm_bytes_by_op"):
-        assert counted[key] == plain[key], key
+        assert getattr(counted, key) == getattr(plain, key), key
 
 
 def test_collectives_the_attention_issues_are_on_the_critical_path():
     """torch's CP all-gathers K/V itself (blocking its ring); FSDP's all-gathers are issued by the step."""
     cp = _counts("torch-cp", 8192, 4)
     up = _counts("upipe", 8192, 4)
-    assert cp["comm_attn.all_gather.4.4.calls"] > 0
-    assert cp["comm_attn.all_gather.4.4.calls"] < cp["comm.all_gather.4.4.calls"]  # FSDP's stay overlapped
-    assert not any(k.startswith("comm_attn.") for k in up)
+    assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls > 0
+    assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls \
+        < cp.collectives[Collective("all_gather", 4, 4)].calls  # FSDP's stay overlapped
+    assert not any(k.attention for k in up.collectives)
     link, dev = get_link("nvlink-h100"), get_device("h100-80g")
     counts = {"comm.all_gather.8.8.bytes": 8e9, "comm.all_gather.8.8.calls": 2}
     blocking = {**counts, "comm_attn.all_gather.8.8.bytes": 8e9, "comm_attn.all_gather.8.8.calls": 2}
     c = StepTimeConstants(0.5, 0.5, 0.5, 1e-5)
-    hidden = step_time({**counts, "flops.matmul": 1e15}, dev, link, c)["terms"]
-    shown = step_time({**blocking, "flops.matmul": 1e15}, dev, link, c)["terms"]
+    hidden = step_time(_flat({**counts, "flops.matmul": 1e15}), dev, link, c)["terms"]
+    shown = step_time(_flat({**blocking, "flops.matmul": 1e15}), dev, link, c)["terms"]
     assert hidden["comm_critical_s"] == 0 and hidden["comm_overlapped_exposed_s"] == 0
     assert shown["comm_critical_s"] == pytest.approx(collective_seconds("all_gather", 8e9, 8, 8, link) + 2e-5)
     assert shown["comm_overlapped_s"] == pytest.approx(0, abs=1e-12)

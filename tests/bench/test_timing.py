@@ -4,6 +4,7 @@ unless the trial is a smoke run, whose row says so; the host's load is recorded 
 ``host_shared`` verdict that follows the trial's own thread count."""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.measure import run as run_mod
+from bench.measure.result import LoadAround, Measurement
 from bench.measure.timing import MIN_TIMED_STEPS, StepStats, host_shared, slowest_rank_steps
 from bench.measure.trial import Trial
 from records import validate_row
@@ -74,9 +76,9 @@ def test_cli_refuses_few_steps_in_one_line_before_running():
     assert "[real on" not in p.stderr  # refused before any rank was spawned
 
 
-def _rank(times, threads=1, host="h", before=0.2, after=0.4):
-    return {"status": "ok", "compute_time_s": sum(times) / len(times), "step_times_s": times, "threads": threads,
-            "host": host, "host_load": {"before": before, "after": after, "cpus": 2}, "peak_bytes": 10}
+def _rank(times, threads=1, host="h", before=0.2, after=0.4) -> Measurement:
+    return Measurement(compute_time_s=sum(times) / len(times), step_times_s=times, threads=threads, host=host,
+                       host_load=LoadAround(before, after, 2), peak_bytes=10)
 
 
 def test_row_from_ranks_reports_median_min_max_of_the_slowest_rank_steps():
@@ -103,7 +105,7 @@ def test_row_says_when_the_host_was_shared_and_when_it_is_a_smoke_run():
 
 def test_emulated_steps_include_the_modelled_communication():
     trial = Trial.make("ulysses", "tiny-mha", 512, 2, mode="emulated", device="cpu")
-    result = {**_rank([1.0, 2.0, 3.0, 4.0, 5.0]), "comm_time_s": 0.5}
+    result = dataclasses.replace(_rank([1.0, 2.0, 3.0, 4.0, 5.0]), comm_time_s=0.5)
     f = run_mod.build_row(trial, result, wall_s=1.0).figures
     assert f.step_times_s == [1.5, 2.5, 3.5, 4.5, 5.5]
     assert f.step_time_s == pytest.approx(f.compute_time_s + f.comm_time_s) == 3.5

@@ -90,8 +90,8 @@ def _barrier_calls(method: str, options: dict, **step) -> float:
     trial = Trial.make(method, "tiny-llama", 8192, 4, options, mode="simulated", device="h100-80g",
                        step=StepConfig(**step))
     r = guarded(measure_simulated, trial)
-    assert r["status"] == "ok", r.get("message")
-    return sum(v for k, v in r["step_counts"].items() if k.startswith("comm.barrier.") and k.endswith(".calls"))
+    assert r.status == "ok", r.message
+    return sum(t.calls for kind, t in r.step_counts.collectives.items() if kind.op == "barrier" and not kind.attention)
 
 
 def test_the_paper_stack_synchronises_the_papers_ring_code_only(fresh_yunchang):

@@ -337,14 +337,14 @@ def test_simulated_mode_records_the_reserved_peak_without_changing_the_fit():
 
     base = Trial.make("ulysses", "tiny-llama", 1024, 2, device="cpu")
     plain = measure_simulated(base)
-    assert "peak_reserved_bytes" not in plain
+    assert plain.peak_reserved_bytes is None
     for allocator in ("classic", "expandable"):
         trial = Trial.make("ulysses", "tiny-llama", 1024, 2, device="cpu", step=StepConfig(allocator_model=allocator))
         out = measure_simulated(trial)
-        assert out["peak_bytes"] == plain["peak_bytes"]
-        assert out["peak_reserved_bytes"] >= out["allocator"]["peak_allocated_bytes"] >= out["peak_bytes"]
-        row = build_row(trial, {"status": "ok", **out}, 1.0)
-        assert row.figures.peak_reserved_bytes == out["peak_reserved_bytes"]
+        assert out.peak_bytes == plain.peak_bytes
+        assert out.peak_reserved_bytes >= out.allocator.peak_allocated_bytes >= out.peak_bytes
+        row = build_row(trial, out, 1.0)
+        assert row.figures.peak_reserved_bytes == out.peak_reserved_bytes
         assert row.levers["allocator_model"] == allocator
         assert any("caching allocator" in n for n in row.notes)
     assert StepConfig().levers()["allocator_model"] == V1_OMITTED_LEVERS["allocator_model"]  # earlier rows' keys
@@ -435,4 +435,4 @@ def test_fsdp2_all_gather_buffers_are_made_on_its_copy_in_stream():
     side = [e for e in seen["events"] if e.action == ALLOC and e.stream != 0]
     assert side, "no allocation on a side stream"
     assert {e.op for e in side} >= {"empty.memory_format"}
-    assert out["peak_reserved_bytes"] >= out["allocator"]["peak_allocated_bytes"]
+    assert out.peak_reserved_bytes >= out.allocator.peak_allocated_bytes

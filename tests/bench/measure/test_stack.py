@@ -6,6 +6,7 @@ import pytest
 
 import methods
 from bench.measure import stack
+from bench.measure.counts import Collective, StepCounts, Traffic
 from bench.measure.hardware import get_device
 from bench.measure.run import run_trial
 from bench.measure.trial import Trial
@@ -65,24 +66,38 @@ def test_paper_budget_is_capacity_less_the_context():
     assert len(names) == len(set(names)) and all(t.source for t in stack.PAPER_TERMS)
 
 
+def _calls(**kinds: int) -> StepCounts:
+    """Counts with ``op_size_in_node=calls`` collectives (``all_to_all_8_8=256``), no bytes."""
+    def kind(name: str) -> Collective:
+        op, size, in_node = name.rsplit("_", 2)
+        return Collective(op, int(size), int(in_node))
+
+    return StepCounts(collectives={kind(name): Traffic(calls) for name, calls in kinds.items()})
+
+
 def test_nccl_buffers_follow_the_collectives_a_step_issued():
     """Connections per peer and channel: 32 channels to a peer in the node, 2 to one in another, all
     peers of an all-to-all, a ring's two neighbours, one ring of 32 channels per group of ring
     collectives; groups of the same shape count once."""
     conn, mib = stack.NCCL_CONNECTION_BYTES, 2**20
-    assert stack.nccl_buffer_bytes({}) == stack.nccl_buffer_bytes(None) == 0
+    assert stack.nccl_buffer_bytes(StepCounts()) == stack.nccl_buffer_bytes(None) == 0
     # Ulysses on 8 GPUs of one node, FSDP over the same 8: 7 x 32 + 32 connections of 14 MiB = 3.5 GiB
-    one_node = {"comm.all_to_all.8.8.calls": 256, "comm.all_gather.8.8.calls": 66, "comm.reduce_scatter.8.8.calls": 33,
-                "comm.all_to_all.8.8.bytes": 1e9}
+    one_node = StepCounts(collectives={Collective("all_to_all", 8, 8): Traffic(256, 1e9),
+                                       Collective("all_gather", 8, 8): Traffic(66),
+                                       Collective("reduce_scatter", 8, 8): Traffic(33)})
     assert stack.nccl_buffer_bytes(one_node) == (7 * 32 + 32) * conn == 3584 * mib
     # an all-to-all over two nodes: 7 NVLink peers and 8 network peers; a ring over two nodes
-    assert stack.nccl_buffer_bytes({"comm.all_to_all.16.8.calls": 1}) == (7 * 32 + 8 * 2) * conn
-    assert stack.nccl_buffer_bytes({"comm.send.8.8.calls": 1}) == 2 * 32 * conn
-    assert stack.nccl_buffer_bytes({"comm.send.2.1.calls": 1}) == 1 * 2 * conn
-    assert stack.nccl_buffer_bytes({"comm.send.16.8.calls": 1}) == 2 * 32 * conn
-    assert stack.nccl_buffer_bytes({"comm.all_to_all.8.8.calls": 0, "comm.all_gather.1.1.calls": 5}) == 0
+    assert stack.nccl_buffer_bytes(_calls(all_to_all_16_8=1)) == (7 * 32 + 8 * 2) * conn
+    assert stack.nccl_buffer_bytes(_calls(send_8_8=1)) == 2 * 32 * conn
+    assert stack.nccl_buffer_bytes(_calls(send_2_1=1)) == 1 * 2 * conn
+    assert stack.nccl_buffer_bytes(_calls(send_16_8=1)) == 2 * 32 * conn
+    assert stack.nccl_buffer_bytes(_calls(all_to_all_8_8=0, all_gather_1_1=5)) == 0
+    # the attention's own blocking calls are counted in their kind already: they connect nothing more
+    attention = StepCounts(collectives={Collective("all_gather", 8, 8): Traffic(4),
+                                        Collective("all_gather", 8, 8, attention=True): Traffic(2)})
+    assert stack.nccl_buffer_bytes(attention) == stack.nccl_buffer_bytes(_calls(all_gather_8_8=4)) == 32 * conn
     # the measurement it rests on: +3.28 GB at the first all-to-all of 8 H100s (NVIDIA/nccl#1685)
-    assert stack.nccl_buffer_bytes({"comm.all_to_all.8.8.calls": 1}) == pytest.approx(3.28e9, rel=0.01)
+    assert stack.nccl_buffer_bytes(_calls(all_to_all_8_8=1)) == pytest.approx(3.28e9, rel=0.01)
 
 
 def test_a_paper_row_records_its_stack_and_is_judged_on_reserved_memory():
@@ -93,7 +108,7 @@ def test_a_paper_row_records_its_stack_and_is_judged_on_reserved_memory():
     assert row.levers["stack"] == "paper"
     assert row.figures.peak_reserved_bytes >= row.figures.peak_bytes
     # NCCL's buffers (term 7) for what the step issued: UPipe's all-to-alls to its one peer, FSDP's ring
-    nccl = stack.nccl_buffer_bytes(row.figures.step_time_model["counts"])
+    nccl = stack.nccl_buffer_bytes(StepCounts.from_flat(row.figures.step_time_model["counts"]))
     assert nccl == (stack.NVLINK_CHANNELS_PER_PEER + stack.RING_CHANNELS) * stack.NCCL_CONNECTION_BYTES
     assert row.figures.usable_bytes == get_device("h100-80g").capacity() - stack.CUDA_CONTEXT_BYTES - nccl
     assert any("GiB of NCCL buffers" in n for n in row.notes)
