@@ -120,7 +120,7 @@ def test_gpu_and_cpu_code_paths_agree_on_a_small_case(method, model, scope):
     if scope == "model":  # checkpoint offload: host memory counted on both paths, equally
         assert gpu.figures.host_peak_bytes > 0
         assert abs(gpu.figures.host_peak_bytes - cpu.figures.host_peak_bytes) <= 0.005 * cpu.figures.host_peak_bytes
-    assert gpu.levers.get("sim_device") is None and cpu.levers["sim_device"] == "cpu"
+    assert gpu.levers["sim_device"] == "auto" and cpu.levers["sim_device"] == "cpu"  # schema 2: every lever recorded
 
 
 def test_sim_device_is_refused_outside_simulation():
