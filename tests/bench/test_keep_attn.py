@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
+from bench.measure.result import Measurement
 from bench.measure.run import build_row, measure_simulated
 from bench.measure.trial import Trial
 from bench.model.config import get_config
@@ -97,7 +98,7 @@ def test_simulated_peak_holds_the_kept_outputs_and_the_modelled_step_is_shorter(
     cfg = get_config(TINY)
     seq, ws = 524288, 2
 
-    def sim(keep: bool) -> tuple[dict, object]:
+    def sim(keep: bool) -> tuple[Measurement, object]:
         trial = Trial.make("upipe", TINY, seq, ws, mode="simulated", device="h100-80g",
                            step=StepConfig(ac_keep_attn=keep))
         trial.validate()
@@ -106,12 +107,12 @@ def test_simulated_peak_holds_the_kept_outputs_and_the_modelled_step_is_shorter(
 
     (plain, plain_f), (kept, kept_f) = sim(False), sim(True)
     per_block = seq // ws * cfg.n_heads * cfg.head_dim * 2 + cfg.n_heads * seq // ws * 4
-    more = kept["peak_bytes"] - plain["peak_bytes"]
+    more = kept.peak_bytes - plain.peak_bytes
     assert 0.99 * (cfg.n_layers - 1) * per_block <= more <= (cfg.n_layers - 1) * per_block
     # created in forward and held to the backward: counted as activations
-    more_act = kept["peak_by_category"]["activation"] - plain["peak_by_category"]["activation"]
+    more_act = kept.peak_by_category["activation"] - plain.peak_by_category["activation"]
     assert more_act >= (cfg.n_layers - 1) * per_block
-    flops = plain["step_counts"]["flops.attention"], kept["step_counts"]["flops.attention"]
+    flops = plain.step_counts.flops_attention, kept.step_counts.flops_attention
     assert flops[1] / flops[0] == pytest.approx(14 / 18, rel=1e-9)
     assert kept_f.step_time_s < plain_f.step_time_s
 
