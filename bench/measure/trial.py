@@ -232,7 +232,11 @@ class Trial:
         (``bench.resolve``) validates, and the layers a trial passes through afterwards (the run,
         a search, its probes) ask again at no cost. Only a trial that passed is remembered."""
         memo = (self, check_seq_len, here, libraries)
-        if memo in _VALIDATED:
+        try:
+            if memo in _VALIDATED:
+                return
+        except TypeError:  # options a method made unhashable: checked every time
+            self.check(check_seq_len, here, libraries)
             return
         self.check(check_seq_len, here, libraries)
         _VALIDATED.add(memo)
