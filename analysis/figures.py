@@ -599,7 +599,7 @@ def _fig5_panel(ax, ours: pd.DataFrame, paper: pd.DataFrame | None, title: str) 
     ratio_lines = 0
     drawn: list[list[tuple[int, float]]] = []
     # the paper stack's ratio where there is one (it runs what the paper ran: its ring-step barriers,
-    # bench.measure.stack term 9, change the counts); the lean stack's only without it. Where two
+    # bench.stackmodel.stack term 9, change the counts); the lean stack's only without it. Where two
     # accountings time the same counts alike, one line stands for both. The table lists each.
     timed = [(j, ml) for j, ml in enumerate(modes) if "paper stack" in ml] or list(enumerate(modes))
     for j, ml in timed:

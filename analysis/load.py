@@ -91,7 +91,7 @@ def mode_label(mode: str, device: str, device_name: str | None = None, stack: st
                pools: str | None = None) -> str:
     """How a row was produced, for legends and table rows: ``real, NVIDIA H100 80GB HBM3``,
     ``emulated, NVIDIA H100 (link nvlink-h100)``, ``simulated, h100-80g, paper stack``,
-    ``simulated, h100-80g, lean stack`` (``bench.measure.stack``; rows without a stack are lean).
+    ``simulated, h100-80g, lean stack`` (``bench.stackmodel.stack``; rows without a stack are lean).
     The paper stack's allocator keeps a pool per stream (``allocator_pools``, the default since it
     was checked on an H100); a paper-stack row made with one shared pool (every row made before,
     which does not record the lever) is its own series: ``simulated, h100-80g, paper stack,
@@ -212,7 +212,7 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df["mem_gib"] = df["peak_reserved_gib"].where(df["peak_reserved_gib"].notna(), df["peak_gib"])
     df["mem_basis"] = ["reserved" if pd.notna(r) else ("allocated" if pd.notna(a) else None)
                        for r, a in zip(df["peak_reserved_gib"], df["peak_gib"], strict=False)]
-    # a simulation with a kernel-scratch model (bench.measure.workspace) is another series than one without
+    # a simulation with a kernel-scratch model (bench.stackmodel.workspace) is another series than one without
     # (under the paper stack the scratch model is one of its terms, so the stack names it instead)
     scratch = df["lever.kernel_workspace"] if "lever.kernel_workspace" in df else [None] * len(df)
     stacks = df["lever.stack"] if "lever.stack" in df else [None] * len(df)

@@ -34,7 +34,7 @@ class Artefact:
     commands: tuple[tuple[str, str], ...] = ()  # (command, note): non-sweep commands writing rows it draws
 
 
-# the paper-scale simulated rows of Fig. 1 (its ladder) and Fig. 5 are fidelity anchors (bench.fidelity)
+# the paper-scale simulated rows of Fig. 1 (its ladder) and Fig. 5 are fidelity anchors (bench.stackmodel.fidelity)
 FIDELITY_COMMAND = "python -m bench fidelity --out results/fidelity --figs-dir paper_figs"
 FIG1_COMMAND = ("python -m bench fidelity --anchors fig1- --out results/fidelity", "paper-scale ladder, simulated")
 FIG5_COMMAND = ("python -m bench fidelity --anchors fig5- --out results/fidelity", "paper scale, simulated")
@@ -58,7 +58,7 @@ OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
      "`bash scripts/gpu/validate.sh OUT PHASE...` on the GPU, then `python scripts/gpu/compare.py "
      "results/gpu/h100-ws1` (results/gpu/README.md)"),
     ("[table3_model.md](table3_model.md), [table3_model.csv](table3_model.csv)",
-     "Table 3 with the modelled step time (bench.measure.steptime) beside the paper's tokens/s, per cell: "
+     "Table 3 with the modelled step time (bench.stackmodel.steptime) beside the paper's tokens/s, per cell: "
      "residual and whether the cell was used to fit",
      "`python -m bench steptime --figs paper_figs` (from the committed counts results/fidelity/steptime.jsonl)"),
     ("[plan_llama3-8b_8xh100-80g.md](plan_llama3-8b_8xh100-80g.md), "

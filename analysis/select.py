@@ -81,7 +81,7 @@ def levers_of(row: pd.Series) -> dict[str, Any]:
 def paper_levers(method: str) -> dict[str, bool]:
     """The levers the paper ran ``method`` with: PAPER_LEVERS, updated by the method's
     ``MethodFacts.levers`` (Native PyTorch had no tiled MLP or norms: docs/paper.md, "Baselines
-    and the implementations the paper ran"; ``bench.fidelity.implementation`` runs the same)."""
+    and the implementations the paper ran"; ``bench.stackmodel.fidelity.implementation`` runs the same)."""
     return {**PAPER_LEVERS, **facts_of(method).levers}
 
 
@@ -118,7 +118,7 @@ def pure_ulysses(row: pd.Series) -> bool:
 def fig1_config(row: pd.Series) -> str | None:
     """Which bar of Fig. 1 a row is: fsdp, fsdp+ulysses, +ac, +ao, alst, upipe (or None).
 
-    The ladder's levers (bench.fidelity.FIG1_RUNGS): every bar has FSDP; ``fsdp`` splits no
+    The ladder's levers (bench.stackmodel.fidelity.FIG1_RUNGS): every bar has FSDP; ``fsdp`` splits no
     sequence (a method of the FSDP column, ``no-cp``) and has no other lever; the Ulysses bars
     (any implementation of the paper's Ulysses column over all ranks, ``pure_ulysses``) add AC,
     then its offload, then tiled MLP and chunked loss (ALST); UPipe (an implementation of its

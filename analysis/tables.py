@@ -514,7 +514,7 @@ def fig1_table(rows=None) -> Table:
              "OOM (n) of ours: the run did not fit the budget; n is the peak GiB it would have needed "
              "(the simulation keeps the peak past the budget). Implementation: the method that ran, with its "
              "non-default options; the rows at 3M are `python -m bench fidelity --anchors fig1-` (the ladder's "
-             "levers: bench.fidelity.FIG1_RUNGS; FSDP = `no-cp`, FSDP over the 8 ranks with the whole "
+             "levers: bench.stackmodel.fidelity.FIG1_RUNGS; FSDP = `no-cp`, FSDP over the 8 ranks with the whole "
              "sequence on each).",
              "Default (no FSDP) has no trial of ours: our step without FSDP keeps no fp32 master weights, "
              "unlike the paper's (119 GiB = 16 bytes per parameter). Other setups (the CPU-scale variant "

@@ -19,8 +19,8 @@ Rows, sizes and the vocabulary live in ``records`` (torch-free). The repository'
 docs/README.md, section "Layout".
 """
 
-# Before anything imports torch: the simulated CUDA device (bench.measure.simcuda) can only be
+# Before anything imports torch: the simulated CUDA device (bench.stackmodel.simcuda) can only be
 # loaded first. It does nothing on a CUDA build of torch or when torch is already imported.
-from .measure import simcuda as _simcuda  # noqa: E402
+from .stackmodel import simcuda as _simcuda  # noqa: E402
 
 _simcuda.preload()

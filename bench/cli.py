@@ -8,7 +8,7 @@
     python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
     python -m bench trial '<Trial JSON>' --out FILE [--extrapolate-layers]   # what a sweep's job runs
     python -m bench fidelity [--only memory|boundaries|all] [--anchors NAME...] [--quick] [--jobs N] \\
-        [--out DIR] [--figs-dir DIR]   # the simulation against the paper's numbers (bench.fidelity)
+        [--out DIR] [--figs-dir DIR]   # the simulation against the paper's numbers (bench.stackmodel.fidelity)
 
 Sizes accept ``K``/``M``/``G`` suffixes with K = 1024 (``128K``, ``1M``, ``1.5M``).
 Every run appends its validated rows (JSON Lines, ``records``) to ``--out``, by default
@@ -33,9 +33,6 @@ from records import parse_size as parse_tokens
 from records.outputs import OutputError, check_dir, check_file, runs_dir
 from records.sizes import positive_int
 
-from . import fidelity
-from .measure import stack as paper_stack
-from .measure.hardware import DEVICES, LINKS
 from .measure.launch import is_rank_zero
 from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Search, Trial
@@ -45,6 +42,9 @@ from .search.autochunk import run
 from .search.extrapolate import layer_extrapolated_runner
 from .search.maxctx import default_runner, isolated_runner, search
 from .search.plan import plan
+from .stackmodel import fidelity
+from .stackmodel import stack as paper_stack
+from .stackmodel.hardware import DEVICES, LINKS
 from .training.config import choices, lever_fields
 
 QUICK_ANCHOR = "128k-llama3-8b-upipe-x8"
@@ -164,7 +164,7 @@ def build_parser() -> Parser:
                     "model's layers (bench.search.extrapolate; several times faster on deep models; in process)")
     sub.add_parser("list", help="methods, models, device presets and link models")
     sub.add_parser("steptime", help="the step-time model fitted on and compared with the paper's Table 3 "
-                   "(bench.steptime_fit; python -m bench steptime --help)", add_help=False)
+                   "(bench.stackmodel.steptime_fit; python -m bench steptime --help)", add_help=False)
     tr = sub.add_parser("trial", help="run a trial given as JSON (bench.measure.trial.Trial.to_json; what sweeps send)")
     tr.add_argument("trial", help="the trial as JSON")
     tr.add_argument("--out", default=None,
@@ -186,7 +186,7 @@ def build_parser() -> Parser:
                     help="where plan_<model>_<gpus>x<device>.md/.png go (default runs/plans)")
     pl.add_argument("--no-figs", action="store_true", help="print only")
     pl.add_argument("--stack", choices=["paper", "lean"], default="paper",
-                    help="accounting of the simulations (bench.measure.stack; default paper)")
+                    help="accounting of the simulations (bench.stackmodel.stack; default paper)")
     pl.add_argument("--allocator-pools", choices=list(choices("allocator_pools")), default=paper_stack.PAPER_POOLS,
                     help="the paper stack's allocator pools: per-stream (default: as CUDA's caching allocator keys "
                     "its blocks; checked on an H100, results/gpu) or shared (one pool for every stream; the "
@@ -200,7 +200,7 @@ def build_parser() -> Parser:
     pl.add_argument("--jobs", type=positive_int, default=None,
                     help="searches run at once, one process each (default: one per core, at most one per search)")
     fi = sub.add_parser("fidelity", help="the paper's memory anchors and fits/OOM boundaries, simulated under the "
-                        "paper and lean stacks (bench.fidelity)")
+                        "paper and lean stacks (bench.stackmodel.fidelity)")
     fi.add_argument("--only", choices=["memory", "boundaries", "all"], default="all")
     fi.add_argument("--anchors", nargs="+", default=None, metavar="NAME",
                     help="only these anchors (names or name prefixes; --list-anchors shows them)")
@@ -391,8 +391,8 @@ def _fidelity(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["steptime"]:  # its own parser (bench.steptime_fit)
-        from .steptime_fit import main as steptime_main
+    if argv[:1] == ["steptime"]:  # its own parser (bench.stackmodel.steptime_fit)
+        from .stackmodel.steptime_fit import main as steptime_main
         return steptime_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)

@@ -8,10 +8,10 @@ and the levers the user set, and nothing else. :func:`resolve` turns it into a
 1. a named configuration (``bench.training.presets``) becomes its method, options and levers;
 2. the defaults that depend on the mode are decided: a simulated trial that names no stack is
    accounted under the ``paper`` stack, any other under ``lean``; the allocator pools are the
-   stack's (``bench.measure.stack.allocator_pools``); a trial without checkpoints has nothing to
+   stack's (``bench.stackmodel.stack.allocator_pools``); a trial without checkpoints has nothing to
    offload. These decided levers are the request a row records as its ``levers`` and its
    identity (``records.trial_key``);
-3. the stack's terms fill in what the request left open (``bench.measure.stack.apply``: the
+3. the stack's terms fill in what the request left open (``bench.stackmodel.stack.apply``: the
    allocator model, the kernels' scratch, the offload setting, the RoPE table, the ring barrier,
    DeepSpeed's TiledMLP): ``Trial.resolution`` holds every lever as it runs and the presets that
    set them, which the row records as ``ran`` and ``presets``;
@@ -29,9 +29,9 @@ from typing import Any
 
 from records import Kind, Mode
 
-from .measure import stack
 from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Resolution, Search, Trial
+from .stackmodel import stack
 from .training.config import StepConfig
 from .training.presets import PRESETS, expand
 

@@ -34,7 +34,7 @@ def validate(name: str, spec: AttnSpec, world_size: int, *, provided: tuple[str,
     """Every check ``build`` makes, without a process group: unknown method, missing optional
     library, unknown option, violated constraint. Raises ``ValueError`` saying how to fix it.
     ``provided``: optional modules the caller will supply itself (bench's simulated mode supplies
-    ``flash_attn``, ``bench.measure.fake_flash_attn``), so their absence is not an error.
+    ``flash_attn``, ``bench.stackmodel.fake_flash_attn``), so their absence is not an error.
     """
     info = get_info(name)
     missing = info.missing(provided)

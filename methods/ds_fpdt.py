@@ -25,7 +25,7 @@ What it supports, and why (``validate``/``forward``):
   off and ``offload=True`` raises a ``ValueError`` (the offloading path needs accelerator
   streams, which no simulated device has). So a simulated ``ds-fpdt`` row is DeepSpeed's chunked
   Ulysses with every chunk kept on the device: its flash-attn calls (through
-  ``bench.measure.fake_flash_attn``: outputs and backward scratch), all-to-alls, QKV chunks and
+  ``bench.stackmodel.fake_flash_attn``: outputs and backward scratch), all-to-alls, QKV chunks and
   its own chunked backward are modelled; the host offload and its double buffering are not
   (the offloading path keeps fewer chunks on the device, so its real peak is lower);
 * on CUDA flash-attn needs fp16/bf16 (fp32 raises a ``ValueError``);

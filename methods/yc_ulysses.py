@@ -23,7 +23,7 @@ What is checked where. On CPU, flash-attn can only be the plain-torch stand-in o
 private functions yunchang's ring calls), so the tests check yunchang's communication,
 layouts and autograd against the reference in fp32 and bf16; the real kernels, ``fa3`` and
 the timings only run on CUDA. Simulated mode (``bench run --mode simulated``) runs it, ``fa3``
-included, on ``bench.measure.fake_flash_attn`` where no flash-attn is installed (memory only).
+included, on ``bench.stackmodel.fake_flash_attn`` where no flash-attn is installed (memory only).
 yunchang is imported lazily (in ``__init__``), never when ``methods`` is imported; it decides
 at its first import whether flash-attn is there (so simulation installs its flash-attn first).
 """

@@ -36,12 +36,12 @@ class Figures:
     Bytes are per rank. ``peak_bytes`` is the allocated peak (MemTracker's live tensors in
     simulated and CPU runs, ``torch.cuda.max_memory_allocated`` on CUDA), the max over ranks
     in real mode; ``peak_reserved_bytes`` is ``max_memory_reserved`` (CUDA only; in simulated
-    mode with ``allocator_model``, the reserved peak of ``bench.measure.allocator``'s model).
+    mode with ``allocator_model``, the reserved peak of ``bench.stackmodel.allocator``'s model).
     ``step_time_s`` is seconds per step: the median of the timed steps (``step_times_s``, each
     the slowest rank's in real mode; emulated: measured compute plus modelled communication),
     with ``step_time_min_s``/``step_time_max_s`` their extremes (a real or emulated row without
     ``step_times_s`` has the mean of two steps and no spread); simulated: the step-time model of
-    ``bench.measure.steptime``, its terms, constants and the counts it used in
+    ``bench.stackmodel.steptime``, its terms, constants and the counts it used in
     ``step_time_model``. Tokens per device count every token once: ``batch * seq_len /
     world_size``; throughput is from the median.
     ``host_load_before``/``_after`` are the host's 1-minute load average around the timed steps
@@ -78,7 +78,7 @@ class Figures:
     host_cpus: int | None = None  # logical CPUs of the host (os.cpu_count)
     trial_threads: int | None = None  # threads the trial's own processes run on that host
     host_shared: bool | None = None  # the load exceeded trial_threads: others' work ran too
-    step_time_model: dict | None = None  # simulated: terms, constants, counts (bench.measure.steptime)
+    step_time_model: dict | None = None  # simulated: terms, constants, counts (bench.stackmodel.steptime)
 
 
 @dataclass

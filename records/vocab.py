@@ -67,7 +67,7 @@ class Kind(Vocab):
     MAX_CONTEXT = "max_context"
 
 
-# The note ``bench.fidelity`` adds to a row it simulated for the paper's anchors ("fidelity anchor(s):
+# The note ``bench.stackmodel.fidelity`` adds to a row it simulated for the paper's anchors ("fidelity anchor(s):
 # <names>"); analysis recognises those rows by it (a series of anchors only is fidelity.md's, not a figure's).
 FIDELITY_ANCHOR_NOTE = "fidelity anchor"
 

@@ -7,7 +7,7 @@ imports the test modules) makes them usable here; the rank pools install it on e
 (tests/methods/conftest.py). It does nothing where a real flash-attn is importable.
 
 ``bench`` is imported first, before anything imports torch, so that simulated trials in this
-process run on the GPU code path (``bench.measure.simcuda`` must be loaded before torch).
+process run on the GPU code path (``bench.stackmodel.simcuda`` must be loaded before torch).
 """
 from pathlib import Path
 
@@ -30,7 +30,7 @@ SLOW_MODULES = {
     "tests/methods/test_wrappers.py",
     "tests/bench/test_modes.py", "tests/bench/test_step.py", "tests/bench/test_autochunk.py",
     "tests/bench/test_maxctx.py", "tests/bench/test_plan.py", "tests/bench/test_cli.py", "tests/bench/test_launch.py",
-    "tests/bench/test_simulated_flash_attn.py",
+    "tests/bench/stackmodel/test_simulated_flash_attn.py",
     "tests/sweeps/test_local_sweep.py", "tests/sweeps/test_slurm_cluster.py", "tests/sweeps/test_slurm_sweep.py",
     "tests/analysis/test_notebooks.py", "tests/analysis/test_adding_a_method.py", "tests/analysis/test_figs_cli.py",
     "tests/test_user_runs.py",

@@ -10,7 +10,7 @@
 # # Fig. 1: peak memory breakdown, Llama3-8B, 3M tokens, 8 GPUs
 #
 # The ladder from FSDP (no context parallelism) and FSDP + Ulysses without levers up to UPipe
-# with every lever (bench.fidelity.FIG1_RUNGS). Paper bars are hatched; ours are solid, split by
+# with every lever (bench.stackmodel.fidelity.FIG1_RUNGS). Paper bars are hatched; ours are solid, split by
 # the memory tracker's categories (model / activations / other) where the row has them
 # (simulated and CPU rows), a single grey total otherwise (real CUDA rows); an OOM bar of ours
 # is labelled with the GiB it would have needed.

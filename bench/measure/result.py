@@ -8,7 +8,7 @@ failure (``guarded``: ``status`` and ``message`` only). A figure a path does not
 
 The planner caches simulated measurements as JSON (``bench.search.plan.SimCache``):
 :meth:`Measurement.to_dict` and :meth:`Measurement.from_dict` are that form, the keys of the
-fields below and the counts flat (``bench.measure.counts``).
+fields below and the counts flat (``bench.stackmodel.counts``).
 """
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .counts import StepCounts
+from ..stackmodel.counts import StepCounts
 
 if TYPE_CHECKING:
-    from .allocator import Trace
+    from ..stackmodel.allocator import Trace
     from .trial import Trial
 
 
 @dataclass(frozen=True)
 class AllocatorReplay:
     """A step's device allocations and frees replayed through the model of the CUDA caching allocator
-    (``bench.measure.allocator``)."""
+    (``bench.stackmodel.allocator``)."""
 
     model: str  # its segments: "classic" or "expandable" (StepConfig.allocator_model)
     pools: str | None  # "shared" or "per-stream" (StepConfig.allocator_pools); None in caches made before pools
@@ -55,7 +55,7 @@ class LoadAround:
 class KeptTrace:
     """A simulation's allocation trace, kept to replay it again (``bench.measure.run.replay_with_reserve``)."""
 
-    trace: Trace  # the step's allocations and frees (bench.measure.allocator.record_step)
+    trace: Trace  # the step's allocations and frees (bench.stackmodel.allocator.record_step)
     device_key: str  # the simulated accelerator's device in the trace ("cuda:0")
     trial: Trial  # the trial as the accounting stack ran it
 
@@ -77,7 +77,7 @@ class Measurement:
     comm_time_s: float | None = None  # simulated: the collectives' time through the link model (s)
     step_counts: StepCounts | None = None  # simulated: what the step executed, for the step-time model
     sim_device: str | None = None  # simulated: the fake device the step ran on ("cuda:0", "cpu")
-    flash_attn_simulated: bool | None = None  # bench.measure.fake_flash_attn stood in for flash-attn
+    flash_attn_simulated: bool | None = None  # bench.stackmodel.fake_flash_attn stood in for flash-attn
     stack_notes: list[str] | None = None  # what the accounting stack and the extrapolation did (row notes)
     comm_calls: list[tuple[str, int, int]] | None = None  # emulated, real: first step's collectives (op, bytes, ranks)
     compute_time_s: float | None = None  # median of the timed steps (s); real, combined: the slowest rank's

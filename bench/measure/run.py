@@ -10,21 +10,21 @@ Modes (recorded in every row):
   live tensor storage exactly as CUDA's allocated figure does).
 * ``emulated``: one real rank (rank 0) of a ``world_size``-rank job on this device, with a
   ``fake`` process group: compute and memory are real, collectives return at once, and their
-  time comes from the link model (``bench.measure.hardware``) over the bytes actually issued:
+  time comes from the link model (``bench.stackmodel.hardware``) over the bytes actually issued:
   ``step_time = measured compute + modelled communication`` (no overlap assumed).
 * ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
   shape and world size with nothing allocated. For a GPU preset the step runs on fake CUDA
   tensors (the GPU code path: CUDA SDPA ops, the methods' and libraries' CUDA branches,
-  pinned host buffers; ``bench.measure.simcuda`` says how streams and events are stood in
+  pinned host buffers; ``bench.stackmodel.simcuda`` says how streams and events are stood in
   for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code
   path: the accelerator is a fake CPU device and host memory the ``meta`` device (for the
   checkpoint offload here, and for the methods' own offloading through
   ``methods.core.hostmem``), so the two are still counted apart. Step time is not simulated;
   the communication bytes and their modelled time are recorded.
   With ``allocator_model`` (classic or expandable) the step's allocations are also replayed
-  through a model of the CUDA caching allocator (``bench.measure.allocator``), which adds
+  through a model of the CUDA caching allocator (``bench.stackmodel.allocator``), which adds
   ``peak_reserved_bytes``. Under the ``lean`` stack the fit is decided by the allocated peak,
-  under the ``paper`` stack (``bench.measure.stack``, which turns the allocator model on) by
+  under the ``paper`` stack (``bench.stackmodel.stack``, which turns the allocator model on) by
   the reserved peak against the device less the CUDA context.
 
 A trial "fits" in simulated mode (and on a CPU device in the other modes, which have no
@@ -33,7 +33,7 @@ its status is ``oom``. On CUDA an out-of-memory error is caught and makes the ro
 Any other exception makes an ``error`` row: a trial never raises.
 
 Every mode's measurement is a ``bench.measure.result.Measurement`` (the simulated step's counts
-in it: ``bench.measure.counts.StepCounts``); :func:`build_row` makes the row of one.
+in it: ``bench.stackmodel.counts.StepCounts``); :func:`build_row` makes the row of one.
 """
 from __future__ import annotations
 
@@ -51,20 +51,21 @@ import methods
 from records import Figures, GiB, Row, cpu_name, environment
 
 from ..model.config import flops_per_device
+from ..stackmodel import fake_flash_attn, simcuda, stack
+from ..stackmodel.allocator import Trace, record_step, replay
+from ..stackmodel.counts import StepCounts
+from ..stackmodel.hardware import CommCounter
+from ..stackmodel.stepcount import StepCounter
+from ..stackmodel.steptime import comm_counts, figures_from_counts
+from ..stackmodel.workspace import KernelWorkspace
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
-from . import fake_flash_attn, launch, simcuda, stack
-from .allocator import Trace, record_step, replay
-from .counts import StepCounts
-from .hardware import CommCounter
+from . import launch
 from .result import AllocatorReplay, KeptTrace, LoadAround, Measurement, failed
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .skipmath import NOTE as SKIP_NOTE
 from .skipmath import SkipAttentionMath
-from .stepcount import StepCounter
-from .steptime import comm_counts, figures_from_counts
 from .timing import MIN_TIMED_STEPS, HostLoad, StepStats, host_shared, slowest_rank_steps
 from .trial import Trial
-from .workspace import KernelWorkspace
 
 # --------------------------------------------------------------------------- helpers
 
@@ -121,7 +122,7 @@ def _externals(trial: Trial, built) -> tuple:
 
 def simulated_device(trial: Trial) -> torch.device:
     """The fake device a simulated trial runs on: the preset's own (``cuda`` for a GPU preset:
-    the GPU code path, ``bench.measure.simcuda``), or ``cpu`` when the step asks for the CPU
+    the GPU code path, ``bench.stackmodel.simcuda``), or ``cpu`` when the step asks for the CPU
     code path (``sim_device="cpu"``) or the preset is a CPU."""
     if trial.preset().kind == "cpu" or trial.step.sim_device == "cpu" \
             or trial.method_cls().simulated_cpu_path_reason:
@@ -377,7 +378,8 @@ def _load_figures(f: Figures, result: Measurement) -> list[str]:
     return notes
 
 
-HOST_OOM = "host memory:"  # how the message of an OOM on the host budget alone starts (bench.fidelity reads it)
+# how the message of an OOM on the host budget alone starts (bench.stackmodel.fidelity reads it)
+HOST_OOM = "host memory:"
 
 
 def budgeted_peak(trial: Trial, f: Figures) -> tuple[bool, int | None]:
@@ -471,16 +473,17 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
     if trial.mode == "simulated" and trial.method_cls().simulated_cpu_path_reason and preset.kind != "cpu":
         notes.append(trial.method_cls().simulated_cpu_path_reason)
     if trial.mode == "simulated" and trial.step.kernel_workspace != "none":
-        notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} (bench.measure.workspace)")
+        notes.append(f"attention backward scratch modelled as {trial.step.kernel_workspace} "
+                     "(bench.stackmodel.workspace)")
     if result.flash_attn_simulated:
-        notes.append("flash-attn (not installed) simulated by bench.measure.fake_flash_attn: its kernels' outputs "
+        notes.append("flash-attn (not installed) simulated by bench.stackmodel.fake_flash_attn: its kernels' outputs "
                      "and backward scratch (mha_bwd) are allocated whatever kernel_workspace says")
     allocator = result.allocator
     if trial.mode == "simulated" and allocator:
         notes.append(
             f"peak_reserved_bytes: the step's {allocator.events} device allocations and frees replayed through "
             f"a model of the CUDA caching allocator ({allocator.model} segments, "
-            f"{allocator.pools or 'shared'} pools, bench.measure.allocator; "
+            f"{allocator.pools or 'shared'} pools, bench.stackmodel.allocator; "
             f"its allocated peak {allocator.peak_allocated_bytes / GiB:.2f} GiB, "
             f"{allocator.cache_releases} cache releases, replay {allocator.replay_s:.2f} s)")
         if allocator.reserve_bytes:
@@ -492,7 +495,8 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
                          f"that point; under the lean stack the allocated peak decides the status): {allocator.oom}")
     notes.extend(result.stack_notes or [])
     if trial.mode == "simulated" and trial.step.stack == "paper":
-        notes.append("simulated, paper stack (bench.measure.stack): FakeTensorMode + fake process group + MemTracker "
+        notes.append("simulated, paper stack (bench.stackmodel.stack): FakeTensorMode + fake process group "
+                     "+ MemTracker "
                      f"on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
                      f"{outside}; Liger's loss not modelled")
     elif trial.mode == "simulated":

@@ -6,10 +6,10 @@ answers every collective instantly with correctly shaped (meaningless) outputs; 
 one rank's peak memory for any model, length and world size on a CPU (how long that takes:
 docs/modes.md, section "Simulated"). What it measures is exactly what the code allocates:
 kernels are called through their fake implementations (the flash kernels' fakes allocate ``out``
-and ``lse`` only; on the GPU code path, fake CUDA tensors, ``bench.measure.simcuda``, the CUDA
+and ``lse`` only; on the GPU code path, fake CUDA tensors, ``bench.stackmodel.simcuda``, the CUDA
 flash op's fake also allocates its two small philox tensors), and the CUDA caching allocator
 (fragmentation, workspaces) is not modelled, so figures are lower bounds on
-``torch.cuda.max_memory_reserved`` (``bench.measure.allocator`` replays a step's allocations
+``torch.cuda.max_memory_reserved`` (``bench.stackmodel.allocator`` replays a step's allocations
 through a model of that allocator).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def fake_tensors(dtype: torch.dtype = torch.bfloat16, meta_host: bool = True) ->
     ``meta_host``: the CPU code path of a GPU simulation, where the accelerator is a fake CPU
     device. Methods that offload to host memory then offload to the ``meta`` device
     (``methods.core.hostmem``), so the tracker counts those bytes apart from the simulated
-    device's. On the GPU code path (fake CUDA tensors, ``bench.measure.simcuda``) host memory
+    device's. On the GPU code path (fake CUDA tensors, ``bench.stackmodel.simcuda``) host memory
     is the fake CPU device itself and the methods take their CUDA branches.
 
     Tensors without values make identical loop iterations interchangeable, so the tiled ops'

@@ -23,10 +23,10 @@ Which calls (``is_skipped``: ``SKIPPED_ATEN`` and the ``cpab_sim`` namespace):
   (``methods.core.kernels``) and torch's context parallel call. On CUDA the backward also holds
   flash-attn 2's ``mha_bwd`` scratch (torch's CUDA kernel is flash-attn 2's,
   ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``): ``dq_accum`` and
-  ``softmax_d``, with GQA the query-head-expanded dK/dV, as ``bench.measure.workspace``'s
+  ``softmax_d``, with GQA the query-head-expanded dK/dV, as ``bench.stackmodel.workspace``'s
   ``fa2`` sizes them. On CPU nothing (CPU has no allocator statistics; ``MemTracker`` never
   sees a CPU kernel's internal buffers).
-* the kernels of the memory-faithful flash-attn 2 and 3 (``bench.measure.fake_flash_attn``,
+* the kernels of the memory-faithful flash-attn 2 and 3 (``bench.stackmodel.fake_flash_attn``,
   ``cpab_sim::*``), installed for the wrapped libraries (yunchang, ring-flash-attn, DeepSpeed
   FPDT) where no flash-attn is installed, as in simulated mode. Their Python entry points
   already allocate what flash-attn's C++ ones do, scratch included; the kernel op allocates
@@ -44,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .workspace import workspace_shapes
+from ..stackmodel.workspace import workspace_shapes
 
 aten = torch.ops.aten
 FLASH_BACKWARD_CUDA = aten._scaled_dot_product_flash_attention_backward.default
@@ -54,7 +54,7 @@ SKIPPED_ATEN = (
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 )
-SIM_NAMESPACE = "cpab_sim"  # bench.measure.fake_flash_attn's kernel ops
+SIM_NAMESPACE = "cpab_sim"  # bench.stackmodel.fake_flash_attn's kernel ops
 NOTE = ("attention arithmetic skipped (bench.measure.skipmath): the attention kernels returned zeros of their "
         "real shapes and held their real scratch; memory is the real step's, values and the loss are not, "
         "and the step time leaves out the attention kernels")

@@ -29,9 +29,10 @@ from records import Kind, Mode, human, trial_key
 from records.sizes import parse_size
 
 from ..model.config import ModelConfig, get_config
+from ..stackmodel import fake_flash_attn
+from ..stackmodel.hardware import DevicePreset, LinkModel, get_device, get_link
 from ..training.config import SIMULATION_ONLY, StepConfig
-from . import fake_flash_attn, launch
-from .hardware import DevicePreset, LinkModel, get_device, get_link
+from . import launch
 from .timing import MIN_TIMED_STEPS
 
 AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and rows
@@ -59,9 +60,9 @@ class Resolution:
 
     @classmethod
     def of(cls, step: StepConfig, method: str, presets: tuple[str, ...] = ()) -> Resolution:
-        """The stack's terms applied to ``step`` (``bench.measure.stack.apply``), after ``presets``
+        """The stack's terms applied to ``step`` (``bench.stackmodel.stack.apply``), after ``presets``
         that were resolved before the trial existed (a named configuration such as upipe-best)."""
-        from . import stack  # the stack reads the trial's levers; it imports no trial
+        from ..stackmodel import stack  # the stack reads the trial's levers; it imports no trial
 
         ran, notes = stack.apply(step, method)
         stacks = (f"{step.stack}{STACK_SUFFIX}",) if step.stack != "lean" else ()

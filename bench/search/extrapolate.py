@@ -12,7 +12,7 @@ sharded state adds to the host instead of the device), so
     figure(L) = figure(3) + (figure(4) - figure(3)) * (L - 3)
 
 for the peak, each tracker category, the host peak, the modelled communication and the
-step-time counts (FLOPs, collectives, host copies: ``bench.measure.stepcount``). The
+step-time counts (FLOPs, collectives, host copies: ``bench.stackmodel.stepcount``). The
 reserved peak (paper stack) is not linear in the layers: the allocator's slack above the live
 bytes is what its cache holds around the peak moment, inside one block's backward, so it is
 taken from the 4-layer simulation and added to the extrapolated peak,
@@ -23,7 +23,7 @@ says so in its notes.
 That rule ignores what the allocator does at its capacity. The real one, when an allocation
 does not fit, releases its cached blocks (with expandable segments: unmaps every free page of
 every stream's segment) and tries again (``malloc`` in ``c10/cuda/CUDACachingAllocator.cpp``;
-``bench.measure.allocator`` models it); its reserved peak never passes the capacity, and a step
+``bench.stackmodel.allocator`` models it); its reserved peak never passes the capacity, and a step
 fails only if what is live, page-rounded, does not fit. The slack above the live bytes is
 cached memory, so ``peak(L) + slack`` past the capacity does not make an OOM. So the runner
 (``under_pressure``) replays the 4-layer simulation's allocation trace again against the
@@ -85,10 +85,10 @@ from pathlib import Path
 
 from records import GiB, Row
 
-from ..measure.counts import StepCounts
 from ..measure.result import Measurement
 from ..measure.run import build_row, guarded, measure_simulated, replay_with_reserve
 from ..measure.trial import Trial
+from ..stackmodel.counts import StepCounts
 
 LOW = 3  # layer counts simulated: 3 and 4 (step.py keeps the first and last block's checkpoints on
 # the device and offloads the others only when there are more than 2 blocks, so L >= 3 is one regime)

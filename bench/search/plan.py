@@ -19,7 +19,7 @@ Last, sequence chunks (``sequence_chunked``): FPDT's chunk pipeline (``fpdt`` wi
 runs, for where the attention stage is the limit (across nodes, usp-upipe's ring holds the
 stage's ring-local K/V, their fp32 gradient sums and the blocks in flight).
 For each, the simulated maximum context under the **paper stack** (``--stack``;
-``bench.measure.stack``: the allocator's reserved peak against the device less the CUDA
+``bench.stackmodel.stack``: the allocator's reserved peak against the device less the CUDA
 context, offloads against the preset's host memory per GPU) at a coarse granularity
 (default 1M), and a modelled step time at a common length.
 
@@ -67,7 +67,7 @@ multiple inside the bracket [longest fit, shortest failure]; it ends when the tw
 step apart, so the answer is exact to one step as in ``bench.search.maxctx``.
 
 Step time: a measured row from ``results/`` (mode real, same method/options/model/world
-size/device/length) when one exists; else ``bench.measure.steptime``'s model (its fitted
+size/device/length) when one exists; else ``bench.stackmodel.steptime``'s model (its fitted
 constants) over the counts the longest fitting trial observed (FLOPs by kernel class,
 collectives, host copies; extrapolated over layers like the peaks), carried to the length by
 ``steptime.scale_counts`` (attention FLOPs ∝ S², the rest ∝ S, calls constant). The source is
@@ -97,12 +97,15 @@ import torch
 from analysis.plan_figure import draw_plan
 from records import GiB, human, read_rows, requested_options
 
-from ..measure import stack as paper_stack
-from ..measure.counts import StepCounts
-from ..measure.hardware import get_device
 from ..measure.result import Measurement
 from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
-from ..measure.steptime import (
+from ..measure.trial import AUTO, AUTO_OPTION, Trial
+from ..model.config import get_config
+from ..resolve import Request, resolve
+from ..stackmodel import stack as paper_stack
+from ..stackmodel.counts import StepCounts
+from ..stackmodel.hardware import get_device
+from ..stackmodel.steptime import (
     COUNTS_VERSION,
     attention_kernel,
     constants_for,
@@ -111,9 +114,6 @@ from ..measure.steptime import (
     scale_counts,
     step_time,
 )
-from ..measure.trial import AUTO, AUTO_OPTION, Trial
-from ..model.config import get_config
-from ..resolve import Request, resolve
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
 from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme, simulated_pair
@@ -448,7 +448,7 @@ class Entry:
     peak_bytes: int | None = None
     host_peak_bytes: int | None = None
     comm_time_s: float | None = None  # at max_context
-    step_counts: StepCounts | None = None  # at max_context (bench.measure.stepcount), for the step-time model
+    step_counts: StepCounts | None = None  # at max_context (bench.stackmodel.stepcount), for the step-time model
     points: int = 0
     error: str = ""
     skipped: str = ""
@@ -503,7 +503,7 @@ def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
 
 def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, stack: str = "paper",
             beyond: bool = True, pools: str = paper_stack.PAPER_POOLS) -> list[Entry]:
-    """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.measure.stack.allocator_pools``)."""
+    """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.stackmodel.stack.allocator_pools``)."""
     def entry(label: str, method: str, options: dict, **levers) -> Entry:
         levers.update(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools))
         request = Request(method, model, granularity, gpus, options, device=device, levers=levers)
@@ -621,7 +621,7 @@ def measured_time(trial: Trial) -> float | None:
 
 
 def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
-    """``bench.measure.steptime`` over the entry's counts at its max context, carried to ``seq_len``."""
+    """``bench.stackmodel.steptime`` over the entry's counts at its max context, carried to ``seq_len``."""
     if not entry.step_counts or not entry.max_context:
         return None
     preset = get_device(device)
@@ -760,7 +760,7 @@ def render(res: dict[str, Any]) -> str:
         f"{res['usable_gib']:.1f} GiB usable per GPU"
         + (" less each configuration's NCCL buffers" if res["stack"] == "paper" else "")
         + f"{res['host_note']}; "
-        f"{res['stack']} stack (bench.measure.stack"
+        f"{res['stack']} stack (bench.stackmodel.stack"
         + (f"; allocator: {'a pool per stream' if res.get('pools') == 'per-stream' else 'one shared pool'}"
            if res["stack"] == "paper" else "")
         + "); paper record setup (FSDP2, AC offloaded to host, "
@@ -772,12 +772,12 @@ def render(res: dict[str, Any]) -> str:
            if res["layers"] > 4 else ""),
         f"step time at the common length {human(res['common']) if res['common'] else '-'} "
         f"(longest that every method fits); source per row: measured = results/ real rows, "
-        f"model = bench.measure.steptime on counts of v{version} (counted FLOPs at eff {consts.eff_matmul:.2f} "
+        f"model = bench.stackmodel.steptime on counts of v{version} (counted FLOPs at eff {consts.eff_matmul:.2f} "
         f"matmul / {consts.eff_attention:.2f} attention, collectives through the link model with "
         f"{consts.latency_s * 1e6:.0f} us per call ({consts.barrier_s * 1e6:.0f} us per ring-step barrier of the "
         f"paper's ring code), host copies over PCIe 5 x16"
         + (", memory-bound kernels at the HBM bandwidth)" if version >= 3 else
-           "; counts made before v3: the constants fitted on such counts, bench.measure.steptime.FITTED_V2)"),
+           "; counts made before v3: the constants fitted on such counts, bench.stackmodel.steptime.FITTED_V2)"),
         "",
         f"simulations: {res['cache']}; rel = step time / {res['baseline'].label if res['baseline'] else '-'}'s "
         f"(UPipe's paper setup); P = on the Pareto front of max context vs step time",

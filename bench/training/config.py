@@ -48,7 +48,7 @@ Stack = Literal["lean", "paper"]
 RopeTable = Literal["auto", "none", "checkpointed"]
 OffloadKeep = Literal["first_last", "first", "none"]
 AttentionMath = Literal["compute", "skip"]
-KERNEL_WORKSPACES: tuple[str, ...] = typing.get_args(KernelWorkspace)  # bench.measure.workspace's models
+KERNEL_WORKSPACES: tuple[str, ...] = typing.get_args(KernelWorkspace)  # bench.stackmodel.workspace's models
 
 
 def lever(default: Any, help: str, *, concern: Concern = "training", flag: str | None = None,
@@ -89,7 +89,7 @@ class StepConfig:
     loss_chunk: int = lever(2048, "tokens per loss chunk", requires="chunked_loss", size=True)
     lr: float = lever(3e-4, "AdamW learning rate of the optimizer step")
     kernel_workspace: KernelWorkspace = lever(
-        "none", "the attention backward's scratch buffers modelled as FA2's or FA3's (bench.measure.workspace)",
+        "none", "the attention backward's scratch buffers modelled as FA2's or FA3's (bench.stackmodel.workspace)",
         concern="simulation", does="models the attention kernel's scratch memory under simulation",
         instead="the real kernel allocates its own")
     tiled_mlp_impl: Impl = lever("ours", "whose tiled MLP: ours or DeepSpeed's TiledMLP (needs deepspeed)",
@@ -105,18 +105,18 @@ class StepConfig:
         "first_last", "with checkpoint offload, the blocks whose checkpoint stays on the device: first_last, "
         "first (the authors' scripts), or none (every block's on the host)", requires="ac_offload")
     stack: Stack = lever(
-        "lean", "the memory accounting (bench.measure.stack): paper models what the paper's runs held, lean "
+        "lean", "the memory accounting (bench.stackmodel.stack): paper models what the paper's runs held, lean "
         "counts live tensors against 90% of the device; a simulated trial that leaves it unset gets paper "
         "(bench.resolve)", concern="simulation", does="is an accounting of simulated memory",
         instead="the run's own memory is measured",
         fix="drop it (or use --stack lean)")
     sim_device: SimDevice = lever(
         "auto", "auto: fake tensors of the preset's device (GPU code path for a GPU preset, "
-        "bench.measure.simcuda); cpu: the CPU code path", concern="simulation",
+        "bench.stackmodel.simcuda); cpu: the CPU code path", concern="simulation",
         does="picks the fake device of a simulation", instead="the trial runs on its real device")
     allocator_model: AllocatorModel = lever(
         "none", "replay the step's allocations through a model of the CUDA caching allocator "
-        "(bench.measure.allocator) and record its reserved peak; expandable: as with "
+        "(bench.stackmodel.allocator) and record its reserved peak; expandable: as with "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", concern="simulation",
         does="models the CUDA caching allocator under simulation",
         instead="the real allocator reports its own reserved peak")

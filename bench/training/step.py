@@ -39,7 +39,7 @@
   DeepSpeed's ``TiledFusedLogitsLoss`` instead (LM-head gradients computed in forward).
 * AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1).
 * ``kernel_workspace`` (simulation only): the attention kernel's backward scratch buffers,
-  which fake kernels do not allocate (``bench.measure.workspace``: ``none``, ``fa2``, ``fa3``).
+  which fake kernels do not allocate (``bench.stackmodel.workspace``: ``none``, ``fa2``, ``fa3``).
 * ``ring_barrier``: a barrier after every ring step's wait, for the whole step (forward and
   backward), as the ring code the paper ran does (``methods.core.ringsync``); numerics unchanged.
 

@@ -33,7 +33,7 @@ def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 index tensor on ``device``, made on the host and copied (what
     ``torch.tensor(values, device=device)`` does on a GPU anyway). Written this way because a
     tensor from Python data is first made real, which a simulated CUDA device cannot do
-    (``bench.measure.simcuda``): made on the CPU, it is fake from the copy on."""
+    (``bench.stackmodel.simcuda``): made on the CPU, it is fake from the copy on."""
     return torch.tensor(values).to(device)
 
 

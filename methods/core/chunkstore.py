@@ -52,7 +52,7 @@ import torch
 from . import hostmem
 
 # (device, the stream constructor in effect) -> the stream. The constructor is part of the key because a
-# simulation (bench.measure.simcuda.runtime) puts its own in place for its duration: a stream made under one
+# simulation (bench.stackmodel.simcuda.runtime) puts its own in place for its duration: a stream made under one
 # simulation is unknown to the next, which would key its copies as the default stream's. On real CUDA the
 # constructor is torch.cuda.Stream itself, so there is one stream per device for the process.
 _COPY_STREAMS: dict[tuple, torch.cuda.Stream] = {}

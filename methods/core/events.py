@@ -1,4 +1,4 @@
-"""Counts of method-level events that a step's counters read (``bench.measure.stepcount``).
+"""Counts of method-level events that a step's counters read (``bench.stackmodel.stepcount``).
 
 Some costs of a method are neither FLOPs, bytes nor collectives, but a number of times a
 piece of its schedule runs: a chunk pipeline such as DeepSpeed's FPDT synchronises the host

@@ -65,7 +65,7 @@ class MethodInfo:
 
 
 _REGISTRY: dict[str, MethodInfo] = {}
-# modules bench's simulated mode supplies itself when they are missing (bench.measure.fake_flash_attn)
+# modules bench's simulated mode supplies itself when they are missing (bench.stackmodel.fake_flash_attn)
 SIMULATION_PROVIDES = ("flash_attn", "flash_attn_interface")
 
 

@@ -14,7 +14,7 @@ pip yunchang (0.6.4) and our ``comm.RingComm`` have no barrier. Under NCCL a bar
 one-element all-reduce on the group's communicator whose wait blocks the host until the device
 has finished it, so each ring step costs a collective's latency and a drained launch queue on
 top of its transfers: many small synchronisations, which matter where a step is short (Ring on
-two nodes at 128K-256K, ``bench.measure.steptime``). The numerics do not change.
+two nodes at 128K-256K, ``bench.stackmodel.steptime``). The numerics do not change.
 
 Mechanism. While :func:`ring_step_barriers` is entered (the training step enters it for the whole
 step when ``StepConfig.ring_barrier`` is set, so the backward, which autograd may run on its own
@@ -26,10 +26,10 @@ are built, before the step). Scopes nest (a count under a lock); yunchang's own 
 bound back when the last one ends. Nothing in site-packages is edited. The barriers pass through
 the dispatcher as ``c10d::barrier``, so the benchmark's ``CommCounter`` counts them
 (``comm.barrier.*``) and the step-time model charges each on the critical path at its own fitted
-cost (``barrier_s``, ``bench.measure.steptime``).
+cost (``barrier_s``, ``bench.stackmodel.steptime``).
 
 The paper stack turns it on for the methods that stand for the paper's ring code
-(``bench.measure.stack``, term 9).
+(``bench.stackmodel.stack``, term 9).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _yunchang_ring_comm():
     """yunchang's ``RingComm`` if yunchang is imported (its wrappers import it when built, before
     a step runs). Never imported from here: yunchang records at import whether flash-attn is
     present, so an import before the simulation installs its fake would spoil it for the process
-    (``bench.measure.fake_flash_attn.check_fresh``)."""
+    (``bench.stackmodel.fake_flash_attn.check_fresh``)."""
     utils = sys.modules.get("yunchang.ring.utils")
     return getattr(utils, "RingComm", None)
 

@@ -15,7 +15,7 @@ ask whether they are simulated.
 
 What a compressed loop executes is then short of the full loop's, so while an iteration's body
 runs, ``counted_as`` says how many iterations it stands for (``counting_as``; nested loops
-multiply), and the step's counters (``bench.measure.stepcount``: FLOPs, memory traffic, host
+multiply), and the step's counters (``bench.stackmodel.stepcount``: FLOPs, memory traffic, host
 copies) multiply what they count by it. The weight is per thread: the body and the counters
 that see its operators run on the same thread (an autograd engine thread, in a backward), so a
 loop on one thread never weighs another's counts. The policy is per process, as the simulated

@@ -30,9 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench.measure.counts import StepCounts  # noqa: E402
-from bench.measure.hardware import get_device, get_link  # noqa: E402
-from bench.measure.steptime import FITTED, STEPTIME_VERSION, step_time  # noqa: E402
+from bench.stackmodel.counts import StepCounts  # noqa: E402
+from bench.stackmodel.hardware import get_device, get_link  # noqa: E402
+from bench.stackmodel.steptime import FITTED, STEPTIME_VERSION, step_time  # noqa: E402
 
 GiB = 2**30
 POOLS = ("shared", "per-stream")
@@ -149,7 +149,7 @@ def main() -> None:
               "tiled MLP and norms, chunked loss) with the row's own (`levers` in the real rows; the "
               "simulation is given the same), the attention arithmetic skipped (`--attention-math skip`, "
               "`bench.measure.skipmath`: the kernels' outputs and backward scratch allocated at their real "
-              "shapes, no FLOPs; yunchang's flash-attn 3 calls go to `bench.measure.fake_flash_attn`, our "
+              "shapes, no FLOPs; yunchang's flash-attn 3 calls go to `bench.stackmodel.fake_flash_attn`, our "
               "methods' to torch's SDPA flash ops). Memory is the step after the first" if skips else
               "the default levers of `python -m bench run` (FSDP2, checkpoints offloaded but the first and last "
               "block's, tiled MLP and norms, chunked loss), torch's SDPA flash kernel. Memory is the step after "
@@ -170,7 +170,7 @@ def main() -> None:
         f"{any_sim['env']['torch']}, lean stack + expandable-segments allocator model + FA2 backward "
         "scratch), with the allocator pools of the column (`shared`: one pool for all streams; "
         "`per-stream`: a pool per stream, as the caching allocator keeps them). "
-        f"Modelled step time: `bench.measure.steptime` (version {STEPTIME_VERSION}) on the simulation's "
+        f"Modelled step time: `bench.stackmodel.steptime` (version {STEPTIME_VERSION}) on the simulation's "
         "counts, with its constants: the attention efficiencies and the per-call latency fitted on Table 3 "
         "(not on these rows), `eff_matmul` measured on "
         + ("this device's GEMMs (the kernel table below)" if (args.dir / "kernels.ndjson").exists()
@@ -215,7 +215,7 @@ def main() -> None:
         fa2 = f"eff_attention_fa2 {FITTED.eff_attention_fa2:.3f}"
         lines += ["", "## Kernel rates (real) against the model's efficiencies", "",
                   f"Fraction of the preset's dense bf16 peak ({peak / 1e12:.0f} TFLOP/s); CUDA events, median "
-                  "of 5-10 calls after warm-up. The model's (`bench.measure.steptime.FITTED`): `eff_matmul` is "
+                  "of 5-10 calls after warm-up. The model's (`bench.stackmodel.steptime.FITTED`): `eff_matmul` is "
                   "the FLOP-weighted rate of the four GEMMs below (`EFF_MATMUL_MEASURED`, since version 4); the "
                   "attention efficiencies are fitted on Table 3 cells only (never on these rows), so they may "
                   "absorb other work of the step: not kernel rates by construction.", "",

@@ -1,4 +1,4 @@
-"""Real-GPU kernel rates for the step-time model's two kernel classes (bench.measure.steptime).
+"""Real-GPU kernel rates for the step-time model's two kernel classes (bench.stackmodel.steptime).
 
 Run on a CUDA machine (scripts/gpu/validate.sh does): times, with CUDA events after warm-up,
 

@@ -92,7 +92,7 @@ def test_paper_levers_are_per_method():
 
 
 def test_paper_levers_agree_with_the_fidelity_implementations():
-    from bench import fidelity
+    from bench.stackmodel import fidelity
     impl = fidelity.implementation("torch-cp", 8)
     assert {k: paper_levers("torch-cp")[k] for k in impl.levers} == impl.levers
     assert pd.Series(paper_levers("torch-cp")).drop(list(impl.levers)).to_dict() == {

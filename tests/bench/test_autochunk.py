@@ -4,9 +4,9 @@ import pytest
 
 import methods
 from bench import cli
-from bench.measure import hardware
 from bench.measure.trial import Trial
 from bench.search.autochunk import candidates, resolve_auto_chunk, run
+from bench.stackmodel import hardware
 
 MODEL, SEQ, WS = "tiny-llama", 65536, 4  # H=8, G=4: U in {8, 4} at C=4
 

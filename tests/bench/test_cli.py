@@ -152,7 +152,7 @@ def test_bad_arguments_in_process(capsys, override, needle):
 def test_missing_library_is_a_usage_error():
     """A registered wrapper whose library is absent (flash_attn on CPU machines); checked in a
     fresh interpreter, since the test session installs a flash-attn stand-in. In real mode:
-    simulated mode supplies flash-attn itself (bench.measure.fake_flash_attn)."""
+    simulated mode supplies flash-attn itself (bench.stackmodel.fake_flash_attn)."""
 
     wrapper = next((m for m in ("rfa-zigzag", "ds-fpdt") if m in [i.name for i in methods.available(detail=True)]),
                    None)

@@ -10,11 +10,11 @@ import torch
 
 import methods
 from bench.measure import run as trial_mod
-from bench.measure.hardware import LINKS, CommCounter, get_device
 from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated, real_rank, run_trial
 from bench.measure.simulate import fake_process_group
 from bench.measure.trial import Trial
+from bench.stackmodel.hardware import LINKS, CommCounter, get_device
 from bench.training.config import StepConfig
 
 CANDIDATES = ("ulysses", "upipe", "ring")
@@ -136,7 +136,7 @@ def test_kernel_workspace_model_adds_the_flash_backward_scratch():
     """Ulysses attention block at 1M on 8 ranks (q: 4 heads per rank, k/v: 1): the fa3 model adds
     dQ's fp32 accumulator, the two fp32 row statistics and GQA's fp32 dK/dV accumulators while the
     backward kernel runs; the peak rises, by at most that much (the block may peak elsewhere)."""
-    from bench.measure.workspace import workspace_shapes
+    from bench.stackmodel.workspace import workspace_shapes
 
     s, ws = 1 << 20, 8
     base = Trial.make("ulysses", "llama3-8b", s, ws, step=StepConfig(scope="attention"))
@@ -157,7 +157,7 @@ def test_kernel_workspace_model_adds_the_flash_backward_scratch():
 
 def test_host_memory_budget_under_simulation():
     """Offloaded checkpoints beyond the preset's host memory per GPU make the trial not fit."""
-    from bench.measure.hardware import DEVICES
+    from bench.stackmodel.hardware import DEVICES
 
     row = run_trial(Trial.make("upipe", "tiny-llama", 2048, 2))
     assert row.status == "ok" and row.figures.host_usable_bytes == DEVICES["h100-80g"].host_usable()

@@ -110,7 +110,7 @@ def test_sequence_chunked_entry_takes_every_lever_fpdt_runs():
 
 
 def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
-    from bench.measure import hardware
+    from bench.stackmodel import hardware
 
     trial = Trial.make("upipe", tiny_file, 65536, 4)
     usable = measure_simulated(trial.with_seq_len(96 << 10)).peak_bytes
@@ -260,7 +260,7 @@ def test_bad_arguments(argv, capsys):
 def test_search_stops_at_the_host_memory_budget(tiny_file, tmp_path, monkeypatch):
     """With ample device memory, offloads beyond the preset's host bytes per GPU end the search:
     the answer is the longest length whose extrapolated host peak fits, and one step more fails."""
-    from bench.measure import hardware
+    from bench.stackmodel import hardware
 
     trial = Trial.make("offload", tiny_file, 65536, 4)
     host = extrapolated(trial.with_seq_len(96 << 10), str(tmp_path)).host_peak_bytes

@@ -22,11 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
 from bench.cli import main
-from bench.measure import fake_flash_attn as ffa
 from bench.measure.run import run_trial
 from bench.measure.skipmath import NOTE, SkipAttentionMath, is_skipped
 from bench.measure.trial import Trial
-from bench.measure.workspace import workspace_shapes
+from bench.stackmodel import fake_flash_attn as ffa
+from bench.stackmodel.workspace import workspace_shapes
 from bench.training.config import StepConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,4 +169,4 @@ def test_a_wrapped_library_runs_emulated_on_the_memory_faithful_flash_attn(tmp_p
     assert row["status"] == "ok", row["message"]
     note = next(n for n in row["notes"] if n.startswith(NOTE))
     assert "cpab_sim.fa3_fwd x" in note and "cpab_sim.fa3_bwd x" in note
-    assert any("bench.measure.fake_flash_attn" in n for n in row["notes"])
+    assert any("bench.stackmodel.fake_flash_attn" in n for n in row["notes"])

@@ -53,7 +53,7 @@ def test_checkpointing_lowers_activation_memory(cfg_file):
 def test_offload_moves_checkpoints_to_the_host(cfg_file):
     kept = sim(cfg_file, ac=True, ac_offload=False)
     moved = sim(cfg_file, ac=True, ac_offload=True)
-    # on the GPU code path (fake CUDA, bench.measure.simcuda) the host also holds a few bytes of
+    # on the GPU code path (fake CUDA, bench.stackmodel.simcuda) the host also holds a few bytes of
     # index tensors made there before their copy to the device, as a GPU run does
     small = 4096
     assert kept.host_peak_bytes < small

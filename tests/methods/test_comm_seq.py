@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.measure.hardware import CommCounter
 from bench.measure.simulate import fake_process_group, fake_tensors
+from bench.stackmodel.hardware import CommCounter
 from methods.core import comm
 
 pytestmark = pytest.mark.slow  # spawns a rank pool (tests/conftest.py's meaning of slow)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import methods
-from bench import fidelity
+from bench.stackmodel import fidelity
 from bench.training.config import StepConfig
 from methods.core import registry
 from records import facts as records_facts
@@ -50,7 +50,7 @@ def paper_rows() -> list[dict[str, str]]:
 
 def test_every_paper_column_of_the_paper_tables_has_its_implementation():
     """Each method name in results/paper/ is a paper column, simulated by exactly one registered
-    method at the GPU count of the row (``bench.fidelity.implementation``), whose options parse."""
+    method at the GPU count of the row (``bench.stackmodel.fidelity.implementation``), whose options parse."""
     rows = paper_rows()
     assert {r["table"] for r in rows} >= {"table3_throughput", "max_context", "fig5_multinode", "memory_anchors"}
     for r in rows:

@@ -3,7 +3,7 @@
 On gloo ranks: with the barriers the ring methods (ours, yunchang's, UPipe over a ring) still
 match the reference, forward and every gradient, and issue exactly one barrier per ring step;
 without them none. Simulated: the step counts the barriers the paper stack turns on (term 9 of
-``bench.measure.stack``) for the methods that stand for the paper's ring code only. And
+``bench.stackmodel.stack``) for the methods that stand for the paper's ring code only. And
 yunchang's own ``RingComm.wait`` is back once the scope ends.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from bench.measure import stack
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
+from bench.stackmodel import stack
 from bench.training.config import StepConfig
 from methods.core import ringsync
 from tests.methods.cases import SPECS, TOLERANCE, check_against_reference
@@ -26,7 +26,7 @@ HAS_YUNCHANG = importlib.util.find_spec("yunchang") is not None
 @pytest.fixture
 def fresh_yunchang():
     """yunchang imported in this process only while a test runs: it records at import whether
-    flash-attn is present, and later tests (tests/bench/measure/test_fake_flash_attn.py) check what a process
+    flash-attn is present, and later tests (tests/bench/stackmodel/test_fake_flash_attn.py) check what a process
     that never imported it sees (as tests/methods/test_yc_fa3.py does)."""
     before = set(sys.modules)
     yield

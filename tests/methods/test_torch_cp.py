@@ -14,7 +14,7 @@ module checks instead:
     torch's ring and merge, its load-balanced schedule and that our layout is the one it
     assumes; not the DTensor dispatch and not the method's projections.
 (b) **The layout**: ``shard`` equals torch's ``_HeadTailLoadBalancer`` rearrangement.
-(c) **The whole method on simulated CUDA** (``bench.measure.simcuda``; fake tensors, a fake
+(c) **The whole method on simulated CUDA** (``bench.stackmodel.simcuda``; fake tensors, a fake
     process group of 4 ranks), through torch's DTensor dispatch: output shape and dtype, the
     CUDA flash ops run (never the CPU ones), the collectives each rotate method issues and their
     bytes (``CommCounter``), every parameter gets a gradient, torch's global CP options are as
@@ -40,11 +40,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
-from bench.measure import simcuda
-from bench.measure.hardware import CommCounter
 from bench.measure.run import run_trial
 from bench.measure.simulate import fake_process_group, no_param_init
 from bench.measure.trial import Trial
+from bench.stackmodel import simcuda
+from bench.stackmodel.hardware import CommCounter
 from bench.training.config import StepConfig
 from methods.core import layouts
 from methods.core.comm import world
@@ -177,7 +177,7 @@ def test_kernel_scratch_is_modelled_on_the_local_ring_calls(monkeypatch):
     second half) once per ring step, never on the DTensor's global shape, which the SDPA op
     carries before DTensor hands it to the ring. Sized on the global shape, the model charged
     16 GiB per block for Llama3-8B at 1M on 8 ranks instead of 2 GiB."""
-    from bench.measure import workspace
+    from bench.stackmodel import workspace
 
     simcuda.require()
     seen = []

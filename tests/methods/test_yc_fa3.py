@@ -3,7 +3,7 @@
 In this process yunchang found no flash-attn 3, so the flash-attn 3 functions it bound at import
 are replaced by recorders here; the simulated trials that run the real wiring (the FA3 stand-in
 receiving causal=True on the ring's diagonal blocks, and yc-ring's attention FLOPs equal under fa
-and fa3) are in tests/bench/test_simulated_flash_attn.py.
+and fa3) are in tests/bench/stackmodel/test_simulated_flash_attn.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("yunchang") is None, re
 @pytest.fixture(scope="module")
 def yc():
     """yunchang, imported in this process only while these tests run: later tests
-    (tests/bench/measure/test_fake_flash_attn.py) check what a process that never imported it sees."""
+    (tests/bench/stackmodel/test_fake_flash_attn.py) check what a process that never imported it sees."""
     before = set(sys.modules)
     with warnings.catch_warnings():  # yunchang's modules call torch.jit.script (deprecated) at import
         warnings.simplefilter("ignore", DeprecationWarning)

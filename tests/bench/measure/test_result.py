@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.measure.counts import StepCounts
 from bench.measure.result import AllocatorReplay, KeptTrace, LoadAround, Measurement, failed
+from bench.stackmodel.counts import StepCounts
 
 CACHE = Path(__file__).resolve().parents[3] / "results" / "plan" / "sims.ndjson"
 

@@ -1,11 +1,11 @@
 """What a simulated step executed, counted, as typed records (``StepCounts``), and their flat form on disk.
 
-``bench.measure.stepcount`` counts the FLOPs by kernel class, the host copies by issuer and
+``bench.stackmodel.stepcount`` counts the FLOPs by kernel class, the host copies by issuer and
 direction, the memory-bound kernels' traffic and the methods' noted events; ``comm_counts``
-(``bench.measure.steptime``) the collectives by kind (``Collective``: operation, group size,
+(``bench.stackmodel.steptime``) the collectives by kind (``Collective``: operation, group size,
 members in the counted rank's node), each kind with its calls and bytes (``Traffic``). The
-step-time model (``bench.measure.steptime``) and NCCL's buffers
-(``bench.measure.stack.nccl_buffer_bytes``) read these records.
+step-time model (``bench.stackmodel.steptime``) and NCCL's buffers
+(``bench.stackmodel.stack.nccl_buffer_bytes``) read these records.
 
 Rows store the counts flat, in ``figures.step_time_model["counts"]``, and the planner's
 simulation cache in ``step_counts`` (``bench.search.plan.SimCache``), with string keys:
@@ -49,8 +49,8 @@ class Traffic:
 
 @dataclass(frozen=True)
 class Collective:
-    """A kind of collective call: calls of one kind are timed (``bench.measure.steptime``) and
-    connected (``bench.measure.stack.nccl_buffer_bytes``) alike."""
+    """A kind of collective call: calls of one kind are timed (``bench.stackmodel.steptime``) and
+    connected (``bench.stackmodel.stack.nccl_buffer_bytes``) alike."""
 
     op: str  # the c10d operation: all_to_all, all_gather, reduce_scatter, all_reduce, send, broadcast, barrier
     size: int  # ranks in the call's group
@@ -67,7 +67,7 @@ class Collective:
 
 @dataclass(frozen=True)
 class HostCopy:
-    """A kind of copy between the simulated accelerator and the host (``bench.measure.stepcount.HostCopies``)."""
+    """A kind of copy between the simulated accelerator and the host (``bench.stackmodel.stepcount.HostCopies``)."""
 
     issuer: str  # "method": the attention methods' code (FPDT's chunk store); "offload": the step's checkpoint offload
     direction: str  # "d2h": device to host; "h2d": host to device
@@ -167,7 +167,7 @@ class StepCounts:
         missing = [c for c in KERNEL_CLASSES if c not in flops]
         if missing:
             raise ValueError(f"step counts lack flops.{', flops.'.join(missing)} (every count of "
-                             "bench.measure.stepcount has flops.matmul, flops.attention and flops.other)")
+                             "bench.stackmodel.stepcount has flops.matmul, flops.attention and flops.other)")
         for entry, pair in pairs.items():
             if len(pair) != 2:
                 have = next(iter(pair))

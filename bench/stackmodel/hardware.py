@@ -253,7 +253,7 @@ class CommCounter(TorchDispatchMode):
     ``members[i]`` holds the global ranks of call ``i``'s group (empty when unknown): which
     nodes a group spans; ``issuers[i]`` whether the attention issued it (``"attention"``: called
     from the methods' code, torch's context parallel or the attention libraries, by the Python
-    frames) or the rest of the step (``"step"``: FSDP's hooks); ``bench.measure.steptime``.
+    frames) or the rest of the step (``"step"``: FSDP's hooks); ``bench.stackmodel.steptime``.
     """
 
     def __init__(self) -> None:

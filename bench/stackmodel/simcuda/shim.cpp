@@ -11,7 +11,7 @@
 // complete at once, and events that are always complete; and hooks that say CUDA is built and
 // available with one device. Nothing here allocates or computes: under FakeTensorMode no kernel
 // runs. It must be loaded before torch (the hooks are created once, on first use, which
-// `import torch` already makes), and only into processes that simulate (bench.measure.simcuda).
+// `import torch` already makes), and only into processes that simulate (bench.stackmodel.simcuda).
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 

@@ -19,7 +19,7 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
 
 1. ``allocator``: the step's device allocations and frees replayed through a model of
    PyTorch's CUDA caching allocator with ``expandable_segments:True``
-   (``bench.measure.allocator``). Source: the authors' scripts set
+   (``bench.stackmodel.allocator``). Source: the authors' scripts set
    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (docs/paper.md, "Training stack");
    the allocator's rules from ``c10/cuda/CUDACachingAllocator.cpp``. Its pools
    (``StepConfig.allocator_pools``): ``per-stream`` wherever the paper stack is the default
@@ -34,8 +34,8 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
    and say so (results/plan/README.md).
 2. ``kernel_scratch``: the attention backward's scratch buffers. Methods that call flash-attn
    through a library (yunchang, ring-flash-attn, DeepSpeed; ``MethodFacts.library_kernels``) get
-   them from ``bench.measure.fake_flash_attn`` (flash-attn's ``mha_bwd``); the others get the
-   model of ``bench.measure.workspace`` for their ``MethodFacts.kernel``: FA3 for our own
+   them from ``bench.stackmodel.fake_flash_attn`` (flash-attn's ``mha_bwd``); the others get the
+   model of ``bench.stackmodel.workspace`` for their ``MethodFacts.kernel``: FA3 for our own
    kernels (the paper's runs used FlashAttention 3, "Kernels and versions"), FA2 for
    ``torch-cp`` (torch's SDPA flash kernel is FA2's code).
 3. ``offload_first_only``: with checkpoint offload, only the first block's checkpoint stays
@@ -94,7 +94,7 @@ step before it runs, in the budget by :func:`usable_bytes`, or (term 8) by the s
    Source: the authors' vendored yunchang (``long-context-attention/yunchang/ring/utils.py``) and
    UPipe's ring (``untied_ulysses/flash_attn_utils.py``) both end ``RingComm.wait`` with
    ``dist.barrier(group=self._process_group)``; pip yunchang does not. It changes what runs
-   (one ``c10d::barrier`` per ring step: step time, ``bench.measure.steptime``) and, through
+   (one ``c10d::barrier`` per ring step: step time, ``bench.stackmodel.steptime``) and, through
    term 7, the NCCL buffers of the ring group's all-reduce where nothing else ran a ring
    collective on it (USP and UPipe 8 x 2's two-rank ring across the nodes). Term 7 counts that
    ring with the 32 channels of a ring inside an NVSwitch node; NCCL probably gives a ring of one
@@ -104,7 +104,7 @@ Not modelled (named so that a residual can be attributed): NVLink SHARP (NVLS) b
 NVLS algorithm under ``NCCL_ALGO=RING``); Liger's fused
 linear cross-entropy, the paper's loss, which our chunked loss stands in for (CUDA/Triton
 only); memory a real run holds a little longer because of stream ordering
-(``bench.measure.simcuda``); FSDP2's all-gather buffers beyond what its CPU-stream code path
+(``bench.stackmodel.simcuda``); FSDP2's all-gather buffers beyond what its CPU-stream code path
 holds. The Native PyTorch runs also had no tiled MLP or norms: that is the trial's levers
 (the Table 3 specs), not the stack.
 """
@@ -176,7 +176,7 @@ PAPER_TERMS: tuple[Term, ...] = (
 
 def scratch_model(method: str) -> str:
     """The ``kernel_workspace`` model the paper stack gives ``method`` (see term 2): none where its
-    library calls flash-attn itself (``MethodFacts.library_kernels``: ``bench.measure.fake_flash_attn``
+    library calls flash-attn itself (``MethodFacts.library_kernels``: ``bench.stackmodel.fake_flash_attn``
     allocates the real kernels' scratch), else its kernel's (``MethodFacts.kernel``: fa3 for our
     kernels, fa2 for torch's SDPA flash kernel)."""
     facts = methods.get_info(method).facts

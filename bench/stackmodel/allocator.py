@@ -60,7 +60,7 @@ release that added expandable segments). Mechanisms modelled, each with where it
   ``max_memory_reserved`` return.
 
 Streams: each allocation is recorded with the stream current when it was made
-(``bench.measure.simcuda.stream_id``: the simulated runtime tracks ``torch.cuda.stream(...)``
+(``bench.stackmodel.simcuda.stream_id``: the simulated runtime tracks ``torch.cuda.stream(...)``
 contexts; FSDP2 makes its all-gather inputs and outputs on its copy-in stream and its
 reduce-scatter outputs on its reduce-scatter stream, a method's store its chunks on its copy
 stream), and the replay keeps a pool per stream, so a block cached by one stream is not
@@ -74,7 +74,7 @@ free here completes at once, on the stream it was allocated on. Nor the ``max_sp
 ``roundup_power2_divisions`` and ``garbage_collection_threshold`` options, the memory
 fraction (``set_fraction``), the free-memory callbacks, CUDA graph private pools, IPC,
 memory the allocator does not manage (CUDA context, NCCL's buffers; cuBLAS's workspaces it does
-manage: the paper stack adds them, ``bench.measure.stack``), and
+manage: the paper stack adds them, ``bench.stackmodel.stack``), and
 allocations that kernels make and free internally (a fake kernel allocates its outputs
 only). Tensors that exist before the step (parameters, optimizer state) enter the trace as
 initial allocations in the order the tracker meets them, not in the order and with the
@@ -91,8 +91,8 @@ from typing import NamedTuple
 import torch
 from torch.distributed._tools.mem_tracker import _UpdateType
 
+from ..measure.simulate import MemoryPeak, PeakTracker, peaks_by_device
 from .simcuda import stream_id
-from .simulate import MemoryPeak, PeakTracker, peaks_by_device
 
 # constants of c10/cuda/CUDACachingAllocator.cpp
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes

@@ -1,4 +1,4 @@
-"""``bench.fidelity`` and ``python -m bench fidelity``: the machinery, on tiny models.
+"""``bench.stackmodel.fidelity`` and ``python -m bench fidelity``: the machinery, on tiny models.
 
 The anchors are checked against the paper's tables they are read from (counts per kind); the
 runs use hand-made anchors on ``tiny-llama`` so the file stays fast. No paper number is tested.
@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from bench import fidelity
 from bench.cli import main
-from bench.fidelity import PAPER_DIR, Anchor, Impl
+from bench.stackmodel import fidelity
+from bench.stackmodel.fidelity import PAPER_DIR, Anchor, Impl
 from records import FIDELITY_ANCHOR_NOTE
 from tests.rowfactory import make_row, write
 

@@ -29,7 +29,7 @@ What cannot exist without a GPU runtime, and how simulation stands in for it
   ... for the streams made here in order of creation), because the CUDA caching allocator
   keys its cached blocks by the stream current at allocation (``Block::stream``; a free
   block is reused only by an allocation on the same stream), so the allocator model
-  (``bench.measure.allocator``) needs each allocation's stream to keep FSDP2's all-gather
+  (``bench.stackmodel.allocator``) needs each allocation's stream to keep FSDP2's all-gather
   buffers, made on its copy-in stream, out of the compute stream's pool, as on a GPU.
 * **Events** (``torch.cuda.Event``): generic ``torch.Event`` objects, always complete;
   ``elapsed_time`` is not available (no timing in simulation).
@@ -144,7 +144,7 @@ def preload() -> bool:
         _STATE.update(loaded=True, reason="CUDA build of torch: its own runtime serves fake CUDA tensors")
         return True
     if "torch" in sys.modules:
-        _STATE["reason"] = ("torch was imported before bench.measure.simcuda.preload(); the simulated "
+        _STATE["reason"] = ("torch was imported before bench.stackmodel.simcuda.preload(); the simulated "
                             "CUDA device must be loaded first (run through `python -m bench`, or import "
                             "bench before torch), or simulate on the CPU path: --sim-device cpu")
         return False

@@ -1,10 +1,10 @@
-"""bench.measure.fake_flash_attn: the simulated flash-attn's shapes, allocations and installation.
+"""bench.stackmodel.fake_flash_attn: the simulated flash-attn's shapes, allocations and installation.
 
 The tests' conftest puts the plain-torch stand-in into ``sys.modules`` as ``flash_attn`` for
 the whole process; the functions here are called from the module directly, and the
 installation tests take ``flash_attn`` out of ``sys.modules`` with ``monkeypatch`` (restored
 after each test). Simulated trials of the wrapped libraries run in subprocesses
-(tests/bench/test_simulated_flash_attn.py), where nothing else provides flash-attn.
+(tests/bench/stackmodel/test_simulated_flash_attn.py), where nothing else provides flash-attn.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import methods
-from bench.measure import fake_flash_attn as ffa
 from bench.measure.simulate import track_peaks
 from bench.measure.trial import Trial
-from bench.measure.workspace import workspace_shapes
+from bench.stackmodel import fake_flash_attn as ffa
+from bench.stackmodel.workspace import workspace_shapes
 from methods.core.base import AttentionMethod
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -62,7 +62,7 @@ def test_fa2_backward_returns_softmax_d_and_fills_caller_buffers():
 
 
 def test_fa2_scratch_matches_the_workspace_model():
-    """The fa2 model of bench.measure.workspace (softmax_d counted there as scratch)."""
+    """The fa2 model of bench.stackmodel.workspace (softmax_d counted there as scratch)."""
     for hk in (8, 2):
         with FakeTensorMode():
             q, k, v = tensors(2, 1000, 1000, 8, hk, 128)

@@ -1,4 +1,4 @@
-"""``python -m bench steptime``: the step-time model (``bench.measure.steptime``) against Table 3.
+"""``python -m bench steptime``: the step-time model (``bench.stackmodel.steptime``) against Table 3.
 
     python -m bench steptime                   # fit on FIT_CELLS from the committed counts, print every cell
     python -m bench steptime --collect         # re-simulate the counts (minutes) into --counts
@@ -8,7 +8,7 @@
 Per-cell records go to ``--out`` (default ``<runs>/steptime/table3_model.jsonl``, ``records.outputs.runs_dir``).
 
 Counts. For every method and model of ``results/paper/table3_throughput.csv`` the paper's
-implementation (``bench.fidelity.implementation``) is simulated under the lean stack with the
+implementation (``bench.stackmodel.fidelity.implementation``) is simulated under the lean stack with the
 paper's record levers (FSDP2, AC offloaded to host, tiled MLP/norm, chunked loss; torch-cp
 without tiled MLP/norms) and the paper-stack terms that change what runs (``as_paper_runs``)
 at ``COUNT_LENGTHS`` (3 lengths), through layer extrapolation
@@ -16,7 +16,7 @@ at ``COUNT_LENGTHS`` (3 lengths), through layer extrapolation
 collective bytes and calls, and host bytes are exact functions of the configuration: at a
 fixed model, method and ranks every count is ``a + b·S + c·S²`` (attention's S², the rest
 linear, call counts constant), so the 3 lengths determine it at any length (``interpolate``;
-``CHECK_CELL`` is simulated directly as well and ``tests/bench/test_steptime.py`` compares).
+``CHECK_CELL`` is simulated directly as well and ``tests/bench/stackmodel/test_steptime.py`` compares).
 The paper stack's allocator and scratch models do not change them; its ``offload_first_only`` and
 ``tiled_mlp_deepspeed`` change what runs (more host traffic; DeepSpeed's TiledMLP instead of ours,
 the same FLOPs since both recompute each tile in backward, other temporaries), so those are set
@@ -55,7 +55,7 @@ Known residuals (named, not tuned away; ``paper_figs/table3_model.md`` shows the
   chunks per rank at every length where the paper's runs used chunks of 65,536 tokens (2 per rank
   at 128K, 64 at 4M: the chunk ``methods/fpdt.py`` declares for the paper's FPDT), and the model had no term for
   DeepSpeed FPDT's per-chunk host synchronisation, which the one ``latency_s`` absorbed (0.9 ms a
-  call, for every method). With both (``ds_fpdt_chunk_s``, ``bench.measure.steptime``) every FPDT
+  call, for every method). With both (``ds_fpdt_chunk_s``, ``bench.stackmodel.steptime``) every FPDT
   cell of both models is within -6%..+3%, from two fitted Llama3-8B cells.
 * Native PyTorch on two nodes (Qwen3-32B, 1x16) at 128K and 256K: +46.8% and +22.6%, while 512K
   agrees (-2.0%). The paper's steps are 64.5 s, 146.0 s and 358.6 s, the modelled 43.9 s, 119.1 s
@@ -97,15 +97,15 @@ import methods
 from records import append_rows, human, read_rows
 from records.outputs import OutputError, check_dir, check_file, runs_dir
 
+from ..measure.trial import Trial
+from ..training.config import StepConfig
+from . import stack
+from .counts import StepCounts
 from .fidelity import PAPER_DIR, TABLE3_METHODS, implementation
-from .measure import stack
-from .measure.counts import StepCounts
-from .measure.hardware import get_device, get_link
-from .measure.steptime import EFF_MATMUL_MEASURED, FIT_CELLS, FITTED, StepTimeConstants, attention_kernel, step_time
-from .measure.trial import Trial
-from .training.config import StepConfig
+from .hardware import get_device, get_link
+from .steptime import EFF_MATMUL_MEASURED, FIT_CELLS, FITTED, StepTimeConstants, attention_kernel, step_time
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COUNTS = ROOT / "results" / "fidelity" / "steptime.jsonl"
 DEVICE = "h100-80g"
 # three lengths per model, all with >= 2 MLP tiles per rank (local tokens > dim): with one tile
@@ -113,7 +113,7 @@ DEVICE = "h100-80g"
 COUNT_LENGTHS = {"llama3-8b": (65536, 131072, 262144), "qwen3-32b": (131072, 262144, 524288)}
 CHECK_CELL = ("llama3-8b", "upipe", 524288)  # simulated directly too: the interpolation's check
 SETUPS = {"llama3-8b": 8, "qwen3-32b": 16}
-LABEL = "simulated, h100-80g, modelled step time (bench.measure.steptime)"
+LABEL = "simulated, h100-80g, modelled step time (bench.stackmodel.steptime)"
 
 
 def as_paper_runs(step: StepConfig, method: str) -> StepConfig:
@@ -123,7 +123,7 @@ def as_paper_runs(step: StepConfig, method: str) -> StepConfig:
     each tile's forward in backward, but its own elementwise work) and TorchTitan's RoPE table
     (``rope_table``: offloaded with every offloaded block's input, more host traffic) and the paper's
     ring code's barrier after every ring step (``ring_step_barrier``: more collective calls). The allocator
-    and scratch models change memory only, not the counts (``tests/bench/test_steptime.py`` checks
+    and scratch models change memory only, not the counts (``tests/bench/stackmodel/test_steptime.py`` checks
     this equals the paper stack's counts)."""
     paper, _ = stack.apply(dataclasses.replace(step, stack="paper"), method)
     return dataclasses.replace(step, offload_keep=paper.offload_keep, tiled_mlp_impl=paper.tiled_mlp_impl,
@@ -141,7 +141,7 @@ def collect(out: Path, models: tuple[str, ...] = tuple(SETUPS), methods: tuple[s
             lengths: tuple[int, ...] | None = None, check: bool = True, progress=sys.stderr) -> list:
     """Simulate the counts (layer-extrapolated, lean stack) and append the rows to ``out``
     (``lengths``: default each model's ``COUNT_LENGTHS``)."""
-    from .search.extrapolate import layer_extrapolated_runner
+    from ..search.extrapolate import layer_extrapolated_runner
 
     todo = [(m, meth, s) for m in models for meth in methods for s in (lengths or COUNT_LENGTHS[m])]
     if check and CHECK_CELL[0] in models and CHECK_CELL[1] in methods:
@@ -166,7 +166,7 @@ def refresh_rows(path: Path, constants: StepTimeConstants = FITTED) -> int:
     ``constants`` (after a refit changed ``FITTED``): nothing is simulated again. Returns the rows rewritten."""
     from records import validate_row
 
-    from .measure.steptime import figures_from_counts
+    from .steptime import figures_from_counts
 
     rows = list(read_rows(path))
     for r in rows:
@@ -318,7 +318,7 @@ def _step_time_t(counts: StepCounts, dev, link, consts, ds_fpdt: bool = False):
     """``step_time``'s total with tensor constants (the same formula, differentiable)."""
     import torch
 
-    from .measure.steptime import HOST_LINK_Bps, _comm_terms, ds_fpdt_sync_seconds, memory_bound_seconds
+    from .steptime import HOST_LINK_Bps, _comm_terms, ds_fpdt_sync_seconds, memory_bound_seconds
 
     peak = dev.peak_bf16_flops
     mm = (counts.flops_matmul + counts.flops_other) / (consts.eff_matmul * peak)
@@ -420,7 +420,7 @@ def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
 
 def render(records, constants: StepTimeConstants, fitted_now: bool) -> str:
     lines = [f"Table 3 (tokens/s per GPU): paper vs {LABEL}",
-             f"constants ({'fitted now' if fitted_now else 'FITTED in bench.measure.steptime'}): "
+             f"constants ({'fitted now' if fitted_now else 'FITTED in bench.stackmodel.steptime'}): "
              f"eff_matmul={constants.eff_matmul:.4f} (measured, H100 GEMMs) eff_attention(FA3)="
              f"{constants.eff_attention:.4f} eff_attention_fa2={constants.eff_attention_fa2:.4f} "
              f"latency_s={constants.latency_s * 1e6:.2f}us barrier_s={constants.barrier_s * 1e6:.2f}us (the paper's "
@@ -486,10 +486,10 @@ def write_figs(records, out_dir: Path, constants: StepTimeConstants, text: str) 
                         "yes" if r["fit"] else "no", r["impl"], LABEL])
     md_path.write_text(
         "# Table 3 with a modelled series\n\nGenerated by `python -m bench steptime --figs paper_figs` "
-        "(bench/steptime_fit.py) from the committed counts `results/fidelity/steptime.jsonl`. "
+        "(bench/stackmodel/steptime_fit.py) from the committed counts `results/fidelity/steptime.jsonl`. "
         f"Mode: {LABEL}; `oom` where the paper-stack max-context rows of `results/bench/simulated.jsonl` "
         "say the length does not fit. Known residuals: `python -m bench steptime --help` / the docstring of "
-        "`bench/steptime_fit.py`.\n\n```\n" + text + "\n```\n")
+        "`bench/stackmodel/steptime_fit.py`.\n\n```\n" + text + "\n```\n")
     return [str(csv_path), str(md_path)]
 
 

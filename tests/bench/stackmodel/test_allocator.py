@@ -1,4 +1,4 @@
-"""bench.measure.allocator: the caching-allocator model on hand-made traces with known answers,
+"""bench.stackmodel.allocator: the caching-allocator model on hand-made traces with known answers,
 the trace recorder on fake and real tensors, and its use in simulated mode."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from bench.measure.allocator import (
+from bench.measure.simulate import track_peaks
+from bench.stackmodel.allocator import (
     ALLOC,
     FREE,
     AllocatorOOM,
@@ -22,7 +23,6 @@ from bench.measure.allocator import (
     replay,
     round_size,
 )
-from bench.measure.simulate import track_peaks
 from records.identity import V1_OMITTED_LEVERS
 
 MiB = 1 << 20
@@ -382,8 +382,8 @@ def test_replay_shares_one_pool_unless_per_stream():
 
 
 def test_recorder_tags_device_storage_with_the_simulated_current_stream():
-    from bench.measure import simcuda
     from bench.measure.simulate import fake_tensors
+    from bench.stackmodel import simcuda
 
     simcuda.require()
     with simcuda.runtime(), fake_tensors(torch.float32, meta_host=False):

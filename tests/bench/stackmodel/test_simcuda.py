@@ -1,4 +1,4 @@
-"""Simulation on the GPU code path (``bench.measure.simcuda``) against the CPU code path.
+"""Simulation on the GPU code path (``bench.stackmodel.simcuda``) against the CPU code path.
 
 What is checked: the shim is loaded in this process (``tests/conftest.py`` imports ``bench``
 before torch); autograd runs on fake CUDA tensors and executes the CUDA flash-attention ops,
@@ -21,11 +21,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
-from bench.measure import simcuda
 from bench.measure.run import run_trial
 from bench.measure.simulate import no_param_init
 from bench.measure.trial import Trial
 from bench.model.config import get_config
+from bench.stackmodel import simcuda
 from bench.training.config import StepConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -132,7 +132,7 @@ def test_sim_device_is_refused_outside_simulation():
 
 
 def test_torch_imported_first_gives_a_one_line_error():
-    code = ("import torch\nimport bench.measure.simcuda as s\n"
+    code = ("import torch\nimport bench.stackmodel.simcuda as s\n"
             "try:\n    s.require()\nexcept s.SimCudaError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
@@ -160,7 +160,7 @@ def test_prefetched_chunks_are_allocated_on_the_compute_stream():
     """A chunk coming back from the host is allocated on the compute stream and filled on the side
     stream: the caching allocator keeps a pool per stream, and copies allocated on the side stream
     stayed cached in a pool the compute stream never reuses (docs: methods/core/chunkstore.py)."""
-    from bench.measure.allocator import ALLOC, TraceRecorder
+    from bench.stackmodel.allocator import ALLOC, TraceRecorder
     from methods.core.chunkstore import ChunkStore
 
     simcuda.require()

@@ -1,4 +1,4 @@
-"""The typed step counts (``bench.measure.counts``) and their flat form on disk.
+"""The typed step counts (``bench.stackmodel.counts``) and their flat form on disk.
 
 Every count committed under ``results/`` (rows' ``figures.step_time_model.counts``, the planner's
 cached ``step_counts``) reads into the records and writes back to the same JSON, byte for byte;
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.measure import stack
-from bench.measure.counts import Collective, HostCopy, StepCounts, Traffic
-from bench.measure.hardware import get_device, get_link
 from bench.measure.run import guarded, measure_simulated
-from bench.measure.steptime import FITTED, STEPTIME_VERSION, figures_from_counts, step_time
 from bench.measure.trial import Trial
+from bench.stackmodel import stack
+from bench.stackmodel.counts import Collective, HostCopy, StepCounts, Traffic
+from bench.stackmodel.hardware import get_device, get_link
+from bench.stackmodel.steptime import FITTED, STEPTIME_VERSION, figures_from_counts, step_time
 from bench.training.config import StepConfig
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"

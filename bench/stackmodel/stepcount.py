@@ -1,7 +1,7 @@
 """What a simulated step executes, counted: FLOPs by kernel class and host<->device copies.
 
-The step-time model (``bench.measure.steptime``) turns these counts (``StepCounter.counts``:
-``bench.measure.counts.StepCounts``), with the collectives ``bench.measure.hardware.CommCounter``
+The step-time model (``bench.stackmodel.steptime``) turns these counts (``StepCounter.counts``:
+``bench.stackmodel.counts.StepCounts``), with the collectives ``bench.stackmodel.hardware.CommCounter``
 records, into seconds. Counting happens under the same
 FakeTensorMode as the memory simulation, so the counts are exactly what the code issues,
 activation-checkpoint recompute included (the recomputed forward runs its kernels again). Where
@@ -17,7 +17,7 @@ for the attention kernels the suite calls that count **causal masking**:
 
 * torch's fused SDPA ops (``aten._scaled_dot_product_flash_attention[_for_cpu]`` and their
   backward, what ``methods.core.kernels`` calls; also ``_efficient``/``_cudnn``) and the
-  simulated flash-attn kernels (``cpab_sim::fa2_*``/``fa3_*``, ``bench.measure.fake_flash_attn``;
+  simulated flash-attn kernels (``cpab_sim::fa2_*``/``fa3_*``, ``bench.stackmodel.fake_flash_attn``;
   what yunchang and DeepSpeed's FPDT call). torch's own formulas count every (query, key)
   pair ("NB: We aren't accounting for causal attention here", torch/utils/flop_counter.py);
   causal flash kernels skip the tiles above the diagonal, so here the dense count
@@ -33,7 +33,7 @@ host device (``cpu`` on the GPU code path, ``meta`` on the CPU code path) with i
 direction, split by **who issues it** (the calling code, from the Python frames): the attention
 methods' code under ``methods/`` (FPDT's K/V/Q/O chunks, ``methods.core.chunkstore``) or the
 training step (the checkpoint offload of ``bench.training.step.HostOffload``, ``ac_offload``).
-The split matters because the two overlap differently with compute (``bench.measure.steptime``).
+The split matters because the two overlap differently with compute (``bench.stackmodel.steptime``).
 
 Memory traffic of the other kernels (``MemoryTraffic``): every local op on the accelerator that is
 not a matmul, an attention kernel, a collective or a host copy (norms, RoPE, SwiGLU, residual
@@ -424,7 +424,7 @@ class StepCounter:
     def counts(self) -> StepCounts:
         """The FLOPs by kernel class, the host copies, the memory-bound kernels' traffic and the
         methods' noted events (``methods.core.events``: ``pipeline.chunk_passes``); no collectives
-        (``bench.measure.steptime.comm_counts`` counts those)."""
+        (``bench.stackmodel.steptime.comm_counts`` counts those)."""
         flops = dict.fromkeys(KERNEL_CLASSES, 0)
         for op, n in self.flops.get_flop_counts().get("Global", {}).items():
             flops[kernel_class(op)] += n

@@ -1,5 +1,5 @@
 """Simulated trials of the methods that call flash-attn through a library, on the simulated
-flash-attn (bench.measure.fake_flash_attn), each in a fresh ``python -m bench`` process: the
+flash-attn (bench.stackmodel.fake_flash_attn), each in a fresh ``python -m bench`` process: the
 tests' own process has the plain-torch stand-in in ``sys.modules`` (tests/conftest.py), and the
 libraries bind flash-attn's functions when first imported."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 import methods
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WRAPPERS = ("yc-ulysses", "rfa-zigzag", "yc-ring", "yc-usp", "ds-fpdt")
 
 
@@ -50,7 +50,7 @@ def test_wrapped_flash_attn_methods_simulate(tmp_path, method):
 def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(tmp_path):
     """Llama3-8B on 8 ranks: both methods run the same all-to-all layout with one KV head per rank
     (G = C = 8: ``ulysses`` replicates nothing), so they differ only in the kernel. ``ulysses``'s
-    torch kernel with ``kernel_workspace=fa2`` adds bench.measure.workspace's flash-attn 2
+    torch kernel with ``kernel_workspace=fa2`` adds bench.stackmodel.workspace's flash-attn 2
     backward scratch; yc-ulysses's simulated flash-attn allocates mha_bwd's own (the same buffers),
     so the attention-scope peaks agree to well within 1%, and without the workspace model
     ``ulysses`` is lower by about that scratch (dq_accum fp32 + expanded dK/dV)."""
@@ -75,7 +75,7 @@ import json
 import os
 import sys
 
-from bench.measure import fake_flash_attn as ffa
+from bench.stackmodel import fake_flash_attn as ffa
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
 from bench.training.config import StepConfig

@@ -1,4 +1,4 @@
-"""A step's modelled time from what the simulation observed (``bench.measure.counts.StepCounts``).
+"""A step's modelled time from what the simulation observed (``bench.stackmodel.counts.StepCounts``).
 
 Version ``STEPTIME_VERSION``. Every simulated row carries the counts and this model's terms in
 ``figures.step_time_model`` and its total in ``step_time_s`` (mode ``simulated``: a model, not
@@ -12,20 +12,20 @@ a measurement). The terms, each a named mechanism:
   ``eff_attention`` for FlashAttention 3 (the paper's kernel for the reported throughputs,
   docs/paper.md "Kernels and versions") and ``eff_attention_fa2`` for torch's SDPA flash
   kernel, which is FlashAttention 2's code (what Native PyTorch = ``torch-cp`` ran; the same
-  split as the paper stack's ``kernel_scratch`` term, ``bench.measure.stack.scratch_model``;
+  split as the paper stack's ``kernel_scratch`` term, ``bench.stackmodel.stack.scratch_model``;
   the FA3 paper, Shah et al. 2024, reports FA3 1.5-2x FA2 on H100); ``other`` (none counted
   today) at ``eff_matmul``.
 * **memory-bound kernels** = ``bytes.memory_bound / hbm_Bps``: every other kernel on the device
   (norms, RoPE, SwiGLU, residual adds, casts, the loss's vocabulary-sized softmax, softmax merges,
   the optimizer's updates) moves at least its inputs and outputs through HBM
-  (``bench.measure.stepcount.MemoryTraffic``), at the preset's memory bandwidth (H100 SXM:
+  (``bench.stackmodel.stepcount.MemoryTraffic``), at the preset's memory bandwidth (H100 SXM:
   3.35 TB/s, NVIDIA H100 datasheet). On the compute stream, between the matmuls: serial with
   compute. A lower bound (real elementwise kernels reach 80-90% of the datasheet rate; a norm
   reads its input twice); no constant fitted. Counts from before ``STEPTIME_VERSION`` 3 lack
   these bytes (the term is 0 there) and, where the step ran tiled MLPs or norms or the chunked
   loss, count only the tiles the simulation ran (``methods.core.tiling.run_tiles``).
 * **communication**: every collective the step issued (``CommCounter``: op, bytes per rank,
-  group and its members) through the link model of the preset (``bench.measure.hardware``):
+  group and its members) through the link model of the preset (``bench.stackmodel.hardware``):
   NCCL's ring algorithm, as the paper set (``NCCL_ALGO=RING``, docs/paper.md "Allocator and
   NCCL"): all-gather / reduce-scatter move ``B·(n-1)/n`` per rank (all-reduce twice that),
   over NVLink when the whole group is in rank 0's node and over the InfiniBand NIC when it
@@ -88,7 +88,7 @@ four bf16 GEMMs (QKV, O, gate/up, down of Llama3-8B at 4096 tokens) on the lent 
 Fitted constants (``FITTED``): ``eff_attention``, ``eff_attention_fa2``, ``latency_s``,
 ``ds_fpdt_chunk_s`` and ``barrier_s``, by
 ``python -m bench steptime`` on the declared cells ``FIT_CELLS`` of the paper's Table 3 (the
-counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/test_steptime.py``
+counts are committed in ``results/fidelity/steptime.jsonl``); ``tests/bench/stackmodel/test_steptime.py``
 checks that refitting reproduces them. Through version 3 ``eff_matmul`` was fitted as well and
 the one ``latency_s`` (then 0.9 ms per call) had to absorb FPDT's per-chunk cost too, which made
 every other method's calls 0.9 ms each (UPipe/Ulysses 0.79 on Qwen3-32B at 128K, the paper 0.886).
@@ -121,7 +121,7 @@ from .stack import scratch_model
 # 4: DeepSpeed FPDT's per-chunk synchronisation (pipeline.chunk_passes), eff_matmul measured, not fitted;
 # 5: the paper's ring-step barriers (comm.barrier.*) at their own fitted barrier_s
 STEPTIME_VERSION = 5
-# the counts' own version (what bench.measure.stepcount counts): 3 since the memory-bound bytes. Version 4 of the
+# the counts' own version (what bench.stackmodel.stepcount counts): 3 since the memory-bound bytes. Version 4 of the
 # model added pipeline.chunk_passes, which only the DeepSpeed-FPDT term reads (the Table 3 model, on counts it
 # collects itself), so counts of version 3 are complete for everything else and need no re-simulation
 COUNTS_VERSION = 3
@@ -152,7 +152,8 @@ class StepTimeConstants:
 
 
 # the FLOP-weighted rate of Llama3-8B's four GEMMs at 4096 tokens on the lent H100 (775 TFLOP/s of the preset's 989;
-# results/gpu/h100-ws1/kernels.ndjson, bench.steptime_fit.measured_eff_matmul): measured, not fitted (version 4)
+# results/gpu/h100-ws1/kernels.ndjson, bench.stackmodel.steptime_fit.measured_eff_matmul): measured, not fitted
+# (version 4)
 EFF_MATMUL_MEASURED = 0.783165
 # fitted by `python -m bench steptime` on FIT_CELLS (10 cells) from results/fidelity/steptime.jsonl (counts of
 # STEPTIME_VERSION 4), eff_matmul held at EFF_MATMUL_MEASURED. eff_attention_fa2 sits at the kernel's measured H100
@@ -170,7 +171,7 @@ FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): 
 
 
 def counts_version(counts: StepCounts) -> int:
-    """3 for counts with the memory-bound bytes (``bench.measure.stepcount`` since ``STEPTIME_VERSION`` 3,
+    """3 for counts with the memory-bound bytes (``bench.stackmodel.stepcount`` since ``STEPTIME_VERSION`` 3,
     skipped tiles weighed), else 2."""
     return 3 if counts.memory_bound is not None else 2
 
@@ -277,7 +278,7 @@ def step_time(counts: StepCounts, device: DevicePreset, link: LinkModel,
     (``kernel``: the attention kernel family, ``attention_kernel(method)``; ``ds_fpdt_sync``: the
     counts stand for DeepSpeed's FPDT, which adds its per-chunk synchronisation)."""
     if not device.peak_bf16_flops:
-        raise ValueError(f"device preset {device.name!r} has no peak_bf16_flops: add it to bench.measure.hardware")
+        raise ValueError(f"device preset {device.name!r} has no peak_bf16_flops: add it to bench.stackmodel.hardware")
     if kernel not in ("fa3", "fa2"):
         raise ValueError(f"kernel must be 'fa3' or 'fa2', got {kernel!r}")
     peak = device.peak_bf16_flops

@@ -1,4 +1,5 @@
-"""The step-time model (``bench.measure.stepcount``/``steptime``) and its Table 3 fit (``bench.steptime_fit``).
+"""The step-time model (``bench.stackmodel.stepcount``/``steptime``) and its Table 3 fit
+(``bench.stackmodel.steptime_fit``).
 
 FLOP counting against the analytic count, causal masking against a brute-force mask, the
 inter-node path of the link model, the fit reproducing the committed constants from the
@@ -13,12 +14,14 @@ import json
 import pytest
 import torch
 
-from bench.measure.counts import Collective, HostCopy, StepCounts, Traffic
-from bench.measure.hardware import CommCounter, get_device, get_link
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
-from bench.measure.stepcount import MemoryTraffic, causal_pairs
-from bench.measure.steptime import (
+from bench.measure.trial import Trial
+from bench.model.config import flops_per_step, get_config
+from bench.stackmodel.counts import Collective, HostCopy, StepCounts, Traffic
+from bench.stackmodel.hardware import CommCounter, get_device, get_link
+from bench.stackmodel.stepcount import MemoryTraffic, causal_pairs
+from bench.stackmodel.steptime import (
     EFF_MATMUL_MEASURED,
     FITTED,
     FITTED_V2,
@@ -29,9 +32,7 @@ from bench.measure.steptime import (
     scale_counts,
     step_time,
 )
-from bench.measure.trial import Trial
-from bench.model.config import flops_per_step, get_config
-from bench.steptime_fit import (
+from bench.stackmodel.steptime_fit import (
     CHECK_CELL,
     COUNT_LENGTHS,
     COUNTS,
@@ -324,7 +325,7 @@ def test_the_fit_reproduces_the_committed_constants(committed):
 def test_table3_fpdt_cells_count_the_papers_chunks(committed):
     """The FPDT counts are of the paper's chunk size (65,536 tokens: K = S / 65536 per rank), so the
     chunk passes grow with the length, and the cell's model pays DeepSpeed's per-chunk term."""
-    from bench.steptime_fit import counts_for
+    from bench.stackmodel.steptime_fit import counts_for
 
     for model, layers in (("llama3-8b", 32), ("qwen3-32b", 64)):
         for s in COUNT_LENGTHS[model]:
@@ -336,7 +337,7 @@ def test_table3_fpdt_cells_count_the_papers_chunks(committed):
 
 def test_the_fit_times_steps_as_the_model_does(committed):
     """The fit's differentiable twin of ``step_time`` gives the same total on every committed count."""
-    from bench.steptime_fit import _step_time_t, _TensorConstants
+    from bench.stackmodel.steptime_fit import _step_time_t, _TensorConstants
 
     dev, link = get_device("h100-80g"), get_link("nvlink-h100")
     fa3 = (FITTED.eff_matmul, FITTED.eff_attention, FITTED.latency_s, FITTED.ds_fpdt_chunk_s, FITTED.barrier_s)
@@ -389,7 +390,7 @@ def test_the_command_refuses_missing_counts(tmp_path, capsys):
 @pytest.mark.parametrize("flag", ["--figs", "--out"])
 def test_the_command_refuses_an_output_it_cannot_write_before_any_work(flag, tmp_path, capsys, monkeypatch):
     """--figs naming a file (or --out a folder): one line, exit 2, before the table is computed."""
-    import bench.steptime_fit as steptime_fit
+    import bench.stackmodel.steptime_fit as steptime_fit
 
     a_file = tmp_path / "table.md"
     a_file.write_text("x")
@@ -443,7 +444,7 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
     """The counters run inside the memory tracker: the peaks must be those of an uncounted step."""
     import contextlib
 
-    from bench.measure import stepcount
+    from bench.stackmodel import stepcount
 
     trial = Trial.make(method, "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
                        step=StepConfig(stack="paper"))

@@ -1,15 +1,15 @@
-"""The accounting stacks of simulated mode (``bench.measure.stack``): what ``paper`` applies and
+"""The accounting stacks of simulated mode (``bench.stackmodel.stack``): what ``paper`` applies and
 how a row records and judges it. Behaviour only; the paper's numbers are the fidelity command's."""
 from __future__ import annotations
 
 import pytest
 
 import methods
-from bench.measure import stack
-from bench.measure.counts import Collective, StepCounts, Traffic
-from bench.measure.hardware import get_device
 from bench.measure.run import run_trial
 from bench.measure.trial import Trial
+from bench.stackmodel import stack
+from bench.stackmodel.counts import Collective, StepCounts, Traffic
+from bench.stackmodel.hardware import get_device
 from bench.training.config import StepConfig
 
 

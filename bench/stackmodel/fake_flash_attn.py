@@ -43,7 +43,7 @@ flash-attn 2, ``csrc/flash_attn/flash_api.cpp``:
   ``nsplits = ceil(SM_COUNT / (B * H))``), with GQA (``Hk != H``) ``dk_expanded``/``dv_expanded``
   ``[B, Sk, H, d]`` in the input dtype (summed into dk/dv at the end), and ``dout`` padded
   when its head dim is not a multiple of 8. ``Sq' = ceil(Sq / 128) * 128``; ``d'`` is the
-  head dim rounded to 32 (256 above 192). These are ``bench.measure.workspace``'s ``fa2``
+  head dim rounded to 32 (256 above 192). These are ``bench.stackmodel.workspace``'s ``fa2``
   buffers (``softmax_d`` there counted as scratch, here as the returned tensor it is).
 
 flash-attn 3, ``hopper/flash_api.cpp`` (Hopper, so SM90 tile sizes):
