@@ -1,8 +1,8 @@
 """``make demo``: the suite's main job on its embedded default, end to end on this machine.
 
-1. A local sweep of real CPU trials (``table3-llama3-8b-cpu``: every own method on 2 gloo
-   ranks, tiny model, the paper's training levers) and a simulated paper-scale max-context
-   search for every method (``demo-maxctx-llama3-8b``: Llama3-8B on 8 x H100-80GB), both
+1. A local sweep of real CPU trials (``table3-llama3-8b-cpu``: the methods its spec lists, on 2
+   gloo ranks, tiny model, the paper's training levers) and a simulated paper-scale max-context
+   search for each method ``demo-maxctx-llama3-8b`` lists (Llama3-8B on 8 x H100-80GB), both
    through submitit's local executor; every trial and every search probe is reported as it ends.
 2. ``analysis`` draws every table and figure from the committed rows and the demo's (labelled
    ``yours``) into ``runs/demo/figs/``.
