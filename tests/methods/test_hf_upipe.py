@@ -5,6 +5,12 @@ the correctness matrix's tolerance; bad input is refused in one line before any 
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +109,40 @@ def test_a_mask_or_dropout_is_refused_in_one_line():
         fn(torch.nn.Module(), q, q, q, torch.ones(1, 1, 8, 8))
     with pytest.raises(ValueError, match="no attention dropout"):
         fn(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "upipe-in-transformers.md"
+
+
+def doc_example(tmp_path: Path) -> Path:
+    m = re.search(r"<!-- file: upipe_transformers\.py -->\s*```python\n(.*?)```", DOC.read_text(), re.S)
+    assert m, "docs/upipe-in-transformers.md lost its example block"
+    path = tmp_path / "upipe_transformers.py"
+    path.write_text(m.group(1))
+    return path
+
+
+@pytest.mark.slow
+def test_the_documented_example_runs_under_torchrun_and_matches_the_unsharded_model(tmp_path):
+    """The page's block, as a user saves it, on 2 CPU ranks under torchrun; its printed loss and
+    gradient norm against the same model and batch (the block's own functions) run unsharded."""
+    path = doc_example(tmp_path)
+    repo = DOC.parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = re.search(r"^loss (\S+) grad_norm (\S+)$", p.stdout, re.M)
+    assert m, p.stdout
+    spec = importlib.util.spec_from_file_location("upipe_transformers", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    _, model = example.build_model()
+    model.set_attn_implementation("eager")
+    input_ids, labels = example.make_batch()
+    loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    tol = TOLERANCE["float32"]
+    assert abs(float(m.group(1)) - loss.item()) <= tol * abs(loss.item())
+    assert abs(float(m.group(2)) - norm.item()) <= tol * abs(norm.item())
