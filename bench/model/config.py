@@ -1,7 +1,13 @@
 """Model configurations: the decoder's shape, named configs, parameter and FLOP counts.
 
 Named configurations (``CONFIGS``) carry the paper's real shapes; ``tiny-*`` ones are for
-CPU tests. ``ModelConfig.from_file`` reads the same fields from JSON or YAML.
+CPU tests. ``ModelConfig.from_file`` reads the same fields from JSON or YAML, or a Transformers
+``config.json`` (``bench.model.hf``: Llama, Qwen2, Qwen3, Mistral).
+
+``tie_word_embeddings``: the LM head multiplies by the embedding's weight (one ``[vocab, dim]``
+matrix, as Transformers ties them): the parameter count, and with it the weights, gradients and
+optimizer states a step holds, lose ``vocab * dim`` elements; the FLOPs do not change, since the
+LM head's matrix multiply still runs.
 FLOP convention (``flops_per_step``), used for every TFLOP/s figure of the suite:
 
     F = 6 * N_matmul * T  +  attention term,       T = batch * seq_len tokens
@@ -34,6 +40,8 @@ import yaml
 
 from methods.core.spec import AttnSpec
 
+from . import hf
+
 # --------------------------------------------------------------------------- configuration
 
 
@@ -52,6 +60,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     qk_norm: bool = False
     norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False  # the LM head's weight is the embedding's
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -72,8 +81,9 @@ class ModelConfig:
             raise ValueError(f"model {self.name!r}: rope_theta must be a positive number, got {self.rope_theta!r}")
         if not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < 1:
             raise ValueError(f"model {self.name!r}: norm_eps must be in (0, 1), got {self.norm_eps!r}")
-        if not isinstance(self.qk_norm, bool):
-            raise ValueError(f"model {self.name!r}: qk_norm must be true or false, got {self.qk_norm!r}")
+        for name in ("qk_norm", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model {self.name!r}: {name} must be true or false, got {getattr(self, name)!r}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -99,9 +109,10 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read an architecture from ``.json``, ``.yaml`` or ``.yml`` (the fields of this class).
+        """Read an architecture from ``.json``, ``.yaml`` or ``.yml``: the fields of this class, or
+        a Transformers config (``bench.model.hf``).
 
-        ``name`` defaults to the file's stem.
+        ``name`` defaults to the file's stem (a Transformers config: ``hf.model_name``).
         """
         path = Path(path)
         if not path.is_file():
@@ -117,9 +128,12 @@ class ModelConfig:
                 raise ValueError(f"model config file {str(path)!r}: use a .json, .yaml or .yml file")
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise ValueError(f"model config file {str(path)!r} could not be parsed: {err}") from None
+        source = f"model config file {str(path)!r}"
+        if hf.is_transformers_config(data):
+            return cls.from_dict({"name": hf.model_name(path), **hf.fields(data, source)}, source=source)
         if isinstance(data, dict):
             data = {"name": path.stem, **data}
-        return cls.from_dict(data, source=f"model config file {str(path)!r}")
+        return cls.from_dict(data, source=source)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,7 +146,9 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ counts
     def param_counts(self) -> dict[str, int]:
-        """Parameters by part (elements). ``matmul`` is what the FLOP formula multiplies."""
+        """Parameters by part (elements). ``matmul`` is what the FLOP formula multiplies; a tied
+        LM head (``tie_word_embeddings``) multiplies by the embedding, so it is counted there and
+        in ``matmul``, but not again in ``total``."""
         d, h, g, hd, f, v = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim, self.vocab_size
         attn = d * h * hd + 2 * d * g * hd + h * hd * d
         mlp = 3 * d * f
@@ -145,7 +161,8 @@ class ModelConfig:
             "lm_head": v * d,
         }
         counts["matmul"] = self.n_layers * (attn + mlp) + counts["lm_head"]
-        counts["total"] = counts["embedding"] + self.n_layers * (attn + mlp) + counts["norms"] + counts["lm_head"]
+        own_head = 0 if self.tie_word_embeddings else counts["lm_head"]
+        counts["total"] = counts["embedding"] + self.n_layers * (attn + mlp) + counts["norms"] + own_head
         return counts
 
     @property

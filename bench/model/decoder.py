@@ -2,10 +2,11 @@
 
 Architecture (Llama 3): token embedding, ``n_layers`` pre-norm blocks
 ``h = x + attention(rms_norm(x)); y = h + w2(silu(w1 rms_norm(h)) * w3 rms_norm(h))``,
-a final RMSNorm and an untied LM head. The attention block, with its GQA projections,
-optional QK-norm and RoPE, is built by ``methods.build(method, spec, group, **options)``,
-so RoPE uses the global positions of the method's sequence layout. Weights are random
-(no download): the suite measures memory and speed, not quality.
+a final RMSNorm and an LM head, untied unless the config ties it to the embedding
+(``tie_word_embeddings``: one parameter serves both, as in Transformers). The attention
+block, with its GQA projections, optional QK-norm and RoPE, is built by
+``methods.build(method, spec, group, **options)``, so RoPE uses the global positions of the
+method's sequence layout. Weights are random (no download): the suite measures memory and speed, not quality.
 
 The tiled MLP and the chunked loss can also run through DeepSpeed's ALST autograd functions
 (``impl="deepspeed"``, see ``deepspeed_tiled``) around the same weights, so that our
@@ -330,7 +331,8 @@ def full_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
 
 
 class LMHead(nn.Module):
-    """Final RMSNorm, untied output projection and the loss (chunked or full)."""
+    """Final RMSNorm, output projection and the loss (chunked or full). The projection's weight is
+    the embedding's when the config ties them (``Decoder``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -372,6 +374,8 @@ class Decoder(nn.Module):
             Block(cfg, methods.build(method, spec, group=group, **method_options)) for _ in range(cfg.n_layers)
         )
         self.head = LMHead(cfg)
+        if cfg.tie_word_embeddings:  # one parameter: FSDP shards it once, both uses add to its gradient
+            self.head.output.weight = self.tok_embeddings.weight
 
     def attention_module(self) -> nn.Module:
         """The first block's attention method (through any wrapper around the block)."""
