@@ -571,6 +571,11 @@ class FlashAttnKernel:
             _batched_cu(cu_q, b, q.device), _batched_cu(cu_k, b, q.device), _max_len(cu_q), _max_len(cu_k),
             0.0, scale, causal, -1, -1, 0.0, None, False,
         )
+        if lse.shape != (h, b * sq):  # older flash-attn padded the varlen LSE per sequence
+            raise ValueError(
+                f"flash-attn's varlen forward returned an LSE of shape {tuple(lse.shape)}, not [heads, total] "
+                f"({h}, {b * sq}); upgrade flash-attn (2.7+) or use kernel='torch' with documents"
+            )
         return out.view(b, sq, h, out.shape[-1]), lse.view(h, b, sq).transpose(0, 1).contiguous()
 
     def _varlen_backward(
