@@ -15,6 +15,7 @@ import importlib
 import pkgutil
 
 from .core.comm import world
+from .core.documents import Documents
 from .core.registry import MethodInfo, all_infos, get_info, register, unregister
 from .core.spec import AttnSpec
 
@@ -30,9 +31,13 @@ def available(detail: bool = False) -> list[str] | list[MethodInfo]:
     return [info.name for info in all_infos() if info.usable]
 
 
-def validate(name: str, spec: AttnSpec, world_size: int, *, provided: tuple[str, ...] = (), **options) -> None:
+def validate(
+    name: str, spec: AttnSpec, world_size: int, *, provided: tuple[str, ...] = (), docs: Documents | None = None,
+    **options,
+) -> None:
     """Every check ``build`` makes, without a process group: unknown method, missing optional
-    library, unknown option, violated constraint. Raises ``ValueError`` saying how to fix it.
+    library, unknown option, violated constraint; with ``docs``, also that the method honours
+    packed documents. Raises ``ValueError`` saying how to fix it.
     ``provided``: optional modules the caller will supply itself (bench's simulated mode supplies
     ``flash_attn``, ``bench.stackmodel.fake_flash_attn``), so their absence is not an error.
     """
@@ -45,6 +50,7 @@ def validate(name: str, spec: AttnSpec, world_size: int, *, provided: tuple[str,
             f"install it ({hint}) or choose one of {available()}"
         )
     info.cls.validate(spec, world_size, info.cls.parse_options(**options))
+    info.cls.check_documents(docs)
 
 
 def build(name: str, spec: AttnSpec, group=None, **options):
@@ -56,4 +62,5 @@ def build(name: str, spec: AttnSpec, group=None, **options):
     return get_info(name).cls(spec, group, **options)
 
 
-__all__ = ["AttnSpec", "MethodInfo", "available", "build", "get_info", "validate", "register", "unregister"]
+__all__ = ["AttnSpec", "Documents", "MethodInfo", "available", "build", "get_info", "validate", "register",
+           "unregister"]

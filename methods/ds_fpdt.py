@@ -65,6 +65,8 @@ class DSFPDTOptions(MethodOptions):
                       torchtitan=False),
 )
 class DeepSpeedFPDT(FPDT):
+    honours_documents = False
+    documents_refusal = "DeepSpeed's FPDT_Attention takes no document mask or cu_seqlens (a library limit)"
     Options = DSFPDTOptions
     accepts_input_norm = False  # DeepSpeed's layer takes the normed input; no fused_attn_norm
     calls_suite_kernel = False  # DeepSpeed's FPDT calls flash-attn itself

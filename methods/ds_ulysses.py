@@ -86,6 +86,11 @@ class _LocalAttention(nn.Module):
     facts=MethodFacts(column="ulysses", library="DeepSpeed"),
 )
 class DeepSpeedUlysses(AttentionMethod):
+    documents_refusal = (
+        "not yet: DeepSpeed's DistributedAttention hands its local attention q, k, v only, and the "
+        "documents are not wired through it"
+    )
+
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
         super().validate(spec, world_size, options)

@@ -67,6 +67,8 @@ class _KernelAttentionInterface:
     facts=MethodFacts(column="ulysses", library="DeepSpeed", torchtitan=False),
 )
 class DeepSpeedUlyssesHF(AttentionMethod):
+    documents_refusal = "not yet: ALST's position_ids that restart at each document are not wired to the documents"
+
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
         super().validate(spec, world_size, options)

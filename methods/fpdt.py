@@ -54,6 +54,13 @@ as ``upipe``): the function saves the block input, and each chunk is normed as i
 (forward) or re-projected (backward, under autograd, so the norm weight's gradient comes out of
 the same recomputation); the normed input never exists at full length, one chunk of it at most.
 
+Packed documents (``docs=``). Segment i holds global positions ``[i*S/K, (i+1)*S/K)`` in order,
+so a document may cross segment boundaries: every (i, j) block is one kernel call with the
+documents, its keys at global position ``j*S/K`` and its queries ``(i - j)*S/K`` after them (the
+kernels' masking rule); a query row with no key of its document in segment j gets an LSE of
+``-inf`` there, which the merge keeps as an empty set. Blocks above the diagonal are still
+skipped under a causal mask.
+
 The store is ``chunkstore.ChunkStore``: on CPU, host memory is where tensors already live,
 so offloading keeps them as they are and the side stream is a no-op; the code path (and the
 store's bookkeeping, which the tests read) is the same.
@@ -62,6 +69,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +77,8 @@ import torch.nn.functional as F
 from .core import comm, events
 from .core.base import AttentionMethod, MethodOptions, head_rows, index_tensor, project
 from .core.chunkstore import ChunkStore
-from .core.kernels import merge_partials
+from .core.documents import Documents
+from .core.kernels import mask_keywords, merge_partials
 from .core.layouts import cyclic_shard, cyclic_unshard
 from .core.registry import MethodFacts, PaperRun, register
 from .core.spec import AttnSpec
@@ -109,13 +118,23 @@ def _normed(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> to
     return x if norm_weight is None else F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
 
 
+def _segment_mask(causal: bool, i: int, j: int, seg: int, docs: Documents | None) -> tuple[bool, dict]:
+    """The causal flag and masking keywords of the kernel call of query segment i on K/V segment j
+    (``seg`` tokens each): without documents only the diagonal block is causal; with them, the
+    kernels' rule places both segments in the documents."""
+    if docs is None:
+        return causal and i == j, {}
+    return causal, mask_keywords((i - j) * seg, docs, j * seg)
+
+
 class _FPDTFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, qn, kn, cos, sin, norm_weight, eps, block):
+    def forward(ctx, x, wq, wk, wv, qn, kn, cos, sin, norm_weight, eps, block, docs=None):
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
         b, n, _ = x.shape
         causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
+        seg = cs * block.world_size  # tokens of a segment after the all-to-all
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
         store = ChunkStore(x.device, block.options.offload)
         keep = any(ctx.needs_input_grad)
@@ -152,8 +171,9 @@ class _FPDTFunction(torch.autograd.Function):
                             if (name, g, following) not in live:
                                 store.prefetch((name, g, following))
                 with counting_as(weight):
-                    o, lse_b = kernel.forward(q, fetch(("k", g, j)), fetch(("v", g, j)), causal and i == j, scale)
-                    acc, lse = merge_partials(acc, lse, o, lse_b)
+                    flag, mask = _segment_mask(causal, i, j, seg, docs)
+                    o, lse_b = kernel.forward(q, fetch(("k", g, j)), fetch(("v", g, j)), flag, scale, **mask)
+                    acc, lse = merge_partials(acc, lse, o, lse_b, may_be_empty=docs is not None)
                 del o, lse_b
             o = acc.to(x.dtype)
             del acc
@@ -193,13 +213,13 @@ class _FPDTFunction(torch.autograd.Function):
         block._last_store = weakref.ref(store)
         # the chunks go through save_for_backward, so that activation checkpointing frees them with the
         # block's other saved tensors (chunkstore.ChunkStore.hand_over); ctx keeps the emptied store
-        ctx.store, ctx.block, ctx.eps = store, block, eps
+        ctx.store, ctx.block, ctx.eps, ctx.docs = store, block, eps, docs
         ctx.save_for_backward(x, wq, wk, wv, qn, kn, cos, sin, norm_weight, *store.hand_over())
         return out.flatten(2)
 
     @staticmethod
     def backward(ctx, dout):
-        block, store, eps = ctx.block, ctx.store, ctx.eps
+        block, store, eps, docs = ctx.block, ctx.store, ctx.eps, ctx.docs
         spec, group, kernel, scale = block.spec, block.group, block.kernel, block.scale
         x, wq, wk, wv, qn, kn, cos, sin, norm_weight, *stored = ctx.saved_tensors
         store.take_back(stored)
@@ -207,6 +227,7 @@ class _FPDTFunction(torch.autograd.Function):
         b, n, _ = x.shape
         causal, chunks = spec.causal, block.chunks_for_local(n)
         d, cs = spec.head_dim, n // chunks
+        seg = cs * block.world_size
         rows = [slice(i * cs, (i + 1) * cs) for i in range(chunks)]
         dout = dout.reshape(b, n, spec.n_heads, d)
         stages = block.stages
@@ -277,7 +298,8 @@ class _FPDTFunction(torch.autograd.Function):
                                 store.prefetch((name, *work[run[r + 1][0]]))
                     with counting_as(weight):
                         q, o, do, lse = (store.get((name, s, i)) for name in ("q", "o", "do", "lse"))
-                        dq_ij, dk_ij, dv_ij = kernel.backward(do, q, k, v, o, lse, causal and i == j, scale)
+                        flag, mask = _segment_mask(causal, i, j, seg, docs)
+                        dq_ij, dk_ij, dv_ij = kernel.backward(do, q, k, v, o, lse, flag, scale, **mask)
                         del q, o, do, lse
                         dk += dk_ij
                         dv += dv_ij
@@ -311,7 +333,7 @@ class _FPDTFunction(torch.autograd.Function):
             return None if like is None else grads[name].to(like.dtype)
 
         return (dx, cast("wq", wq), cast("wk", wk), cast("wv", wv), cast("qn", qn), cast("kn", kn),
-                None, None, cast("norm", norm_weight), None, None)
+                None, None, cast("norm", norm_weight), None, None, None)
 
 
 @register(
@@ -324,6 +346,7 @@ class _FPDTFunction(torch.autograd.Function):
 )
 class FPDT(AttentionMethod):
     Options = FPDTOptions
+    honours_documents: ClassVar[bool] = True
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: FPDTOptions) -> None:
@@ -384,11 +407,13 @@ class FPDT(AttentionMethod):
         self._last_store = _no_store
 
     # -- layout: global chunk c on rank c % C (cyclic)
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def shard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
+        self.check_documents(docs, x.shape[dim])
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
         return cyclic_shard(x, dim, self.rank, self.world_size, chunks_per_rank(self.options, x.shape[dim]))
 
-    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def unshard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
+        self.check_documents(docs, x.shape[dim] * self.world_size)
         return cyclic_unshard(x, dim, self.group, self.chunks_for_local(x.shape[dim]))
 
     def chunks_for_local(self, n: int) -> int:
@@ -413,15 +438,15 @@ class FPDT(AttentionMethod):
     accepts_input_norm = True  # forward(x, ..., input_norm=(weight, eps)): fused_attn_norm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                input_norm: tuple[torch.Tensor, float] | None = None, docs: Documents | None = None) -> torch.Tensor:
         """``input_norm=(weight, eps)``: ``x`` is the block input before its RMSNorm, which runs on
         each chunk as the chunk is projected (forward) or re-projected (backward), so the normed
         input never exists at full length (``fused_attn_norm``)."""
         self.check_local_len(x.shape[1])
-        cos, sin = self.rope_for(x, positions)
+        cos, sin = self.rope_for(x, positions, docs)
         norm_weight, eps = input_norm if input_norm is not None else (None, 0.0)
         out = _FPDTFunction.apply(
             x, self.wq.weight, self.wk.weight, self.wv.weight,
-            self.q_norm_weight, self.k_norm_weight, cos, sin, norm_weight, eps, self,
+            self.q_norm_weight, self.k_norm_weight, cos, sin, norm_weight, eps, self, docs,
         )
         return self.wo(out)

@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from .core.base import AttentionMethod, MethodOptions
+from .core.documents import Documents
 from .core.kernels import attention
 from .core.registry import MethodFacts, PaperRun, register
 from .core.spec import AttnSpec
@@ -30,6 +31,7 @@ from .core.spec import AttnSpec
           facts=MethodFacts(column="fsdp", reference=True, paper_code=True, simulates=(PaperRun("fsdp"),)))
 class NoCP(AttentionMethod):
     splits_sequence: ClassVar[bool] = False
+    honours_documents: ClassVar[bool] = True  # the kernel's document mask over the whole sequence
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         # a world of one: the group (if any) is the training step's, for FSDP, never this method's
@@ -43,8 +45,9 @@ class NoCP(AttentionMethod):
     def seq_multiple(cls, world_size: int, options: MethodOptions) -> int:
         return 1
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        cos, sin = self.rope_for(x, positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        cos, sin = self.rope_for(x, positions, docs)
         q, k, v = self.project_qkv(x, cos, sin)
-        out = attention(q, k, v, self.spec.causal, self.kernel, self.scale)
+        out = attention(q, k, v, self.spec.causal, self.kernel, self.scale, docs=docs)
         return self.wo(out.flatten(2))

@@ -27,6 +27,7 @@ from torch import nn
 
 from .core import hostmem
 from .core.base import MethodOptions
+from .core.documents import Documents
 from .core.registry import register
 from .core.spec import AttnSpec
 from .ulysses import Ulysses
@@ -59,13 +60,13 @@ class _RecordingKernel:
         self.name = inner.name
         self.recorded: list[torch.Tensor] = []
 
-    def forward(self, q, k, v, causal, scale):
-        out, lse = self.inner.forward(q, k, v, causal, scale)
+    def forward(self, q, k, v, causal, scale, **mask):
+        out, lse = self.inner.forward(q, k, v, causal, scale, **mask)
         self.recorded.extend((q, k, v, out, lse))
         return out, lse
 
-    def backward(self, *args):
-        return self.inner.backward(*args)
+    def backward(self, *args, **mask):
+        return self.inner.backward(*args, **mask)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -125,11 +126,12 @@ class OffloadUlysses(Ulysses):
             return hostmem.back_to(t, device)
         return t.to(device, non_blocking=True)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
         self.stats = OffloadStats()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return super().forward(x, positions)
+                return super().forward(x, positions, docs)
         finally:
             if isinstance(self.kernel, _RecordingKernel):
                 self.kernel.recorded.clear()

@@ -69,6 +69,7 @@ def load_zigzag_func():
     facts=MethodFacts(column="ring", library="ring-flash-attn", kernel="fa2", library_kernels=True),
 )
 class RingFlashAttnZigzag(ZigzagLayoutMethod):
+    documents_refusal = "not yet: ring-flash-attention's varlen zigzag function is not wired in"
     calls_suite_kernel = False  # ring_flash_attn calls flash-attn itself
 
     @classmethod

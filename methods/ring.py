@@ -153,6 +153,8 @@ def ring_attention(q, k, v, causal: bool, kernel, scale: float, group) -> torch.
 @register("ring", "Ring Attention: K/V blocks passed around the ring (p2p overlapped), LSE merge, zigzag",
           facts=MethodFacts(column="ring", reference=True))
 class Ring(ZigzagLayoutMethod):
+    documents_refusal = "not yet: its ring steps take no document mask"
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = self.rope_for(x, positions)
         q, k, v = self.project_qkv(x, cos, sin)

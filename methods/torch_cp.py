@@ -230,6 +230,7 @@ def _sdpa_op(backend: str):
           facts=MethodFacts(column="torch-cp", paper_code=True, library="PyTorch", kernel="fa2",
                             levers={"tiled_mlp": False, "tiled_norm": False}, simulates=(PaperRun("torch-cp"),)))
 class TorchCP(ZigzagLayoutMethod):
+    documents_refusal = "PyTorch's context-parallel SDPA ring takes no document mask (a library limit)"
     Options = TorchCPOptions
     cuda_only_reason = "torch's context parallel dispatches only the CUDA SDPA kernels"
     calls_suite_kernel = False  # torch's ring calls SDPA itself, on DTensors

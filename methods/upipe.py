@@ -52,16 +52,22 @@ persistent output does. ``activation_bytes`` evaluates both; tests/methods/test_
 checks them against the simulated peak (FakeTensorMode + fake process group + MemTracker).
 The paper's per-stage reduction of attention intermediates is 1 - U/H: 75% for H = 32
 and 87.5% for H = 64 at U = C = 8.
+
+Packed documents (``docs=``): as in Ulysses, a stage's all-to-all gives every rank whole
+documents for its heads; each stage's kernel calls (forward and backward) take the documents.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from .core import comm
 from .core.base import NORM_EPS, AttentionMethod, MethodOptions, head_rows, index_tensor
+from .core.documents import Documents
+from .core.kernels import mask_keywords
 from .core.normtile import norm_backward_, norm_linear, norm_weight_grad
 from .core.registry import MethodFacts, PaperRun, register
 from .core.rope import apply_rope
@@ -129,8 +135,9 @@ class _UPipeFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, qn, kn, cos, sin, block, xn=None, eps=0.0):
+    def forward(ctx, x, wq, wk, wv, wo, qn, kn, cos, sin, block, xn=None, eps=0.0, docs=None):
         spec, group, kernel = block.spec, block.group, block.kernel
+        mask = mask_keywords(docs=docs)
         b, n, _ = x.shape
         d, h = spec.head_dim, spec.n_heads
         lin = _linear(xn, eps)
@@ -148,14 +155,14 @@ class _UPipeFunction(torch.autograd.Function):
                 k = comm.seq_to_head_(project(x, head_rows(wk, stage.kv_heads, d), d, kn, cos, sin), group)
                 v = comm.seq_to_head_(project(x, head_rows(wv, stage.kv_heads, d), d), group)
             q = comm.seq_to_head_(project(x, head_rows(wq, stage.q_heads, d), d, qn, cos, sin), group)
-            o, lse = kernel.forward(q, k, v, spec.causal, block.scale)
+            o, lse = kernel.forward(q, k, v, spec.causal, block.scale, **mask)
             del q
             o = comm.head_to_seq_(o, group)
             out_heads.index_copy_(2, index_tensor(stage.q_heads, x.device), o)
             del o
             lses.append(lse)
         del k, v
-        ctx.block, ctx.eps, ctx.fused = block, eps, xn is not None
+        ctx.block, ctx.eps, ctx.fused, ctx.mask = block, eps, xn is not None, mask
         ctx.save_for_backward(x, out, wq, wk, wv, wo, qn, kn, cos, sin, xn, *lses)
         return F.linear(out, wo)
 
@@ -210,7 +217,7 @@ class _UPipeFunction(torch.autograd.Function):
             o = comm.seq_to_head_(out_heads.index_select(2, heads), group)
             wo_cols = wo[:, _rows(stage.q_heads, d, x.device)]
             do = comm.seq_to_head_(torch.mm(dy2, wo_cols).view(b, n, -1, d), group)
-            dq, dk_s, dv_s = kernel.backward(do, q, k, v, o, lses[s], spec.causal, block.scale)
+            dq, dk_s, dv_s = kernel.backward(do, q, k, v, o, lses[s], spec.causal, block.scale, **ctx.mask)
             del q, o, do
             dk.add_(dk_s)
             dv.add_(dv_s)
@@ -227,7 +234,7 @@ class _UPipeFunction(torch.autograd.Function):
                 backprop(wv_rows, kv_heads, dwv, None, None, None, dv)
                 del dv
         dxn = norm_backward_(x, xn, ctx.eps, dx) if xn is not None else None  # dx: d(norm(x)) -> dx
-        return dx, dwq, dwk, dwv, dwo, dqn, dkn, None, None, None, dxn, None
+        return dx, dwq, dwk, dwv, dwo, dqn, dkn, None, None, None, dxn, None, None
 
 
 @register(
@@ -237,6 +244,7 @@ class _UPipeFunction(torch.autograd.Function):
 )
 class UPipe(AttentionMethod):
     Options = UPipeOptions
+    honours_documents: ClassVar[bool] = True
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: UPipeOptions) -> None:
@@ -291,21 +299,22 @@ class UPipe(AttentionMethod):
     accepts_input_norm = True  # forward(x, ..., input_norm=(weight, eps)): fused_attn_norm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                input_norm: tuple[torch.Tensor, float] | None = None, docs: Documents | None = None) -> torch.Tensor:
         """``input_norm=(weight, eps)``: ``x`` is the block input before its RMSNorm, which runs
         inside the block tile by tile (``methods.core.normtile``): the normed input never exists."""
-        cos, sin = self.rope_for(x, positions)
-        return upipe_block(self, x, cos, sin, self, input_norm)
+        cos, sin = self.rope_for(x, positions, docs)
+        return upipe_block(self, x, cos, sin, self, input_norm, docs)
 
 
 def upipe_block(params, x: torch.Tensor, cos, sin, schedule,
-                input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                input_norm: tuple[torch.Tensor, float] | None = None, docs: Documents | None = None) -> torch.Tensor:
     """The whole UPipe block with ``params``' weights. ``schedule`` supplies ``spec``, ``group``
     (the head all-to-all group), ``kernel`` (any ``kernels.Kernel``, e.g. a ring), ``scale``
     and ``stages``: a ``UPipe`` module is its own schedule; ``usp-upipe`` passes its own.
-    ``input_norm``: ``(weight, eps)`` of an RMSNorm applied to ``x`` inside the block."""
+    ``input_norm``: ``(weight, eps)`` of an RMSNorm applied to ``x`` inside the block. ``docs``:
+    the documents, handed to every kernel call (which then sees the whole sequence in order)."""
     norm_weight, eps = input_norm if input_norm is not None else (None, 0.0)
     return _UPipeFunction.apply(
         x, params.wq.weight, params.wk.weight, params.wv.weight, params.wo.weight,
-        params.q_norm_weight, params.k_norm_weight, cos, sin, schedule, norm_weight, eps,
+        params.q_norm_weight, params.k_norm_weight, cos, sin, schedule, norm_weight, eps, docs,
     )

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .core import comm
 from .core.base import AttentionMethod, MethodOptions
+from .core.documents import Documents
 from .core.layouts import zigzag_shard, zigzag_unshard
 from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
@@ -87,6 +88,7 @@ def _my_group(parent, parent_ranks: list[int], candidates: list[list[int]]):
 @register("usp", "USP hybrid: Ulysses all-to-all within groups of ulysses_degree ranks, zigzag Ring across",
           facts=MethodFacts(column="ulysses", mesh=True, reference=True))
 class USP(AttentionMethod):
+    documents_refusal = "not yet: its ring steps take no document mask"
     Options = USPOptions
 
     # ------------------------------------------------------------------ degrees and checks
@@ -147,11 +149,13 @@ class USP(AttentionMethod):
         self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, u, "usp"))
         self.ulysses_group, self.ring_group = mesh_groups(group, u)
 
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def shard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
+        self.check_documents(docs, x.shape[dim])
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
         return zigzag_shard(x, dim, self.rank, self.world_size, self.ring_degree)
 
-    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def unshard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
+        self.check_documents(docs, x.shape[dim] * self.world_size)
         return zigzag_unshard(x, dim, self.group, self.ring_degree)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

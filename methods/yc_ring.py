@@ -53,6 +53,7 @@ def check_causal(who: str, spec: AttnSpec, fix: str) -> None:
     facts=MethodFacts(column="ring", library="yunchang", library_kernels=True, ring_barrier=True),
 )
 class YunchangRing(ZigzagLayoutMethod):
+    documents_refusal = "yunchang's zigzag ring takes no cu_seqlens (a library limit)"
     Options = YunchangOptions
     calls_suite_kernel = False  # yunchang calls flash-attn itself
 

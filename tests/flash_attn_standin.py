@@ -12,8 +12,9 @@ DeepSpeed's ``FPDT_Attention`` refuses to build without it. Both only call the p
   ``lse`` fp32 ``[batch, heads, seq_q]``; backward writes ``dq, dk, dv`` into the
   caller's buffers and returns ``softmax_d`` (rowsum(dout * out)) fp32 ``[b, h, seq_q]``;
 * dropout, sliding windows, softcap and ALiBi are refused (nothing here uses them);
-* the varlen functions exist because ``import ring_flash_attn`` imports them; calling
-  them raises ``NotImplementedError``;
+* the varlen functions (packed ``[total, heads, head_dim]`` with cumulative lengths, LSE
+  ``[heads, total_q]``) run each sequence through the two above; ``import ring_flash_attn``
+  imports them, and ``methods.core.kernels``' flash-attn kernel calls them with documents;
 * the public ``flash_attn.flash_attn_func`` (autograd through the two functions above),
   because yunchang imports it when it finds flash-attn and its ``UlyssesAttention`` calls it.
 
@@ -137,12 +138,43 @@ def flash_attn_func(
     return (out, lse, None) if return_attn_probs else out
 
 
-def _flash_attn_varlen_forward(*args, **kwargs):
-    raise NotImplementedError("flash-attn stand-in: varlen functions are not implemented")
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """``(query rows, key rows)`` slices of each packed sequence."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cq) != len(ck):
+        raise ValueError(f"flash-attn stand-in: {len(cq) - 1} query sequences but {len(ck) - 1} key sequences")
+    return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
 
-def _flash_attn_varlen_backward(*args, **kwargs):
-    raise NotImplementedError("flash-attn stand-in: varlen functions are not implemented")
+def _flash_attn_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False, **_ignored,
+):
+    """Packed sequences (``[total, heads, head_dim]``), each through ``_flash_attn_forward``;
+    ``(out, softmax_lse [heads, total_q], None, None)`` like flash-attn 2.7+."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o, l_, _, _ = _flash_attn_forward(q[None, rq], k[None, rk], v[None, rk], dropout_p, softmax_scale, causal,
+                                          window_size_left, window_size_right, softcap, alibi_slopes, False)
+        out[rq], lse[:, rq] = o[0], l_[0]
+    return out, lse, None, None
+
+
+def _flash_attn_varlen_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+    rng_state=None, **_ignored,
+):
+    """Gradients of each packed sequence written into ``dq, dk, dv``; returns ``softmax_d`` ``[heads, total_q]``."""
+    delta = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        delta[:, rq] = _flash_attn_backward(
+            dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], softmax_lse[None, :, rq],
+            dq[None, rq], dk[None, rk], dv[None, rk], dropout_p, softmax_scale, causal,
+            window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+        )[0]
+    return delta
 
 
 def real_flash_attn_available() -> bool:

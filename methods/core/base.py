@@ -7,6 +7,14 @@ the process group, typed options (a dataclass per method, each value checked aga
 field's annotation), ``validate`` (raising a ``ValueError`` that names the constraint and
 the fix before any communication) and the sequence layout (``shard``/``unshard``),
 contiguous unless a method overrides it with another layout of ``layouts``.
+
+Packed documents (``methods.core.documents.Documents``, the global layout) are one keyword,
+``docs=``, of ``shard``, ``unshard`` and the block call ``block(x, positions, docs=docs)``.
+Whether a method takes them is one class attribute, ``honours_documents``; a method that does
+not says why in ``documents_refusal`` (one line: the wrapped library's limit, or "not yet"),
+and ``check_documents`` (called by ``methods.validate``, ``shard``/``unshard`` and the block call,
+before any communication) refuses them with it. The block call hands ``docs`` to ``forward``
+only when given, so a method that refuses them needs no ``docs`` parameter.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm, layouts
+from .documents import Documents
 from .kernels import get_kernel, softmax_scale
 from .rope import apply_rope, rope_cos_sin, rope_cos_sin_from_table
 from .spec import AttnSpec
@@ -170,6 +179,10 @@ class AttentionMethod(AttentionParams):
     # False for a method whose wrapped library calls its attention kernel itself (flash-attn, torch's
     # SDPA): the levers that act on the kernels of ``methods.core.kernels`` (``ac_keep_attn``) refuse it
     calls_suite_kernel: ClassVar[bool] = True
+    # packed documents (``docs=``): True where shard/unshard and forward keep attention within each
+    # document; otherwise ``documents_refusal`` says why not in one line (``check_documents``)
+    honours_documents: ClassVar[bool] = False
+    documents_refusal: ClassVar[str] = "not yet: its attention does not mask documents"
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec)
@@ -211,6 +224,35 @@ class AttentionMethod(AttentionParams):
             get_kernel(options.kernel)
 
     @classmethod
+    def check_documents(cls, docs: Documents | None, seq_len: int | None = None) -> None:
+        """Refuse documents this method does not honour, anything that is not a ``Documents``, and
+        documents that do not tile a global sequence of ``seq_len`` tokens (when given)."""
+        if docs is None:
+            return
+        if not isinstance(docs, Documents):
+            raise ValueError(
+                f"docs must be a methods.Documents (Documents.from_lengths([...])), got {type(docs).__name__}"
+            )
+        if not cls.honours_documents:
+            from .registry import all_infos
+
+            honouring = [i.name for i in all_infos() if getattr(i.cls, "honours_documents", False)]
+            raise ValueError(
+                f"method {cls.method_name!r} refuses packed documents (docs=): {cls.documents_refusal}; "
+                f"run it without docs, or use one of {honouring}"
+            )
+        if seq_len is not None:
+            docs.check_seq_len(seq_len, f"the global sequence of method {cls.method_name!r}")
+
+    def __call__(self, x: torch.Tensor, *args, docs: Documents | None = None, **kwargs) -> torch.Tensor:
+        """The block call; ``docs`` (the global documents) is checked against the global length of
+        ``x`` here, before any communication, and reaches ``forward`` only when given."""
+        if docs is None:
+            return super().__call__(x, *args, **kwargs)
+        self.check_documents(docs, x.shape[1] * self.world_size)
+        return super().__call__(x, *args, docs=docs, **kwargs)
+
+    @classmethod
     def run_notes(cls, options: MethodOptions, world_size: int) -> list[str]:
         """What a result row of this method should say about how it ran with these options (a
         wrapped library patched for the run, say); none by default."""
@@ -233,22 +275,31 @@ class AttentionMethod(AttentionParams):
             )
 
     # ------------------------------------------------------------------ sequence layout
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's part of a full-sequence tensor (contiguous chunk by default)."""
+    def shard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
+        """This rank's part of a full-sequence tensor (contiguous chunk by default); ``docs``, the
+        global documents, are checked (this layout does not depend on them)."""
+        self.check_documents(docs, x.shape[dim])
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
         return layouts.contiguous_shard(x, dim, self.rank, self.world_size)
 
-    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def unshard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
         """Inverse of ``shard``: the full sequence on every rank (all-gather; no autograd)."""
+        self.check_documents(docs, x.shape[dim] * self.world_size)
         return layouts.contiguous_unshard(x, dim, self.group)
 
-    def default_positions(self, local_len: int, device) -> torch.Tensor:
+    def default_positions(self, local_len: int, device, docs: Documents | None = None) -> torch.Tensor:
+        """This rank's RoPE positions: its tokens' global positions, or with documents their
+        positions inside their documents (restarting at 0 at each, as Transformers' packed
+        ``position_ids``)."""
+        if docs is not None:
+            return self.shard(docs.positions(device), dim=0, docs=docs)
         return self.shard(torch.arange(local_len * self.world_size, device=device), dim=0)
 
-    def rope_for(self, x: torch.Tensor, positions: torch.Tensor | None):
-        """RoPE tables for the local tokens (global positions; default: this layout's)."""
+    def rope_for(self, x: torch.Tensor, positions: torch.Tensor | None, docs: Documents | None = None):
+        """RoPE tables for the local tokens (global positions; default: this layout's, or the
+        per-document positions with ``docs``)."""
         if positions is None:
-            positions = self.default_positions(x.shape[1], x.device)
+            positions = self.default_positions(x.shape[1], x.device, docs)
         if positions.shape != (x.shape[1],):
             raise ValueError(
                 f"positions must be 1-D with one entry per local token ({x.shape[1]}), "
@@ -284,10 +335,12 @@ class ZigzagLayoutMethod(AttentionMethod):
     def seq_multiple(cls, world_size: int, options: MethodOptions) -> int:
         return layouts.zigzag_multiple(world_size)
 
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def shard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
         """Rank r's tokens: global chunks r and 2C-1-r of 2C (zigzag)."""
+        self.check_documents(docs, x.shape[dim])
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
         return layouts.zigzag_shard(x, dim, self.rank, self.world_size)
 
-    def unshard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def unshard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
+        self.check_documents(docs, x.shape[dim] * self.world_size)
         return layouts.zigzag_unshard(x, dim, self.group)

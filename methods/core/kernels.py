@@ -44,6 +44,27 @@ materialised. What each kernel does with a causal call:
 
 Without ``causal`` the offset has no meaning and is ignored (checked, not used), so a method can
 pass its layout's offset whether or not the spec is causal.
+
+The masking rule (one rule, every kernel). A call's queries and keys are two runs of global
+positions: keys ``[k_start, k_start + Sk)`` and queries ``[k_start + q_offset, ... + Sq)``. Query
+``i`` sees key ``j`` when (with ``causal``) ``j <= i + q_offset`` and (with ``docs``, a
+``methods.core.documents.Documents`` of the global sequence) both lie in the same document. So
+``q_offset`` may be negative: ``q_offset = -1`` on equal lengths is the strictly causal block
+(key ``j <`` query ``i``) a strided ring step needs. A row that sees no key (the first
+``-q_offset`` rows; a query whose document has no key in the call) gets a zero output and an
+LSE of ``-inf``, which ``merge_partials(..., may_be_empty=True)`` merges as the empty set it
+is. ``k_start`` only means something with ``docs`` (it places the call in the documents).
+``mask_blocks`` turns any call into blocks that are each unmasked or causal on a square (per
+document, then ``offset_blocks`` within it). With documents:
+
+* ``torch``: on CPU the blocks through ``blockwise_forward/backward`` (no ``Sq x Sk`` mask). On
+  CUDA, a call whose blocks tile its rows and columns in order with one kind of block
+  (``varlen_layout``; every full-sequence call, as the head-parallel methods make) is one call
+  of the flash op's variable-length form (cumulative lengths); any other goes blockwise.
+* ``flash-attn``: the same, through ``_flash_attn_varlen_forward/_backward``.
+* ``math``: the explicit boolean mask of the rule (``visible``).
+
+``docs=None`` with ``q_offset >= 0`` is exactly the behaviour described above it.
 """
 from __future__ import annotations
 
@@ -51,10 +72,13 @@ import importlib
 import math
 import os
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .documents import Documents
 
 ENV_VAR = "CPBENCH_KERNEL"
 
@@ -62,14 +86,16 @@ ENV_VAR = "CPBENCH_KERNEL"
 class Kernel(Protocol):
     """What a method calls: BSHD in, ``(out, lse)`` out, and the matching backward.
 
-    ``q_offset`` (see the module docstring) is a keyword with default 0, so a kernel wrapper
-    that does not take it still serves every call made without an offset.
+    ``q_offset``, ``docs`` and ``k_start`` (the masking rule of the module docstring) are keywords
+    with defaults, passed only when not at their default, so a kernel wrapper that does not take
+    them still serves every call made without them.
     """
 
     name: str
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, q_offset: int = 0
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, q_offset: int = 0,
+        docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -83,11 +109,20 @@ class Kernel(Protocol):
         causal: bool,
         scale: float,
         q_offset: int = 0,
+        docs: Documents | None = None,
+        k_start: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, q_offset: int = 0) -> None:
-    """Refuse shapes and offsets the kernels would misread, before any kernel runs."""
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, q_offset: int = 0,
+    docs: Documents | None = None, k_start: int = 0,
+) -> None:
+    """Refuse shapes, offsets and document windows the kernels would misread, before any kernel runs."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("attention kernels take [batch, seq, heads, head_dim] tensors")
     if k.shape != v.shape:
@@ -96,10 +131,23 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, q_of
         raise ValueError(
             f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})"
         )
-    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
+    if not _is_int(q_offset):
         raise ValueError(
-            f"q_offset must be an int >= 0 (the position of the first query relative to the first key, "
-            f"so that every query sees at least key 0), got {q_offset!r}"
+            f"q_offset must be an int (the position of the first query relative to the first key; "
+            f"negative: the first -q_offset queries see no key), got {q_offset!r}"
+        )
+    if docs is None:
+        if k_start != 0:
+            raise ValueError(f"k_start={k_start!r} places keys in documents: give docs= with it, or leave it 0")
+        return
+    if not _is_int(k_start) or k_start < 0:
+        raise ValueError(f"k_start must be an int >= 0 (global position of the first key), got {k_start!r}")
+    q_start, n = k_start + q_offset, docs.seq_len
+    if q_start < 0 or q_start + q.shape[1] > n or k_start + k.shape[1] > n:
+        raise ValueError(
+            f"queries [{q_start}, {q_start + q.shape[1]}) and keys [{k_start}, {k_start + k.shape[1]}) must lie in "
+            f"the {n} tokens of the documents; pass the global position of the first key as k_start and the "
+            f"queries' offset from it as q_offset"
         )
 
 
@@ -114,7 +162,14 @@ def offset_blocks(sq: int, sk: int, q_offset: int) -> list[tuple[slice, list[tup
     ``[q_offset, q_offset + m)`` causally; rows from ``m`` on lie past the last key and see every
     key. Why: library kernels disagree on (or refuse) causal masks of unequal lengths, and an
     explicit mask costs ``sq * sk`` memory; this split costs neither.
+
+    A negative offset hides key 0 from the first ``-q_offset`` rows: they come first, as a row
+    range with no blocks (they see nothing), and the rest is the split above from that row on.
     """
+    if q_offset < 0:
+        first = min(sq, -q_offset)
+        rest = offset_blocks(sq - first, sk, 0)
+        return [(slice(0, first), [])] + [(slice(rows.start + first, rows.stop + first), parts) for rows, parts in rest]
     m = max(0, min(sq, sk - q_offset))
     groups: list[tuple[slice, list[tuple[slice, bool]]]] = []
     if m:
@@ -125,21 +180,117 @@ def offset_blocks(sq: int, sk: int, q_offset: int) -> list[tuple[slice, list[tup
     return groups
 
 
+Blocks = list[tuple[slice, list[tuple[slice, bool]]]]
+
+
+def mask_blocks(
+    sq: int, sk: int, causal: bool, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0
+) -> Blocks:
+    """The masking rule of the module docstring as blocks, in ``offset_blocks``' form.
+
+    Row ranges are disjoint, in order, and cover ``[0, sq)``; a row range with no blocks sees no
+    key. Without ``docs`` this is ``offset_blocks`` (causal) or one unmasked block. With ``docs``
+    each document met by the queries gets its rows, and the keys of the same document inside the
+    call are split by ``offset_blocks`` at that document's own offset (or one unmasked block).
+    """
+    if docs is None:
+        if causal:
+            return offset_blocks(sq, sk, q_offset)
+        return [(slice(0, sq), [(slice(0, sk), False)])]
+    q_start = k_start + q_offset
+    keys = {d: (lo - k_start, hi - k_start) for d, lo, hi in docs.spans(k_start, k_start + sk)}
+    groups: Blocks = []
+    for d, lo, hi in docs.spans(q_start, q_start + sq):
+        r0, r1 = lo - q_start, hi - q_start
+        if d not in keys:
+            groups.append((slice(r0, r1), []))
+            continue
+        c0, c1 = keys[d]
+        if not causal:
+            groups.append((slice(r0, r1), [(slice(c0, c1), False)]))
+            continue
+        # this document's rows [r0, r1) against its keys [c0, c1): query r0 sits at offset lo - (k_start + c0)
+        for rows, parts in offset_blocks(r1 - r0, c1 - c0, lo - (k_start + c0)):
+            groups.append((slice(rows.start + r0, rows.stop + r0),
+                           [(slice(cols.start + c0, cols.stop + c0), sq_causal) for cols, sq_causal in parts]))
+    return groups
+
+
+def varlen_layout(blocks: Blocks, sq: int, sk: int) -> tuple[list[int], list[int], bool] | None:
+    """``(cu_q, cu_k, causal)`` when ``blocks`` are one variable-length kernel call, else None.
+
+    That is when every row range has exactly one block, all of one kind (causal ones are square,
+    where every kernel's causal flag means the same), and the blocks' rows and columns each tile
+    ``[0, sq)`` and ``[0, sk)`` in order: the tensors themselves are then the packed sequences and
+    the cumulative lengths are the blocks' bounds. A full-sequence call with documents (every
+    head-parallel method's) is such a call; a call with empty rows or two blocks per row is not.
+    """
+    if not blocks or any(len(parts) != 1 for _, parts in blocks):
+        return None
+    kinds = {parts[0][1] for _, parts in blocks}
+    cu_q, cu_k = [0], [0]
+    for rows, [(cols, _)] in blocks:
+        if rows.start != cu_q[-1] or cols.start != cu_k[-1]:
+            return None
+        cu_q.append(rows.stop)
+        cu_k.append(cols.stop)
+    if len(kinds) != 1 or cu_q[-1] != sq or cu_k[-1] != sk:
+        return None
+    return cu_q, cu_k, kinds.pop()
+
+
+def visible(
+    sq: int, sk: int, causal: bool, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
+    device=None,
+) -> Tensor:
+    """The masking rule as an explicit boolean ``[sq, sk]`` tensor (True: query ``i`` sees key ``j``).
+    Quadratic: for the ``math`` kernel and tests only."""
+    rows = torch.arange(sq, device=device)[:, None]
+    cols = torch.arange(sk, device=device)[None, :]
+    mask = cols <= rows + q_offset if causal else torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if docs is not None:
+        ids = docs.doc_ids(device)
+        q_start = k_start + q_offset
+        mask = mask & (ids[q_start : q_start + sq, None] == ids[None, k_start : k_start + sk])
+    return mask
+
+
+def _batched_cu(cu: list[int], batch: int, device) -> Tensor:
+    """Cumulative lengths of ``cu``'s sequences repeated over the batch (each batch row's tokens
+    follow the previous row's), int32 on ``device``; made on the host and copied."""
+    per = cu[-1]
+    full = [b * per + c for b in range(batch) for c in cu[:-1]] + [batch * per]
+    return torch.tensor(full, dtype=torch.int32).to(device)
+
+
+def _max_len(cu: list[int]) -> int:
+    return max(b - a for a, b in zip(cu, cu[1:], strict=False))
+
+
 NativeForward = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
 NativeBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
 
 
 def blockwise_forward(
-    native: NativeForward, q: Tensor, k: Tensor, v: Tensor, scale: float, q_offset: int
+    native: NativeForward, q: Tensor, k: Tensor, v: Tensor, scale: float, q_offset: int,
+    blocks: Blocks | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal attention with a query offset from ``native(q, k, v, causal, scale)`` calls.
 
-    ``native`` only ever sees unmasked blocks or causal square blocks (``offset_blocks``).
-    Rows covered by two blocks are merged by log-sum-exp in fp32 (``merge_partials``) and cast
-    back to the input dtype; rows with one block keep the kernel's output as is.
+    ``native`` only ever sees unmasked blocks or causal square blocks (``blocks``, by default
+    ``offset_blocks``; ``mask_blocks`` for documents). Rows covered by two blocks are merged by
+    log-sum-exp in fp32 (``merge_partials``) and cast back to the input dtype; rows with one
+    block keep the kernel's output as is; rows with none get zeros and an LSE of ``-inf``.
     """
+    if blocks is None:
+        blocks = offset_blocks(q.shape[1], k.shape[1], q_offset)
     outs, lses = [], []
-    for rows, parts in offset_blocks(q.shape[1], k.shape[1], q_offset):
+    for rows, parts in blocks:
+        if not parts:
+            b, n, h = q.shape[0], len(range(q.shape[1])[rows]), q.shape[2]
+            outs.append(q.new_zeros(b, n, h, v.shape[-1]))
+            lses.append(torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device))
+            continue
         out = lse = None
         for cols, causal in parts:
             blk_out, blk_lse = native(q[:, rows], k[:, cols], v[:, cols], causal, scale)
@@ -156,19 +307,22 @@ def blockwise_forward(
 
 def blockwise_backward(
     native: NativeBackward, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    scale: float, q_offset: int,
+    scale: float, q_offset: int, blocks: Blocks | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``blockwise_forward`` from ``native(dout, q, k, v, out, lse, causal, scale)`` calls.
 
     Each block's backward gets the final ``out`` and ``lse`` of its rows: with them a flash
     backward recomputes that block's share of the softmax exactly (as ring attention does), so
     the blocks' gradients add up to the full one. They are summed in fp32 (keys before the
-    offset get contributions from two row ranges) and cast to the input dtypes.
+    offset get contributions from two row ranges) and cast to the input dtypes. Rows and keys
+    in no block get zero gradients.
     """
+    if blocks is None:
+        blocks = offset_blocks(q.shape[1], k.shape[1], q_offset)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for rows, parts in offset_blocks(q.shape[1], k.shape[1], q_offset):
+    for rows, parts in blocks:
         for cols, causal in parts:
             dq_b, dk_b, dv_b = native(
                 dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
@@ -192,19 +346,63 @@ class TorchKernel:
     name = "torch"
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0,
+        docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor]:
+        if docs is not None:
+            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
+            layout = varlen_layout(blocks, q.shape[1], k.shape[1]) if q.device.type != "cpu" else None
+            if layout is not None:
+                return self._varlen_forward(q, k, v, *layout, scale)
+            return blockwise_forward(self._forward, q, k, v, scale, q_offset, blocks)
         if causal and (q_offset or q.shape[1] != k.shape[1]):
             return blockwise_forward(self._forward, q, k, v, scale, q_offset)
         return self._forward(q, k, v, causal, scale)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        causal: bool, scale: float, q_offset: int = 0,
+        causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if docs is not None:
+            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
+            layout = varlen_layout(blocks, q.shape[1], k.shape[1]) if q.device.type != "cpu" else None
+            if layout is not None:
+                return self._varlen_backward(dout, q, k, v, out, lse, *layout, scale)
+            return blockwise_backward(self._backward, dout, q, k, v, out, lse, scale, q_offset, blocks)
         if causal and (q_offset or q.shape[1] != k.shape[1]):
             return blockwise_backward(self._backward, dout, q, k, v, out, lse, scale, q_offset)
         return self._backward(dout, q, k, v, out, lse, causal, scale)
+
+    @staticmethod
+    def _varlen_forward(
+        q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """The CUDA flash op's variable-length form: the batch's rows packed one after another
+        (``[B * S, H, d]``, a view), one sequence per block of ``varlen_layout``; its LSE
+        ``[H, B * Sq]`` returned as ``[B, H, Sq]``."""
+        b, sq, h, d = q.shape
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q.reshape(b * sq, h, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+            _batched_cu(cu_q, b, q.device), _batched_cu(cu_k, b, q.device), _max_len(cu_q), _max_len(cu_k),
+            0.0, causal, False, scale=scale,
+        )[:2]
+        return out.view(b, sq, h, out.shape[-1]), lse.view(h, b, sq).transpose(0, 1).contiguous()
+
+    @staticmethod
+    def _varlen_backward(
+        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Backward of ``_varlen_forward`` (defined cumulative lengths select the varlen backward)."""
+        b, sq, h, d = q.shape
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.reshape(b * sq, h, -1).contiguous(), q.reshape(b * sq, h, d), k.reshape(-1, *k.shape[2:]),
+            v.reshape(-1, *v.shape[2:]), out.reshape(b * sq, h, -1), lse.transpose(0, 1).reshape(h, b * sq),
+            _batched_cu(cu_q, b, q.device), _batched_cu(cu_k, b, q.device), _max_len(cu_q), _max_len(cu_k),
+            0.0, causal, seed, seed, scale=scale,
+        )
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
     @staticmethod
     def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -247,38 +445,51 @@ class MathKernel:
     """Reference kernel: fp32 scores and softmax, any device. Quadratic memory.
 
     The causal mask (with any ``q_offset``) is explicit: a boolean ``[Sq, Sk]`` tensor, small
-    next to the ``[B, H, Sq, Sk]`` fp32 scores this kernel materialises anyway.
+    next to the ``[B, H, Sq, Sk]`` fp32 scores this kernel materialises anyway; with documents,
+    the whole rule's mask (``visible``). A row that sees no key has an LSE of ``-inf``; its
+    probabilities are taken against 0 instead, so they are 0 (not NaN) and so is its output.
     """
 
     name = "math"
 
     @staticmethod
-    def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int = 0) -> tuple[Tensor, int]:
+    def _scores(
+        q: Tensor, k: Tensor, causal: bool, scale: float, q_offset: int = 0,
+        docs: Documents | None = None, k_start: int = 0,
+    ) -> tuple[Tensor, int]:
         groups = q.shape[2] // k.shape[2]
         qf = q.float().transpose(1, 2)
         kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
         s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-        if causal:  # key j is hidden from query i when j > i + q_offset
+        if docs is not None:
+            seen = visible(q.shape[1], k.shape[1], causal, q_offset, docs, k_start, s.device)
+            s = s.masked_fill(~seen, float("-inf"))
+        elif causal:  # key j is hidden from query i when j > i + q_offset
             mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + q_offset)
             s = s.masked_fill(mask, float("-inf"))
         return s, groups
 
+    @staticmethod
+    def _probs(s: Tensor, lse: Tensor) -> Tensor:
+        return torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0,
+        docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor]:
-        s, groups = self._scores(q, k, causal, scale, q_offset)
+        s, groups = self._scores(q, k, causal, scale, q_offset, docs, k_start)
         lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse.unsqueeze(-1))
+        p = self._probs(s, lse)
         vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
         out = torch.matmul(p, vf).transpose(1, 2).to(q.dtype)
         return out, lse
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        causal: bool, scale: float, q_offset: int = 0,
+        causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        s, groups = self._scores(q, k, causal, scale, q_offset)
-        p = torch.exp(s - lse.unsqueeze(-1))
+        s, groups = self._scores(q, k, causal, scale, q_offset, docs, k_start)
+        p = self._probs(s, lse)
         dof = dout.float().transpose(1, 2)
         vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
         kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
@@ -322,19 +533,65 @@ class FlashAttnKernel:
             ) from None
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0,
+        docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor]:
+        if docs is not None:
+            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
+            layout = varlen_layout(blocks, q.shape[1], k.shape[1])
+            if layout is not None:
+                return self._varlen_forward(q, k, v, *layout, scale)
+            return blockwise_forward(self._forward, q, k, v, scale, q_offset, blocks)
         if causal and q_offset != k.shape[1] - q.shape[1]:
             return blockwise_forward(self._forward, q, k, v, scale, q_offset)
         return self._forward(q, k, v, causal, scale)
 
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        causal: bool, scale: float, q_offset: int = 0,
+        causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if docs is not None:
+            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
+            layout = varlen_layout(blocks, q.shape[1], k.shape[1])
+            if layout is not None:
+                return self._varlen_backward(dout, q, k, v, out, lse, *layout, scale)
+            return blockwise_backward(self._backward, dout, q, k, v, out, lse, scale, q_offset, blocks)
         if causal and q_offset != k.shape[1] - q.shape[1]:
             return blockwise_backward(self._backward, dout, q, k, v, out, lse, scale, q_offset)
         return self._backward(dout, q, k, v, out, lse, causal, scale)
+
+    def _varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``_flash_attn_varlen_forward`` on the batch packed row after row (``[B * S, H, d]``);
+        its LSE ``[H, B * Sq]`` returned as ``[B, H, Sq]``."""
+        b, sq, h, d = q.shape
+        out, lse, *_ = self._fa._flash_attn_varlen_forward(
+            q.reshape(b * sq, h, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+            _batched_cu(cu_q, b, q.device), _batched_cu(cu_k, b, q.device), _max_len(cu_q), _max_len(cu_k),
+            0.0, scale, causal, -1, -1, 0.0, None, False,
+        )
+        if lse.shape != (h, b * sq):  # older flash-attn padded the varlen LSE per sequence
+            raise ValueError(
+                f"flash-attn's varlen forward returned an LSE of shape {tuple(lse.shape)}, not [heads, total] "
+                f"({h}, {b * sq}); upgrade flash-attn (2.7+) or use kernel='torch' with documents"
+            )
+        return out.view(b, sq, h, out.shape[-1]), lse.view(h, b, sq).transpose(0, 1).contiguous()
+
+    def _varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        b, sq, h, d = q.shape
+        q3, k3, v3 = q.reshape(b * sq, h, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+        self._fa._flash_attn_varlen_backward(
+            dout.reshape(b * sq, h, -1).contiguous(), q3, k3, v3, out.reshape(b * sq, h, -1),
+            lse.transpose(0, 1).reshape(h, b * sq).contiguous(), dq, dk, dv,
+            _batched_cu(cu_q, b, q.device), _batched_cu(cu_k, b, q.device), _max_len(cu_q), _max_len(cu_k),
+            0.0, scale, causal, -1, -1, 0.0, None, False, None,
+        )
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
     def _forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         out, lse, *_ = self._fa._flash_attn_forward(
@@ -397,14 +654,24 @@ def softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def mask_keywords(q_offset: int = 0, docs: Documents | None = None, k_start: int = 0) -> dict:
+    """The masking keywords of a kernel call that are not at their defaults: a kernel wrapper
+    without them (tests' old-signature kernels) serves every call made without them."""
+    extra: dict = {"q_offset": q_offset} if q_offset else {}
+    if docs is not None:
+        extra["docs"] = docs
+        if k_start:
+            extra["k_start"] = k_start
+    return extra
+
+
 class _Attention(torch.autograd.Function):
-    """Plain autograd around one kernel call. The offset is passed to the kernel only when it
-    is not 0, so a kernel wrapper without a ``q_offset`` parameter (methods/offload.py records
-    the tensors of each call) serves every call made without an offset."""
+    """Plain autograd around one kernel call. The masking keywords reach the kernel only when
+    not at their defaults (``mask_keywords``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, kernel, q_offset):
-        extra = {"q_offset": q_offset} if q_offset else {}
+    def forward(ctx, q, k, v, causal, scale, kernel, q_offset, docs=None, k_start=0):
+        extra = mask_keywords(q_offset, docs, k_start)
         out, lse = kernel.forward(q, k, v, causal, scale, **extra)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.kernel, ctx.extra = causal, scale, kernel, extra
@@ -415,7 +682,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, **ctx.extra)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention_with_lse(
@@ -426,17 +693,22 @@ def attention_with_lse(
     kernel: Kernel | None = None,
     scale: float | None = None,
     q_offset: int = 0,
+    docs: Documents | None = None,
+    k_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable local attention returning ``(out, lse)``; lse is not differentiable.
 
     With ``causal``, query ``i`` sees keys ``j <= i + q_offset`` (``q_offset``: the global
     position of the first query relative to the first key; see the module docstring for what
-    each kernel does with it). ``q_offset`` is ignored without ``causal``.
+    each kernel does with it). ``q_offset`` is ignored without ``causal``. With ``docs``, only
+    keys of the query's own document (keys start at global position ``k_start``).
     """
-    _check(q, k, v, causal, q_offset)
+    _check(q, k, v, causal, q_offset, docs, k_start)
     kernel = kernel or get_kernel()
     scale = softmax_scale(q.shape[-1]) if scale is None else scale
-    return _Attention.apply(q, k, v, causal, scale, kernel, q_offset)
+    if docs is None:
+        return _Attention.apply(q, k, v, causal, scale, kernel, q_offset)
+    return _Attention.apply(q, k, v, causal, scale, kernel, q_offset, docs, k_start)
 
 
 def attention(
@@ -447,24 +719,33 @@ def attention(
     kernel: Kernel | None = None,
     scale: float | None = None,
     q_offset: int = 0,
+    docs: Documents | None = None,
+    k_start: int = 0,
 ) -> torch.Tensor:
-    """Differentiable local attention (BSHD in, BSHD out); ``q_offset`` as in ``attention_with_lse``."""
-    return attention_with_lse(q, k, v, causal, kernel, scale, q_offset)[0]
+    """Differentiable local attention (BSHD in, BSHD out); the mask as in ``attention_with_lse``."""
+    return attention_with_lse(q, k, v, causal, kernel, scale, q_offset, docs, k_start)[0]
 
 
 def merge_partials(
-    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor,
+    may_be_empty: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax merge of two partial attentions over disjoint key sets.
 
     ``out`` is kept in fp32 (ring/chunked methods accumulate many blocks, and bf16
     accumulation drifts: a common complaint against ring attention implementations).
     ``lse`` is ``[B, H, S]``, outputs are BSHD.
+
+    ``may_be_empty``: some rows may have seen no key on both sides (LSE ``-inf``, with documents
+    or a negative offset); their weights are then taken against 0, so they stay an output of 0
+    with an LSE of ``-inf`` instead of becoming NaN. Off by default: it costs one more
+    LSE-sized temporary, and rows of calls without documents always see a key.
     """
     block_out = block_out.float()
     if out is None:
         return block_out, block_lse.clone()
     new_lse = torch.logaddexp(lse, block_lse)
-    w_old = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0) if may_be_empty else new_lse
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
     return out * w_old + block_out * w_new, new_lse

@@ -6,6 +6,10 @@ A case the method refuses (``refusal``) is skipped with the method's reason, and
 that refuses every case fails the matrix (``ran_none``): a run of skips proves nothing. The one
 exemption is ``CUDA_ONLY``: methods with no CPU path at all, whose cases are skipped with that
 reason and which must prove they refuse CPU input (``cpu_refusal``).
+
+Packed documents (``DOC_LAYOUTS``, ``doc_cases``, ``check_documents_against_reference``): the
+same methods, world sizes, specs, dtypes and option variants, each case checking every document
+layout in one run on the ranks. A layout is data here: adding one needs no change to any method.
 """
 from __future__ import annotations
 
@@ -30,6 +34,19 @@ SPECS = {
 # Tolerances on max|a - b| / max|b| against the fp32 reference (TransformerEngine uses
 # about 2.5e-2 for bf16 and 3.5e-2 with GQA; fp32 paths differ only by summation order).
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3.5e-2}
+
+# Document layouts of the SEQ_LEN tokens (global lengths, in order). At C = 4 a shard holds 16
+# tokens (ulysses, upipe) and FPDT's 2 chunks per rank are 8 tokens, zigzag's 2C chunks 8 too.
+DOC_LAYOUTS = {
+    "one": (64,),
+    "many-short": (3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 3),  # single-token documents among them
+    "shorter-than-shard": (6, 10, 7, 9, 12, 4, 8, 8),
+    "crosses-every-shard": (2, 60, 2),
+    "not-divisible-by-2C": (13, 11, 17, 23),
+    "long-among-short": (3, 5, 40, 2, 7, 4, 3),
+}
+# specs the document matrix crosses: MHA and GQA
+DOC_SPECS = ("mha", "gqa")
 
 
 # Methods whose attention exists only as CUDA kernels, with no CPU path and no stand-in: the
@@ -86,16 +103,26 @@ def check_against_reference(group, method: str, spec_kwargs: dict, options: dict
     ref.load_state_dict(block.state_dict())
     block.to(dt)
     ref.load_state_dict({k: v.float() for k, v in block.state_dict().items()})  # same rounded weights
+    return compare_with_reference(group, block, ref, dt)
 
-    x = torch.randn(BATCH, SEQ_LEN, spec.dim).to(dt)
-    dy = torch.randn(BATCH, SEQ_LEN, spec.dim).to(dt)
+
+def compare_with_reference(group, block, ref, dt: torch.dtype, docs: methods.Documents | None = None) -> dict:
+    """One forward and backward of ``block`` and ``ref`` on fresh random input; relative errors by
+    tensor. Without ``docs`` the positions are given (the layout's global ones); with ``docs``
+    neither call gets positions, so both use the per-document ones."""
+    x = torch.randn(BATCH, SEQ_LEN, block.spec.dim).to(dt)
+    dy = torch.randn(BATCH, SEQ_LEN, block.spec.dim).to(dt)
     x_ref = x.float().clone().requires_grad_()
-    y_ref = ref(x_ref)
+    y_ref = ref(x_ref) if docs is None else ref(x_ref, docs=docs)
     y_ref.backward(dy.float())
 
-    x_loc = block.shard(x, dim=1).detach().clone().requires_grad_()
-    pos = block.shard(torch.arange(SEQ_LEN), dim=0)
-    y_loc = block(x_loc, positions=pos)
+    if docs is None:
+        x_loc = block.shard(x, dim=1).detach().clone().requires_grad_()
+        pos = block.shard(torch.arange(SEQ_LEN), dim=0)
+        y_loc = block(x_loc, positions=pos)
+    else:
+        x_loc = block.shard(x, dim=1, docs=docs).detach().clone().requires_grad_()
+        y_loc = block(x_loc, docs=docs)
     assert y_loc.dtype == dt and y_loc.shape == x_loc.shape, (y_loc.dtype, y_loc.shape)
     y_loc.backward(block.shard(dy, dim=1))
 
@@ -113,11 +140,34 @@ def check_against_reference(group, method: str, spec_kwargs: dict, options: dict
     return errors
 
 
-def refusal(method: str, world_size: int, spec_kwargs: dict, options: dict) -> str | None:
+def check_documents_against_reference(
+    group, method: str, spec_kwargs: dict, options: dict, dtype: str, layouts: dict[str, tuple[int, ...]]
+) -> dict[str, dict]:
+    """``check_against_reference`` with packed documents, for every layout in one run: the block
+    and the reference are built once, and each layout gets fresh input and fresh gradients.
+    Returns ``{layout: {tensor: relative error}}``."""
+    torch.manual_seed(1234)
+    dt = getattr(torch, dtype)
+    spec = methods.AttnSpec(**spec_kwargs)
+    block = methods.build(method, spec, group=group, **options)
+    ref = AttentionBlock(spec, kernel="math")
+    block.to(dt)
+    ref.load_state_dict({k: v.float() for k, v in block.state_dict().items()})  # same rounded weights
+    out = {}
+    for name, lengths in layouts.items():
+        block.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out[name] = compare_with_reference(group, block, ref, dt, methods.Documents.from_lengths(lengths, SEQ_LEN))
+    return out
+
+
+def refusal(
+    method: str, world_size: int, spec_kwargs: dict, options: dict, docs: methods.Documents | None = None
+) -> str | None:
     """The method's own reason for refusing a case (``methods.validate``'s message), or None:
     the case runs. The one place the matrix decides whether a case runs or is skipped."""
     try:
-        methods.validate(method, methods.AttnSpec(**spec_kwargs), world_size, **options)
+        methods.validate(method, methods.AttnSpec(**spec_kwargs), world_size, docs=docs, **options)
     except ValueError as err:
         return str(err)
     if method in CUDA_ONLY:
@@ -153,6 +203,26 @@ def ran_none(method: str, refusals: list[str | None]) -> str | None:
         f"({len(reasons)} distinct reason(s), e.g. {reasons[0]!r}); make it accept some case of "
         f"tests/methods/cases.py or add an option variant it accepts to variants()"
     )
+
+
+def doc_cases(methods_list: list[str]):
+    """The document matrix: every (method, ws, spec, causal, dtype, options) over ``DOC_SPECS``,
+    each to be checked on all of ``DOC_LAYOUTS`` at once; ids start with ``docs-``."""
+    import pytest
+
+    for method in methods_list:
+        for ws in WORLD_SIZES:
+            for spec_name in DOC_SPECS:
+                spec = SPECS[spec_name]
+                for causal in (True, False):
+                    for dtype in ("float32", "bfloat16"):
+                        for opts in variants(method, ws, spec):
+                            opt_id = ",".join(f"{k}={v}" for k, v in opts.items()) or "default"
+                            mask = "causal" if causal else "full"
+                            yield pytest.param(
+                                method, ws, dict(spec, causal=causal), opts, dtype,
+                                id=f"docs-{method}-ws{ws}-{spec_name}-{mask}-{dtype}-{opt_id}",
+                            )
 
 
 def cases(methods_list: list[str]):
