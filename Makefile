@@ -20,13 +20,16 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# everything, lint included (what CI runs through .ci/run)
+# everything, lint included (what CI runs through .ci/run): two pytest-xdist workers, one per
+# core, each running whole modules (tests/conftest.py gives every test its module's xdist_group)
+XDIST   := -n 2 --dist loadgroup
+
 test: lint
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q $(XDIST) --durations=25
 
 # the inner loop: no rank pools, sweeps, notebooks or Slurm (the `slow` marker, tests/conftest.py)
 test-fast: $(STAMP)
-	CPAB_NO_POOLS=1 $(VPY) -m pytest -q -m "not slow"
+	CPAB_NO_POOLS=1 $(VPY) -m pytest -q $(XDIST) -m "not slow"
 
 demo: $(STAMP)
 	$(VPY) -m sweeps.demo

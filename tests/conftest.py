@@ -40,13 +40,28 @@ SLOW_MODULES = {
 def pytest_configure(config):
     root = Path(__file__).resolve().parents[1]
     missing = sorted(m for m in SLOW_MODULES if not (root / m).is_file())
+    missing += sorted(m for m in SAME_WORKER if not (root / m).is_file())
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES names missing files: {missing}")
+        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES or SAME_WORKER names missing files: {missing}")
 
 
+# Modules that must share one pytest-xdist worker: the Slurm tests share one cluster, which the
+# session that started it stops at its end (tests/sweeps/conftest.py).
+SAME_WORKER = {
+    "tests/sweeps/test_slurm_cluster.py": "slurm", "tests/sweeps/test_slurm_sweep.py": "slurm",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    """Marks ``slow`` tests (by fixture or module), and gives every test the ``xdist_group`` of its
+    module: ``make test`` runs two workers with ``--dist loadgroup``, so a module runs whole, in
+    order, on one worker (the matrix's verdicts after its cases rely on that), and the modules of
+    ``SAME_WORKER`` share one."""
     root = Path(__file__).resolve().parents[1]
     for item in items:
+        module = str(Path(item.fspath).relative_to(root))
         fixtures = set(getattr(item, "fixturenames", ()))
-        if fixtures & SLOW_FIXTURES or str(Path(item.fspath).relative_to(root)) in SLOW_MODULES:
+        if fixtures & SLOW_FIXTURES or module in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(module, module)))

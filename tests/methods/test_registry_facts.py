@@ -139,14 +139,15 @@ ALLOWED = {
 }
 
 
-def method_literals(path: Path, names: set[str]) -> list[str]:
-    """String literals in ``path`` that are a method's name or a prefix of method names (``yc-``)."""
+def method_literals(path: Path, names: set[str], root: Path = REPO) -> list[str]:
+    """String literals in ``path`` (named relative to ``root``) that are a method's name or a prefix
+    of method names (``yc-``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             text = node.value
             if text in names or (text.endswith("-") and any(n.startswith(text) for n in names)):
-                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {text!r}")
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {text!r}")
     return found
 
 
@@ -171,10 +172,9 @@ def test_no_module_outside_methods_names_methods():
 
 
 def test_the_scan_finds_names_and_prefixes(tmp_path):
-    probe = REPO / "records" / "_facts_scan_probe.py"
-    try:
-        probe.write_text('LIBS = ("yc-", "ds-ulysses")\nLABEL = "yc-usp uses yunchang"\n')
-        hits = method_literals(probe, {"ds-ulysses", "yc-usp"})
-    finally:
-        probe.unlink()
+    # in a temporary folder, not the repository: a concurrent test must never see the probe
+    probe = tmp_path / "records" / "_facts_scan_probe.py"
+    probe.parent.mkdir()
+    probe.write_text('LIBS = ("yc-", "ds-ulysses")\nLABEL = "yc-usp uses yunchang"\n')
+    hits = method_literals(probe, {"ds-ulysses", "yc-usp"}, root=tmp_path)
     assert [h.split(": ", 1)[1] for h in hits] == ["'yc-'", "'ds-ulysses'"]
