@@ -20,6 +20,10 @@ from typing import Any
 import torch.multiprocessing as mp
 
 GLOO_TIMEOUT_S = 30
+# A task's first call on a rank imports its module (unpickling ``fn``): on a loaded machine (two
+# pytest-xdist workers on two cores) one rank may take far longer than GLOO_TIMEOUT_S to get there,
+# so the ranks meet at a barrier with this timeout before ``fn``'s own collectives start.
+IMPORT_TIMEOUT_S = 600
 NO_POOLS = "CPAB_NO_POOLS"  # set by make test-fast: spawning a pool is then an error
 
 
@@ -50,6 +54,8 @@ def _worker(rank: int, size: int, port: int, tasks, results, setup: Callable | N
         if rank >= n:
             continue
         try:
+            if n > 1:  # every rank has imported what the task needs
+                dist.monitored_barrier(groups[n], timeout=datetime.timedelta(seconds=IMPORT_TIMEOUT_S))
             results.put((rank, True, fn(groups[n], *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
@@ -61,7 +67,7 @@ class RemoteError(AssertionError):
 
 
 class RankPool:
-    def __init__(self, size: int = 4, setup: Callable | None = None, task_timeout: float = 120) -> None:
+    def __init__(self, size: int = 4, setup: Callable | None = None, task_timeout: float = 300) -> None:
         self.size, self.setup, self.task_timeout = size, setup, task_timeout
         self._start()
 
