@@ -149,8 +149,10 @@ class SimCache:
     a change to the simulation makes a stale cache wrong, so ``--no-cache`` ignores both files
     and the committed one is regenerated with the plans (results/plan/README.md)."""
 
-    def __init__(self, path: Path | None, read: tuple[Path, ...] = ()) -> None:
+    def __init__(self, path: Path | None, read: tuple[Path, ...] = (), simulate: bool = True) -> None:
         self.path = path
+        self.files = tuple(f for f in (*read, path) if f is not None)
+        self.simulate = simulate  # False: a simulation not cached is a LookupError (re-rendering committed plans)
         self.entries: dict[str, dict] = {}
         for f in (*read, *([path] if path else [])):
             if f is not None and f.exists():
@@ -193,6 +195,13 @@ class SimCache:
                 del d["step"][late]
         return json.dumps(d, sort_keys=True)
 
+    def allow(self, key: str) -> None:
+        """Before simulating what ``key`` names: a ``LookupError`` naming it when this cache may not simulate."""
+        if not self.simulate:
+            d = json.loads(key.removesuffix(PRESSURE_KEY))
+            raise LookupError(f"{d['method']} {d['model']} at {d['seq_len']} tokens on {d['world_size']} ranks is not "
+                              f"in {', '.join(map(str, self.files))}: run python -m bench plan to simulate it")
+
     def get(self, key: str) -> dict | None:
         hit = self.entries.get(key)
         if hit is not None:
@@ -222,6 +231,8 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> Measurement:
         hit = _CACHE.get(stored) if stored else None
         result = Measurement.from_dict(hit) if hit is not None else None
         if result is None:
+            if _CACHE is not None:
+                _CACHE.allow(stored)
             result = guarded(measure_simulated, t)
             if _CACHE is not None:
                 _CACHE.put(stored, result.to_dict())
@@ -241,6 +252,8 @@ def fresh_counts(trial, workdir: str) -> StepCounts | None:
     for n_layers in ((cfg.n_layers,) if how.whole else how.layers):
         t = trial if n_layers == cfg.n_layers else dataclasses.replace(
             trial, model=layer_variant(cfg, n_layers, workdir))
+        if _CACHE is not None:
+            _CACHE.allow(_CACHE.key(t, cfg.name, n_layers))
         result = guarded(measure_simulated, t)
         if _CACHE is not None:
             _CACHE.put(_CACHE.key(t, cfg.name, n_layers), result.to_dict())
@@ -326,6 +339,8 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         hit = _CACHE.get(stored) if stored else None
         replayed = Measurement.from_dict(hit) if hit is not None else None
         if replayed is None:
+            if stored:
+                _CACHE.allow(stored)
             pair, replayed = simulated_pair(trial, how, workdir)
             if any(r.status != "ok" for r in pair):
                 replayed = None
@@ -634,6 +649,14 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
 COMMITTED_CACHE = RESULTS_DIR / "plan" / "sims.ndjson"
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies in it (the committed cache as the plans name it)."""
+    try:
+        return str(path.resolve().relative_to(RESULTS_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
 def _lines(path: Path | None) -> int:
     return sum(1 for _ in path.open()) if path is not None and path.exists() else 0
 
@@ -661,10 +684,13 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 1 << 20, out_dir: str | None = None, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
-         cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS) -> dict[str, Any]:
+         cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS,
+         committed: Path | None = None, simulate: bool = True) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
     None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
-    stack's allocator pools."""
+    stack's allocator pools; ``committed``: the committed cache (default ``COMMITTED_CACHE``);
+    ``simulate`` off: a simulation missing from the caches is a ``LookupError`` (``SimCache.allow``)."""
+    committed = Path(committed) if committed is not None else COMMITTED_CACHE
     global _CACHE
     cfg = get_config(model)
     preset = get_device(device)
@@ -673,7 +699,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     t0 = time.perf_counter()
     todo = entries(model, gpus, nodes, device, granularity, stack, beyond, pools)
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
-    cache_args = (cache, (COMMITTED_CACHE,)) if use_cache else None
+    cache_args = (cache, (committed,), simulate) if use_cache else None
     _CACHE = SimCache(*cache_args) if cache_args else None
     cached_before = len(_CACHE.entries) if _CACHE else 0
     lines_before = _lines(cache) if _CACHE else 0
@@ -740,8 +766,8 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
         "stack": stack, "pools": pools, "pareto": pareto, "baseline": baseline, "pick": pick,
         "cache": (f"{_lines(cache) - lines_before} new simulations, "
-                  f"{cached_before} cached ({COMMITTED_CACHE.relative_to(RESULTS_DIR.parent)}"
-                  f"{f', {cache}' if cache and Path(cache).resolve() != COMMITTED_CACHE else ''})")  # noqa: E501 if _CACHE else "no cache (--no-cache)",
+                  f"{cached_before} cached ({_shown(committed)}"
+                  f"{f', {cache}' if cache and Path(cache).resolve() != committed.resolve() else ''})")  # noqa: E501 if _CACHE else "no cache (--no-cache)",
     }
     from analysis.plan_report import render, write_plan  # the one writer of tables and figures
 

@@ -107,6 +107,7 @@ from .steptime import EFF_MATMUL_MEASURED, FIT_CELLS, FITTED, StepTimeConstants,
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNTS = ROOT / "results" / "fidelity" / "steptime.jsonl"
+MAX_CONTEXT_ROWS = ROOT / "results" / "bench" / "simulated.jsonl"  # the paper-stack max-context searches
 DEVICE = "h100-80g"
 # three lengths per model, all with >= 2 MLP tiles per rank (local tokens > dim): with one tile
 # DeepSpeed's TiledMLP runs no backward recompute, so shorter lengths are another regime (not a + b·S)
@@ -418,7 +419,7 @@ def targets(records: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
     return out
 
 
-def max_context_limits(path: Path = ROOT / "results" / "bench" / "simulated.jsonl") -> dict:
+def max_context_limits(path: Path = MAX_CONTEXT_ROWS) -> dict:
     """(model, paper method) -> longest fitting length, from the paper-stack max_context rows."""
     out: dict = {}
     if not path.exists():
@@ -437,12 +438,14 @@ def max_context_limits(path: Path = ROOT / "results" / "bench" / "simulated.json
     return out
 
 
-def model_table3(all_counts, fit_now: bool = True) -> tuple[list[dict[str, Any]], StepTimeConstants]:
+def model_table3(all_counts, fit_now: bool = True, max_context_rows: Path = MAX_CONTEXT_ROWS,
+                 ) -> tuple[list[dict[str, Any]], StepTimeConstants]:
     """Every Table 3 cell modelled (``table``) with the constants fitted now on ``FIT_CELLS`` (``fit``)
-    or, without ``fit_now``, with ``FITTED``; lengths past the paper-stack max-context rows marked ``oom``."""
+    or, without ``fit_now``, with ``FITTED``; lengths past the paper-stack max-context rows
+    (``max_context_rows``, ``max_context_limits``) marked ``oom``."""
     cells = [c for c in paper_cells() if c["status"] == "ok" and is_fit_cell(c["model"], int(c["seq_len"]))]
     constants = fit(cells, all_counts) if fit_now else FITTED
-    return table(all_counts, constants, max_context_limits()), constants
+    return table(all_counts, constants, max_context_limits(max_context_rows)), constants
 
 
 def main(argv: list[str] | None = None) -> int:
