@@ -115,6 +115,7 @@ from ..stackmodel.steptime import (
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
 from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme, simulated_pair
+from .maxctx import bracket, secant_on_load
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
@@ -386,8 +387,10 @@ def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
 
 
 def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: int = 4 << 20):
-    """(max_context, best Point or None, points tried, step, error Point or None) by a secant
-    search (module docstring); the bracket is exact (module docstring)."""
+    """(max_context, best Point or None, points tried, step, error Point or None): the max-context
+    search (``bench.search.maxctx.bracket``) with the secant on the load, over ``extrapolated``
+    points that may reuse another length's per-layer increments; the bracket's ends are made
+    exact (module docstring)."""
     step = math.lcm(granularity, trial.seq_multiple())
     k_max = max_seq_len // step
     if k_max < 1:
@@ -404,34 +407,8 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
                 slope = points[k].slope
         return points[k]
 
-    lo, hi = 0, k_max + 1  # lo fits (0: none yet), hi fails (k_max + 1: beyond the limit)
-    k = min(k_max, max(1, first // step))
-    error = None
-    while True:
-        while hi - lo > 1:
-            p = at(k)
-            if p.status == "error":
-                error = p
-                break
-            if p.status == "ok":
-                lo = k
-            else:
-                hi = k
-            if hi - lo <= 1:
-                break
-            near = sorted(points, key=lambda j: abs(j - k))[:2]
-            if len(near) == 2 and points[near[0]].load != points[near[1]].load:
-                (k1, p1), (k2, p2) = [(j, points[j].load) for j in near]
-                nxt = math.floor(k1 + (1.0 - p1) * (k2 - k1) / (p2 - p1))
-            else:  # one point: proportional guess (memory grows at least linearly), one step past it
-                nxt = math.floor(k / max(1e-9, p.load)) + (1 if p.status == "ok" else 0)
-            nxt = min(max(nxt, lo + 1), hi - 1)
-            if nxt in points:
-                nxt = (lo + hi) // 2
-            k = nxt
-        if error is not None:
-            break
-        # make the bracket exact; if an approximate point moves, search on
+    def settle(lo: int, hi: int) -> bool:
+        """Make the bracket's ends exact; whether either one's status moved."""
         changed = False
         used = slope
         for j in (lo, hi):
@@ -441,13 +418,10 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
                 before = points[j].status
                 if at(j, exact=True).status != before:
                     changed = True
-        if not changed:
-            break
-        lo = max([j for j, q in points.items() if q.status == "ok"], default=0)
-        hi = min([j for j, q in points.items() if q.status != "ok"] + [k_max + 1])
-        k = (lo + hi) // 2
-    best = points.get(lo)
-    return lo * step, best, len(cache), step, error
+        return changed
+
+    lo, _, error = bracket(at, points, k_max, min(k_max, max(1, first // step)), secant_on_load, settle)
+    return lo * step, points.get(lo), len(cache), step, error
 
 
 # --------------------------------------------------------------------------- configurations
