@@ -8,7 +8,7 @@ TORCH   ?= torch==2.13.0
 EXTRAS  := dev,deepspeed,ring,hf,yunchang,notebooks
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint venv figs clean slurm-up slurm-down
+.PHONY: demo test test-fast lint venv figs figs-plans clean slurm-up slurm-down
 
 venv: $(STAMP)
 
@@ -36,6 +36,10 @@ demo: $(STAMP)
 
 figs: $(STAMP)
 	$(VPY) -m analysis figs --out paper_figs
+
+# figs, and the committed plans re-rendered from results/plan/sims.ndjson (no simulation; tens of seconds)
+figs-plans: $(STAMP)
+	$(VPY) -m analysis figs --out paper_figs --plans
 
 # the single-node Slurm cluster the Slurm tests use (installed with apt and started as root)
 slurm-up:

@@ -1,10 +1,13 @@
-"""``python -m analysis figs [--results DIR] [--mine DIR ...] [--out DIR]``: every table and figure.
+"""``python -m analysis figs [--results DIR] [--mine DIR ...] [--out DIR] [--plans]``: every table and figure.
 
 Reads every row under ``--results`` (default: the repository's committed ``results/``) and,
 with ``--mine``, the user's own rows (e.g. ``runs/``, labelled ``yours`` in every series), and
 writes the paper's tables (Markdown + CSV) and figures (PNG + SVG), paper and ours side by
 side, with an index ``README.md``, into ``--out`` (default: ``runs/figs``; the maintainers
-regenerate the committed ``paper_figs/`` with ``make figs``). Works with no rows at all.
+regenerate the committed ``paper_figs/`` with ``make figs``). Works with no rows at all. Then
+the outputs ``bench`` computes, from the committed data under ``--results``
+(``analysis.derived``): the fidelity table and figure, the modelled Table 3 and, with
+``--plans`` (``make figs-plans``), the committed plans from the committed simulation cache.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     figs.add_argument("--mine", action="append", default=[], metavar="DIR",
                       help="a folder of your own rows to show beside the committed ones (repeatable), e.g. runs")
     figs.add_argument("--out", default=None, help="output folder; default: runs/figs (make figs: paper_figs/)")
+    figs.add_argument("--plans", action="store_true",
+                      help="also re-render the committed plans from the committed simulation cache "
+                      "(results/plan/sims.ndjson; no simulation, tens of seconds; make figs-plans)")
     figs.add_argument("--quiet", action="store_true", help="print nothing but errors")
     args = parser.parse_args(argv)
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -36,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m analysis figs: error: --mine {mine} is not a folder of rows", file=sys.stderr)
             return 2
     try:
-        make_all(args.results, args.out, verbose=not args.quiet, user_dirs=tuple(args.mine))
-    except OutputError as err:
+        make_all(args.results, args.out, verbose=not args.quiet, user_dirs=tuple(args.mine), plans=args.plans)
+    except (OutputError, LookupError) as err:  # LookupError: committed data short of a derived output
         print(f"python -m analysis figs: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -17,7 +17,7 @@ import yaml
 
 from records.outputs import check_dir, runs_dir
 
-from . import figures, tables
+from . import derived, figures, tables
 from .load import REPO, describe_bad_lines, load_rows
 
 CONFIGS = REPO / "sweeps" / "configs"
@@ -38,13 +38,14 @@ class Artefact:
 FIDELITY_COMMAND = "python -m bench fidelity --out results/fidelity --figs-dir paper_figs"
 FIG1_COMMAND = ("python -m bench fidelity --anchors fig1- --out results/fidelity", "paper-scale ladder, simulated")
 FIG5_COMMAND = ("python -m bench fidelity --anchors fig5- --out results/fidelity", "paper scale, simulated")
-# outputs written by other commands than `python -m analysis figs`, listed in the index all the same
+# outputs of what bench computes (analysis.derived renders them, from committed data under make figs;
+# the results/ ones by the commands named), listed in the index after the row-based ones
 OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
     ("[fidelity.md](fidelity.md), [fidelity.png](fidelity.png)",
      "the paper's memory anchors (128K, Fig. 1's ladder, Fig. 5) and Table 3's fits/OOM boundaries against "
      "the simulation, paper stack (a pool per stream) and lean stack",
-     f"`{FIDELITY_COMMAND}` (writes these two and its rows; `--from-rows results/fidelity/fidelity.jsonl` "
-     "re-renders them from the committed rows)"),
+     f"`{FIDELITY_COMMAND}` (simulates, writes its rows and these two); `make figs` re-renders them from "
+     "the committed rows results/fidelity/fidelity.jsonl, as `--from-rows` does"),
     ("[../results/fidelity/shared-pool/fidelity.md](../results/fidelity/shared-pool/fidelity.md), "
      "[fidelity.png](../results/fidelity/shared-pool/fidelity.png)",
      "the same anchors with the paper stack's allocator keeping one pool for every stream (the default before "
@@ -60,24 +61,27 @@ OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
     ("[table3_model.md](table3_model.md), [table3_model.csv](table3_model.csv)",
      "Table 3 with the modelled step time (bench.stackmodel.steptime) beside the paper's tokens/s, per cell: "
      "residual and whether the cell was used to fit",
-     "`python -m bench steptime --figs paper_figs` (from the committed counts results/fidelity/steptime.jsonl)"),
+     "`make figs`, or `python -m bench steptime --figs paper_figs` (both from the committed counts "
+     "results/fidelity/steptime.jsonl)"),
     ("[plan_llama3-8b_8xh100-80g.md](plan_llama3-8b_8xh100-80g.md), "
      "[plan_llama3-8b_8xh100-80g.png](plan_llama3-8b_8xh100-80g.png)",
      "the planner's answer for Llama3-8B on 8 x H100: max context and modelled step time of the paper's setups "
      "and of the levers beyond it, Pareto front, recommendation (paper stack, a pool per stream)",
      "`python -m bench plan --model llama3-8b --gpus 8 --device h100-80g --cache results/plan/sims.ndjson "
-     "--out-dir paper_figs` (results/plan/README.md)"),
+     "--out-dir paper_figs` (results/plan/README.md); `make figs-plans` re-renders it from that cache"),
     ("[plan_llama3-8b_16xh100-80g.md](plan_llama3-8b_16xh100-80g.md), "
      "[plan_llama3-8b_16xh100-80g.png](plan_llama3-8b_16xh100-80g.png)",
      "the same for Llama3-8B on 16 x H100 in 2 nodes (usp and usp-upipe added; the levers are added to "
      "usp-upipe, which has no fused attention norm)",
      "`python -m bench plan --model llama3-8b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
-     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md)"),
+     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; the planner "
+     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)"),
     ("[plan_qwen3-32b_16xh100-80g.md](plan_qwen3-32b_16xh100-80g.md), "
      "[plan_qwen3-32b_16xh100-80g.png](plan_qwen3-32b_16xh100-80g.png)",
      "the same for Qwen3-32B on 16 x H100 in 2 nodes (as Llama3-8B's 16-GPU plan)",
      "`python -m bench plan --model qwen3-32b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
-     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md)"),
+     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; the planner "
+     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)"),
 )
 
 ARTEFACTS: tuple[Artefact, ...] = (
@@ -220,16 +224,21 @@ def write_index(out_dir: Path, done: list[tuple[Artefact, object, list[Path]]], 
     if bad:
         lines += ["", "Corrupt lines skipped (not fatal):", ""] + [f"- `{b}`" for b in bad]
     lines += ["", "Regenerate everything here: `make figs` or "
-              "`python -m analysis figs --results results --out paper_figs`.", ""]
+              "`python -m analysis figs --results results --out paper_figs` (the tables and figures of the rows, "
+              "then fidelity and table3_model from the committed data under `results`); the plans: "
+              "`make figs-plans` (`--plans`: from the committed simulation cache, no simulation; a plan whose "
+              "trials it lacks is left as it is, and the command says which trial).", ""]
     path = out_dir / "README.md"
     path.write_text("\n".join(lines))
     return path
 
 
 def make_all(results_dir: str | Path | None = None, out_dir: str | Path | None = None,
-             verbose: bool = True, user_dirs: tuple[str | Path, ...] = ()) -> list[Path]:
+             verbose: bool = True, user_dirs: tuple[str | Path, ...] = (), plans: bool = False) -> list[Path]:
     """Build every artefact from the committed rows under ``results_dir`` (and the user's under
-    ``user_dirs``, labelled ``yours``) into ``out_dir``; returns the paths written.
+    ``user_dirs``, labelled ``yours``) into ``out_dir``, then the outputs ``bench`` computes from
+    the committed data there (``analysis.derived``: fidelity, the step-time table and, with
+    ``plans``, the plans); returns the paths written.
 
     ``out_dir`` defaults to ``runs/figs`` under the working directory: the committed
     ``paper_figs/`` are rewritten only when asked (``make figs``)."""
@@ -253,6 +262,18 @@ def make_all(results_dir: str | Path | None = None, out_dir: str | Path | None =
         if verbose:
             for p in paths:
                 print(f"wrote {_rel(p)}  ({art.paper}; ours: {obj.modes})")
+    for name, build, _ in derived.DERIVED:
+        paths = build(results_dir, out_dir)
+        written += paths
+        if verbose:
+            for p in paths:
+                print(f"wrote {_rel(p)}  ({name}, from the committed data under {_rel(results_dir)})")
+    if plans:
+        paths = derived.plans(results_dir, out_dir, log=print if verbose else lambda line: None)
+        written += paths
+        if verbose:
+            for p in paths:
+                print(f"wrote {_rel(p)}  (plan, from {_rel(results_dir / 'plan' / 'sims.ndjson')})")
     index = write_index(out_dir, done, rows, results_dir, user_dirs)
     written.append(index)
     if verbose:

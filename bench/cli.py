@@ -383,7 +383,9 @@ def _fidelity(args) -> int:
                                        runner=runner)
     except (OSError, LookupError, ValueError) as err:  # a missing or malformed rows file, a trial without a row
         raise UsageError(f"python -m bench fidelity: error: {err}") from None
-    print(fidelity.text_table(results))
+    from analysis.fidelity_report import text_table
+
+    print(text_table(results))
     for path in fidelity.write_outputs(results, out, figs, write_rows=runner is None):
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -26,7 +26,7 @@ import multiprocessing as mp
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 from records import Figures, GiB, Kind, Row, human, validate_row
 
@@ -100,6 +100,63 @@ def isolated_runner(trial: Trial) -> Row:
     return run_isolated(trial)
 
 
+# ----------------------------------------------------------------------------- the search, shared
+
+Propose = Callable[[int, Any, dict, int, int, int], int]
+
+
+def doubling(k: int, point: Any, points: dict, lo: int, hi: int, k_max: int) -> int:
+    """Double while every length fits (up to ``k_max``), then bisect the bracket."""
+    return min(2 * k, k_max) if hi > k_max else (lo + hi) // 2
+
+
+def secant_on_load(k: int, point: Any, points: dict, lo: int, hi: int, k_max: int) -> int:
+    """The next multiple where the load (the binding budget's fill, ``point.load``: 1.0 is full)
+    reaches 1, on the secant through the two probes nearest ``k``; from one probe, proportional
+    (memory grows at least linearly), one step past it. Kept inside the bracket."""
+    near = sorted(points, key=lambda j: abs(j - k))[:2]
+    if len(near) == 2 and points[near[0]].load != points[near[1]].load:
+        (k1, p1), (k2, p2) = [(j, points[j].load) for j in near]
+        nxt = math.floor(k1 + (1.0 - p1) * (k2 - k1) / (p2 - p1))
+    else:
+        nxt = math.floor(k / max(1e-9, point.load)) + (1 if point.status == "ok" else 0)
+    nxt = min(max(nxt, lo + 1), hi - 1)
+    return (lo + hi) // 2 if nxt in points else nxt
+
+
+def bracket(probe: Callable[[int], Any], points: dict, k_max: int, k: int, propose: Propose = doubling,
+            settle: Callable[[int, int], bool] | None = None) -> tuple[int, int, Any]:
+    """The max-context search over step counts ``1..k_max``: ``(lo, hi, error)``, ``lo`` the most
+    steps that fit (0: none), ``hi`` the fewest that do not (``k_max + 1``: none within the limit),
+    one apart unless ``error`` (a probe with status ``error``, which stops the search).
+
+    ``probe(k)`` returns the probe at ``k`` steps (anything with a ``status``: ok / oom / error),
+    recorded in ``points`` (``k`` -> probe; the caller's dict, which ``probe`` may fill itself);
+    ``propose`` picks the next ``k`` inside the bracket (``doubling`` or ``secant_on_load``). A
+    probe may be approximate: ``settle(lo, hi)`` then makes the bracket's ends exact and says
+    whether an end's status changed, and the search goes on from the probes recorded."""
+    lo, hi = 0, k_max + 1
+    error = None
+    while True:
+        while hi - lo > 1:
+            p = points[k] = probe(k)
+            if p.status == "error":
+                error, hi = p, k
+                break
+            if p.status == "ok":
+                lo = k
+            else:
+                hi = k
+            if hi - lo <= 1:
+                break
+            k = propose(k, p, points, lo, hi, k_max)
+        if error is not None or settle is None or not settle(lo, hi):
+            return lo, hi, error
+        lo = max([j for j, q in points.items() if q.status == "ok"], default=0)
+        hi = min([j for j, q in points.items() if q.status != "ok"] + [k_max + 1])
+        k = (lo + hi) // 2
+
+
 def search(
     trial: Trial,
     runner: Callable[[Trial], Row] = default_runner,
@@ -118,17 +175,12 @@ def search(
     trial.probe(step).validate()
     k_max = max_seq_len // step
     k = min(k_max, max(1, math.ceil((start or step) / step)))
-    lo, hi = 0, None  # lo: longest fitting (in steps), hi: shortest failing
-    best: Row | None = None
+    rows: dict[int, Row] = {}
     last: list[Row] = []
-    count = 0
-    stop: Row | None = None
     label = (f"[max-context {trial.mode} {trial.world_size}x{trial.device} {trial.method} "
              f"{trial.model}]")
 
     def attempt(k: int) -> Row:
-        nonlocal count
-        count += 1
         t0 = time.perf_counter()
         row = runner(trial.probe(k * step))
         last[:] = [row]
@@ -139,33 +191,14 @@ def search(
             usable = row.figures.usable_bytes
             mem = f"peak {peak / GiB:.2f} of {usable / GiB:.2f} GiB usable" if peak is not None and usable else ""
             detail = row.message if row.status != "ok" else mem
-            print(f"{label} trial {count}: {human(k * step)} -> {row.status} {detail} "
+            print(f"{label} trial {len(rows) + 1}: {human(k * step)} -> {row.status} {detail} "
                   f"[{time.perf_counter() - t0:.1f}s]", file=progress, flush=True)
         return row
 
-    while True:  # doubling
-        row = attempt(k)
-        if row.status == "ok":
-            lo, best = k, row
-            if k >= k_max:
-                break
-            k = min(2 * k, k_max)
-        else:
-            hi = k
-            if row.status == "error":
-                stop = row
-            break
-    while stop is None and hi is not None and hi - lo > 1:  # bisection
-        mid = (lo + hi) // 2
-        row = attempt(mid)
-        if row.status == "ok":
-            lo, best = mid, row
-        else:
-            hi = mid
-            if row.status == "error":
-                stop = row
-    return _final_row(trial, lo * step, best, stop or (last[0] if best is None else None), count,
-                      limit_reached=(hi is None))
+    lo, hi, stop = bracket(attempt, rows, k_max, k, doubling)
+    best = rows.get(lo)
+    return _final_row(trial, lo * step, best, stop or (last[0] if best is None else None), len(rows),
+                      limit_reached=(hi > k_max))
 
 
 def _final_row(trial: Trial, max_context: int, best: Row | None, stop: Row | None, count: int,

@@ -94,7 +94,6 @@ from typing import Any
 
 import torch
 
-from analysis.plan_figure import draw_plan
 from records import GiB, human, read_rows, requested_options
 
 from ..measure.result import Measurement
@@ -109,7 +108,6 @@ from ..stackmodel.steptime import (
     COUNTS_VERSION,
     attention_kernel,
     constants_for,
-    constants_of,
     counts_version,
     scale_counts,
     step_time,
@@ -117,6 +115,7 @@ from ..stackmodel.steptime import (
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
 from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme, simulated_pair
+from .maxctx import bracket, secant_on_load
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
@@ -151,8 +150,10 @@ class SimCache:
     a change to the simulation makes a stale cache wrong, so ``--no-cache`` ignores both files
     and the committed one is regenerated with the plans (results/plan/README.md)."""
 
-    def __init__(self, path: Path | None, read: tuple[Path, ...] = ()) -> None:
+    def __init__(self, path: Path | None, read: tuple[Path, ...] = (), simulate: bool = True) -> None:
         self.path = path
+        self.files = tuple(f for f in (*read, path) if f is not None)
+        self.simulate = simulate  # False: a simulation not cached is a LookupError (re-rendering committed plans)
         self.entries: dict[str, dict] = {}
         for f in (*read, *([path] if path else [])):
             if f is not None and f.exists():
@@ -195,6 +196,13 @@ class SimCache:
                 del d["step"][late]
         return json.dumps(d, sort_keys=True)
 
+    def allow(self, key: str) -> None:
+        """Before simulating what ``key`` names: a ``LookupError`` naming it when this cache may not simulate."""
+        if not self.simulate:
+            d = json.loads(key.removesuffix(PRESSURE_KEY))
+            raise LookupError(f"{d['method']} {d['model']} at {d['seq_len']} tokens on {d['world_size']} ranks is not "
+                              f"in {', '.join(map(str, self.files))}: run python -m bench plan to simulate it")
+
     def get(self, key: str) -> dict | None:
         hit = self.entries.get(key)
         if hit is not None:
@@ -224,6 +232,8 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> Measurement:
         hit = _CACHE.get(stored) if stored else None
         result = Measurement.from_dict(hit) if hit is not None else None
         if result is None:
+            if _CACHE is not None:
+                _CACHE.allow(stored)
             result = guarded(measure_simulated, t)
             if _CACHE is not None:
                 _CACHE.put(stored, result.to_dict())
@@ -243,6 +253,8 @@ def fresh_counts(trial, workdir: str) -> StepCounts | None:
     for n_layers in ((cfg.n_layers,) if how.whole else how.layers):
         t = trial if n_layers == cfg.n_layers else dataclasses.replace(
             trial, model=layer_variant(cfg, n_layers, workdir))
+        if _CACHE is not None:
+            _CACHE.allow(_CACHE.key(t, cfg.name, n_layers))
         result = guarded(measure_simulated, t)
         if _CACHE is not None:
             _CACHE.put(_CACHE.key(t, cfg.name, n_layers), result.to_dict())
@@ -328,6 +340,8 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         hit = _CACHE.get(stored) if stored else None
         replayed = Measurement.from_dict(hit) if hit is not None else None
         if replayed is None:
+            if stored:
+                _CACHE.allow(stored)
             pair, replayed = simulated_pair(trial, how, workdir)
             if any(r.status != "ok" for r in pair):
                 replayed = None
@@ -373,8 +387,10 @@ def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
 
 
 def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: int = 4 << 20):
-    """(max_context, best Point or None, points tried, step, error Point or None) by a secant
-    search (module docstring); the bracket is exact (module docstring)."""
+    """(max_context, best Point or None, points tried, step, error Point or None): the max-context
+    search (``bench.search.maxctx.bracket``) with the secant on the load, over ``extrapolated``
+    points that may reuse another length's per-layer increments; the bracket's ends are made
+    exact (module docstring)."""
     step = math.lcm(granularity, trial.seq_multiple())
     k_max = max_seq_len // step
     if k_max < 1:
@@ -391,34 +407,8 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
                 slope = points[k].slope
         return points[k]
 
-    lo, hi = 0, k_max + 1  # lo fits (0: none yet), hi fails (k_max + 1: beyond the limit)
-    k = min(k_max, max(1, first // step))
-    error = None
-    while True:
-        while hi - lo > 1:
-            p = at(k)
-            if p.status == "error":
-                error = p
-                break
-            if p.status == "ok":
-                lo = k
-            else:
-                hi = k
-            if hi - lo <= 1:
-                break
-            near = sorted(points, key=lambda j: abs(j - k))[:2]
-            if len(near) == 2 and points[near[0]].load != points[near[1]].load:
-                (k1, p1), (k2, p2) = [(j, points[j].load) for j in near]
-                nxt = math.floor(k1 + (1.0 - p1) * (k2 - k1) / (p2 - p1))
-            else:  # one point: proportional guess (memory grows at least linearly), one step past it
-                nxt = math.floor(k / max(1e-9, p.load)) + (1 if p.status == "ok" else 0)
-            nxt = min(max(nxt, lo + 1), hi - 1)
-            if nxt in points:
-                nxt = (lo + hi) // 2
-            k = nxt
-        if error is not None:
-            break
-        # make the bracket exact; if an approximate point moves, search on
+    def settle(lo: int, hi: int) -> bool:
+        """Make the bracket's ends exact; whether either one's status moved."""
         changed = False
         used = slope
         for j in (lo, hi):
@@ -428,13 +418,10 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
                 before = points[j].status
                 if at(j, exact=True).status != before:
                     changed = True
-        if not changed:
-            break
-        lo = max([j for j, q in points.items() if q.status == "ok"], default=0)
-        hi = min([j for j, q in points.items() if q.status != "ok"] + [k_max + 1])
-        k = (lo + hi) // 2
-    best = points.get(lo)
-    return lo * step, best, len(cache), step, error
+        return changed
+
+    lo, _, error = bracket(at, points, k_max, min(k_max, max(1, first // step)), secant_on_load, settle)
+    return lo * step, points.get(lo), len(cache), step, error
 
 
 # --------------------------------------------------------------------------- configurations
@@ -636,6 +623,14 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
 COMMITTED_CACHE = RESULTS_DIR / "plan" / "sims.ndjson"
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies in it (the committed cache as the plans name it)."""
+    try:
+        return str(path.resolve().relative_to(RESULTS_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
 def _lines(path: Path | None) -> int:
     return sum(1 for _ in path.open()) if path is not None and path.exists() else 0
 
@@ -663,10 +658,13 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 1 << 20, out_dir: str | None = None, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
-         cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS) -> dict[str, Any]:
+         cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS,
+         committed: Path | None = None, simulate: bool = True) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
     None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
-    stack's allocator pools."""
+    stack's allocator pools; ``committed``: the committed cache (default ``COMMITTED_CACHE``);
+    ``simulate`` off: a simulation missing from the caches is a ``LookupError`` (``SimCache.allow``)."""
+    committed = Path(committed) if committed is not None else COMMITTED_CACHE
     global _CACHE
     cfg = get_config(model)
     preset = get_device(device)
@@ -675,7 +673,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     t0 = time.perf_counter()
     todo = entries(model, gpus, nodes, device, granularity, stack, beyond, pools)
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
-    cache_args = (cache, (COMMITTED_CACHE,)) if use_cache else None
+    cache_args = (cache, (committed,), simulate) if use_cache else None
     _CACHE = SimCache(*cache_args) if cache_args else None
     cached_before = len(_CACHE.entries) if _CACHE else 0
     lines_before = _lines(cache) if _CACHE else 0
@@ -742,104 +740,12 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
         "stack": stack, "pools": pools, "pareto": pareto, "baseline": baseline, "pick": pick,
         "cache": (f"{_lines(cache) - lines_before} new simulations, "
-                  f"{cached_before} cached ({COMMITTED_CACHE.relative_to(RESULTS_DIR.parent)}"
-                  f"{f', {cache}' if cache and Path(cache).resolve() != COMMITTED_CACHE else ''})")  # noqa: E501 if _CACHE else "no cache (--no-cache)",
+                  f"{cached_before} cached ({_shown(committed)}"
+                  f"{f', {cache}' if cache and Path(cache).resolve() != committed.resolve() else ''})")  # noqa: E501 if _CACHE else "no cache (--no-cache)",
     }
+    from analysis.plan_report import render, write_plan  # the one writer of tables and figures
+
     result["text"] = render(result)
     if out_dir:
-        result["files"] = write_outputs(result, Path(out_dir))
+        result["files"] = write_plan(result, Path(out_dir))
     return result
-
-
-def render(res: dict[str, Any]) -> str:
-    counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
-    version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
-    consts = constants_of(version)
-    lines = [
-        f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
-        f"{res['usable_gib']:.1f} GiB usable per GPU"
-        + (" less each configuration's NCCL buffers" if res["stack"] == "paper" else "")
-        + f"{res['host_note']}; "
-        f"{res['stack']} stack (bench.stackmodel.stack"
-        + (f"; allocator: {'a pool per stream' if res.get('pools') == 'per-stream' else 'one shared pool'}"
-           if res["stack"] == "paper" else "")
-        + "); paper record setup (FSDP2, AC offloaded to host, "
-        "tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)",
-        f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
-        f"search limit {human(res['max_seq_len'])}"
-        + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
-           "; two-level checkpoints (2-level AC) by group extrapolation or whole, as the row says"
-           if res["layers"] > 4 else ""),
-        f"step time at the common length {human(res['common']) if res['common'] else '-'} "
-        f"(longest that every method fits); source per row: measured = results/ real rows, "
-        f"model = bench.stackmodel.steptime on counts of v{version} (counted FLOPs at eff {consts.eff_matmul:.2f} "
-        f"matmul / {consts.eff_attention:.2f} attention, collectives through the link model with "
-        f"{consts.latency_s * 1e6:.0f} us per call ({consts.barrier_s * 1e6:.0f} us per ring-step barrier of the "
-        f"paper's ring code), host copies over PCIe 5 x16"
-        + (", memory-bound kernels at the HBM bandwidth)" if version >= 3 else
-           "; counts made before v3: the constants fitted on such counts, bench.stackmodel.steptime.FITTED_V2)"),
-        "",
-        f"simulations: {res['cache']}; rel = step time / {res['baseline'].label if res['baseline'] else '-'}'s "
-        f"(UPipe's paper setup); P = on the Pareto front of max context vs step time",
-        "",
-        f"{'configuration':44} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
-        f"{'source':8} note",
-    ]
-    fastest = res["baseline"] or res["fastest_common"]
-    front = {id(e) for e in res["pareto"]}
-    for e in res["entries"]:
-        if e.skipped:
-            lines.append(f"{e.label:44} {'-':>8} {'-':>9} {'-':>9} {'-':>8} {'-':>6} {'':8} skipped: {e.skipped}")
-            continue
-        limit = ">=" if e.max_context >= res["max_seq_len"] - res["granularity"] + 1 and e.max_context else ""
-        rel = e.step_time_s / fastest.step_time_s if fastest and e.step_time_s else None
-        note = []
-        if e.resolved_u is not None:
-            note.append(f"auto -> U={e.resolved_u} at {human(res['common'])}")
-        if e.error:
-            note.append(f"error: {e.error}")
-        if e.extra.get("sims") and not e.auto:
-            note.append(e.extra["sims"])
-        if e.points and not e.auto:
-            note.append(f"{e.points} sims, {e.seconds:.0f}s")
-        if rel and rel > MAX_COST:
-            note.append(f"over {MAX_COST:g}x the paper setup's step time: reported, not recommended")
-        peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
-        host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
-        label = ("P " if id(e) in front else "  ") + e.label
-        lines.append(
-            f"{label:44} {limit + (human(e.max_context) if e.max_context else '0'):>8} {peak} {host} "
-            f"{(f'{e.step_time_s:8.2f}' if e.step_time_s else f'{chr(45):>8}')} "
-            f"{(f'{rel:6.2f}' if rel else f'{chr(45):>6}')} {e.time_source:8} {'; '.join(note)}")
-    fl = res["fastest_longest"]
-    if fl is None:
-        lines.append("recommendation: nothing fits (even one step of the search)")
-    else:
-        fits = [e.label for e in res["entries"] if not e.skipped and e.max_context == res["longest"]]
-        lines.append("")
-        lines.append(
-            f"longest context: {human(res['longest'])} with {', '.join(fits)}; "
-            f"fastest at that length: {fl.label} (model); fastest at {human(res['common'])}: "
-            f"{res['fastest_common'].label} ({res['fastest_common'].time_source})")
-        pick, base = res["pick"], res["baseline"]
-        if pick is not None:
-            cost = (f", {pick.step_time_s / base.step_time_s:.2f}x the step time of UPipe's paper setup "
-                    f"({base.label}, {human(base.max_context)}) at {human(res['common'])}"
-                    if base is not None and base.step_time_s else "")
-            lines.append(f"recommendation: {pick.label}: {human(pick.max_context)} tokens{cost}; "
-                         f"configurations over {MAX_COST:g}x are not recommended")
-    lines.append(f"[plan took {res['seconds']:.1f}s]")
-    return "\n".join(lines)
-
-
-def write_outputs(res: dict[str, Any], out_dir: Path) -> list[str]:
-    """The plan as ``plan_<model>_<gpus>x<device>.md`` and its figure (drawn by ``analysis``)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"plan_{res['model'].replace('/', '_')}_{res['gpus']}x{res['device']}"
-    md = out_dir / f"{stem}.md"
-    md.write_text(f"# Plan: {res['model']} on {res['gpus']} x {res['device']}\n\n"
-                  f"Generated by `python -m bench plan` (bench/search/plan.py).\n\n```\n{res['text']}\n```\n")
-    png = out_dir / f"{stem}.png"
-    shown = [(e.label, e.max_context) for e in res["entries"] if not e.skipped]
-    draw_plan(shown, f"{res['model']} on {res['gpus']} x {res['device']}: max context per method", png)
-    return [str(md), str(png)]

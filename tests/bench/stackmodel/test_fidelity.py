@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from analysis import fidelity_report
 from bench.cli import main
 from bench.stackmodel import fidelity
 from bench.stackmodel.fidelity import PAPER_DIR, Anchor, Impl
@@ -145,7 +146,7 @@ def test_run_judges_and_shares_trials(tiny_results):
     assert mem.residual == pytest.approx((mem.gib("paper") - 0.02) / 0.02 * 100)
     assert mem.passes() is (abs(mem.gib("paper") - 0.02) <= 0.002)
     assert fits.passes() and not oom.passes() and fits.residual is None
-    text = fidelity.text_table(results)
+    text = fidelity_report.text_table(results)
     assert "tiny-oom" in text and "FAIL" in text and f"FITTED = {fidelity.paper_stack.FITTED}" in text
 
 
@@ -259,10 +260,10 @@ def test_a_memory_anchor_run_on_a_real_gpu_is_shown_beside_it(tiny_results, tmp_
     checks = fidelity.real_checks(results, gpu)
     assert [c.anchor.name for c in checks] == ["tiny-mem"]
     assert checks[0].source == "results/gpu/h100-x/real.ndjson"
-    md = fidelity.markdown(results, checks)
+    md = fidelity_report.markdown(results, checks)
     assert "## The same trials on a real GPU" in md
     assert "| tiny-mem | 0.02 GiB | 0.01 GiB | 0.03 GiB |" in md and "emulated, NVIDIA H100" in md
-    assert "on a real GPU" not in fidelity.markdown(results)
+    assert "on a real GPU" not in fidelity_report.markdown(results)
 
 
 def test_a_real_runs_simulated_twin_and_its_levers_are_shown(tiny_results, tmp_path):
@@ -282,6 +283,6 @@ def test_a_real_runs_simulated_twin_and_its_levers_are_shown(tiny_results, tmp_p
     write(folder / "simulated.ndjson", [shared, twin])
     checks = fidelity.real_checks(results, tmp_path / "results" / "gpu")
     assert checks[0].twin is not None and checks[0].twin.levers["allocator_pools"] == "per-stream"
-    md = fidelity.markdown(results, checks)
+    md = fidelity_report.markdown(results, checks)
     assert "| 0.04 GiB | 0.03 GiB (-25.0%) |" in md
     assert "emulated (attention_math=skip, rope_table=none)" in md

@@ -1,0 +1,113 @@
+"""The planner's report: ``bench.search.plan``'s result as text, ``plan_<model>_<gpus>x<device>.md`` and a figure.
+
+``python -m bench plan`` searches every configuration's max context and models its step time;
+this module renders the result (``render``: the table it prints) and writes the Markdown and
+the bar chart (``write_plan``; the chart: ``analysis.plan_figure``). ``python -m analysis figs
+--plans`` re-renders the committed plans from the committed simulation cache through the same
+code (``analysis.derived``), so ``paper_figs/plan_*`` have one writer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.search.plan import MAX_COST
+from bench.stackmodel.steptime import constants_of, counts_version
+from records import GiB, human
+
+from .plan_figure import draw_plan
+
+
+def render(res: dict[str, Any]) -> str:
+    """The plan as the table ``python -m bench plan`` prints (and its Markdown holds)."""
+    counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
+    version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
+    consts = constants_of(version)
+    lines = [
+        f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
+        f"{res['usable_gib']:.1f} GiB usable per GPU"
+        + (" less each configuration's NCCL buffers" if res["stack"] == "paper" else "")
+        + f"{res['host_note']}; "
+        f"{res['stack']} stack (bench.stackmodel.stack"
+        + (f"; allocator: {'a pool per stream' if res.get('pools') == 'per-stream' else 'one shared pool'}"
+           if res["stack"] == "paper" else "")
+        + "); paper record setup (FSDP2, AC offloaded to host, "
+        "tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)",
+        f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
+        f"search limit {human(res['max_seq_len'])}"
+        + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
+           "; two-level checkpoints (2-level AC) by group extrapolation or whole, as the row says"
+           if res["layers"] > 4 else ""),
+        f"step time at the common length {human(res['common']) if res['common'] else '-'} "
+        f"(longest that every method fits); source per row: measured = results/ real rows, "
+        f"model = bench.stackmodel.steptime on counts of v{version} (counted FLOPs at eff {consts.eff_matmul:.2f} "
+        f"matmul / {consts.eff_attention:.2f} attention, collectives through the link model with "
+        f"{consts.latency_s * 1e6:.0f} us per call ({consts.barrier_s * 1e6:.0f} us per ring-step barrier of the "
+        f"paper's ring code), host copies over PCIe 5 x16"
+        + (", memory-bound kernels at the HBM bandwidth)" if version >= 3 else
+           "; counts made before v3: the constants fitted on such counts, bench.stackmodel.steptime.FITTED_V2)"),
+        "",
+        f"simulations: {res['cache']}; rel = step time / {res['baseline'].label if res['baseline'] else '-'}'s "
+        f"(UPipe's paper setup); P = on the Pareto front of max context vs step time",
+        "",
+        f"{'configuration':44} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
+        f"{'source':8} note",
+    ]
+    fastest = res["baseline"] or res["fastest_common"]
+    front = {id(e) for e in res["pareto"]}
+    for e in res["entries"]:
+        if e.skipped:
+            lines.append(f"{e.label:44} {'-':>8} {'-':>9} {'-':>9} {'-':>8} {'-':>6} {'':8} skipped: {e.skipped}")
+            continue
+        limit = ">=" if e.max_context >= res["max_seq_len"] - res["granularity"] + 1 and e.max_context else ""
+        rel = e.step_time_s / fastest.step_time_s if fastest and e.step_time_s else None
+        note = []
+        if e.resolved_u is not None:
+            note.append(f"auto -> U={e.resolved_u} at {human(res['common'])}")
+        if e.error:
+            note.append(f"error: {e.error}")
+        if e.extra.get("sims") and not e.auto:
+            note.append(e.extra["sims"])
+        if e.points and not e.auto:
+            note.append(f"{e.points} sims, {e.seconds:.0f}s")
+        if rel and rel > MAX_COST:
+            note.append(f"over {MAX_COST:g}x the paper setup's step time: reported, not recommended")
+        peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
+        host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
+        label = ("P " if id(e) in front else "  ") + e.label
+        lines.append(
+            f"{label:44} {limit + (human(e.max_context) if e.max_context else '0'):>8} {peak} {host} "
+            f"{(f'{e.step_time_s:8.2f}' if e.step_time_s else f'{chr(45):>8}')} "
+            f"{(f'{rel:6.2f}' if rel else f'{chr(45):>6}')} {e.time_source:8} {'; '.join(note)}")
+    fl = res["fastest_longest"]
+    if fl is None:
+        lines.append("recommendation: nothing fits (even one step of the search)")
+    else:
+        fits = [e.label for e in res["entries"] if not e.skipped and e.max_context == res["longest"]]
+        lines.append("")
+        lines.append(
+            f"longest context: {human(res['longest'])} with {', '.join(fits)}; "
+            f"fastest at that length: {fl.label} (model); fastest at {human(res['common'])}: "
+            f"{res['fastest_common'].label} ({res['fastest_common'].time_source})")
+        pick, base = res["pick"], res["baseline"]
+        if pick is not None:
+            cost = (f", {pick.step_time_s / base.step_time_s:.2f}x the step time of UPipe's paper setup "
+                    f"({base.label}, {human(base.max_context)}) at {human(res['common'])}"
+                    if base is not None and base.step_time_s else "")
+            lines.append(f"recommendation: {pick.label}: {human(pick.max_context)} tokens{cost}; "
+                         f"configurations over {MAX_COST:g}x are not recommended")
+    lines.append(f"[plan took {res['seconds']:.1f}s]")
+    return "\n".join(lines)
+
+
+def write_plan(res: dict[str, Any], out_dir: Path) -> list[str]:
+    """The plan as ``plan_<model>_<gpus>x<device>.md`` and its figure (drawn by ``analysis``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"plan_{res['model'].replace('/', '_')}_{res['gpus']}x{res['device']}"
+    md = out_dir / f"{stem}.md"
+    md.write_text(f"# Plan: {res['model']} on {res['gpus']} x {res['device']}\n\n"
+                  f"Generated by `python -m bench plan` (bench/search/plan.py).\n\n```\n{res['text']}\n```\n")
+    png = out_dir / f"{stem}.png"
+    shown = [(e.label, e.max_context) for e in res["entries"] if not e.skipped]
+    draw_plan(shown, f"{res['model']} on {res['gpus']} x {res['device']}: max context per method", png)
+    return [str(md), str(png)]
