@@ -81,15 +81,17 @@ def plans(results_dir: Path, out_dir: Path, log: Callable[[str], None] = print) 
         return []
     from bench.search.plan import plan
 
+    from .plan_report import write_plan
+
     written: list[Path] = []
     for p in PLANS:
         try:
-            res = plan(p.model, p.gpus, p.device, p.nodes, out_dir=str(out_dir), pools=p.pools, cache=None,
+            res = plan(p.model, p.gpus, p.device, p.nodes, pools=p.pools, cache=None,
                        committed=cache, simulate=False, progress=io.StringIO())  # no progress lines
         except LookupError as err:
             log(f"not regenerated: `{p.command()}`: {err}")
             continue
-        written += [Path(f) for f in res["files"]]
+        written += [Path(f) for f in write_plan(res, out_dir)]
     return written
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.stackmodel import fidelity as fid
 from bench.stackmodel import stack as paper_stack
 from bench.stackmodel.fidelity import DEVICE, EYE_TOL_GIB, REL_TOL, STACKS, RealCheck, Result, outcome
-from records import GiB
+from records import GiB, Row, append_rows
 
 HEADER = ("anchor", "source", "implementation", "paper", "ours (paper stack)", "ours (lean)", "residual", "pass")
 
@@ -178,3 +179,23 @@ def write_report(results: list[Result], checks: list[RealCheck], figs_dir: Path)
     png = figs_dir / "fidelity.png"
     figure(results, png)
     return md, png
+
+
+def write_outputs(results: list[Result], out_dir: Path, figs_dir: Path, write_rows: bool = True) -> list[Path]:
+    """Rows appended to ``<out_dir>/fidelity.jsonl`` (unless ``write_rows`` is off: rows that came
+    from files already); ``fidelity.{md,png}`` in ``figs_dir``, rendered here."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figs_dir.mkdir(parents=True, exist_ok=True)
+    rows_path = out_dir / "fidelity.jsonl"
+    seen: set[int] = set()
+    rows: list[Row] = []
+    for r in results:
+        for row in r.rows.values():
+            if id(row) not in seen:
+                seen.add(id(row))
+                rows.append(row)
+    md, png = write_report(results, fid.real_checks(results), figs_dir)
+    if not write_rows:
+        return [md, png]
+    append_rows(rows_path, rows)
+    return [rows_path, md, png]

@@ -383,10 +383,10 @@ def _fidelity(args) -> int:
                                        runner=runner)
     except (OSError, LookupError, ValueError) as err:  # a missing or malformed rows file, a trial without a row
         raise UsageError(f"python -m bench fidelity: error: {err}") from None
-    from analysis.fidelity_report import text_table
+    from analysis import fidelity_report
 
-    print(text_table(results))
-    for path in fidelity.write_outputs(results, out, figs, write_rows=runner is None):
+    print(fidelity_report.text_table(results))
+    for path in fidelity_report.write_outputs(results, out, figs, write_rows=runner is None):
         print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -394,7 +394,7 @@ def _fidelity(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["steptime"]:  # its own parser (bench.stackmodel.steptime_fit)
-        from .stackmodel.steptime_fit import main as steptime_main
+        from .steptime_command import main as steptime_main
         return steptime_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
@@ -412,12 +412,14 @@ def main(argv: list[str] | None = None) -> int:
                 if cache is not None:
                     check_file(cache, "--cache")
                 res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
-                           out_dir, stack=args.stack, beyond=not args.paper_only, cache=cache,
+                           stack=args.stack, beyond=not args.paper_only, cache=cache,
                            workers=args.jobs, use_cache=not args.no_cache, pools=args.allocator_pools)
             except ValueError as err:
                 raise UsageError(f"python -m bench plan: error: {err}") from None
-            print(res["text"])
-            for path in res.get("files", []):
+            from analysis import plan_report  # the one writer of tables and figures
+
+            print(plan_report.render(res))
+            for path in plan_report.write_plan(res, out_dir) if out_dir is not None else []:
                 print(f"wrote {path}", file=sys.stderr)
             return 0
         if args.command == "trial":

@@ -656,7 +656,7 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
 
 
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
-         granularity: int = 1 << 20, out_dir: str | None = None, workers: int | None = None,
+         granularity: int = 1 << 20, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
          cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS,
          committed: Path | None = None, simulate: bool = True) -> dict[str, Any]:
@@ -731,6 +731,8 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     fastest_longest = min(at_longest, key=lambda e: modelled_time(e, device, longest) or math.inf, default=None)
     fastest_common = min((e for e in ok if e.step_time_s), key=lambda e: e.step_time_s, default=None)
     host_usable = preset.host_usable()
+    user = f", {cache}" if cache and Path(cache).resolve() != committed.resolve() else ""
+    cache_line = f"{_lines(cache) - lines_before} new simulations, {cached_before} cached ({_shown(committed)}{user})"
     result = {
         "model": cfg.name, "gpus": gpus, "nodes": nodes, "device": device, "granularity": granularity,
         "max_seq_len": max_seq_len, "entries": done, "longest": longest, "common": common,
@@ -739,13 +741,6 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
         "stack": stack, "pools": pools, "pareto": pareto, "baseline": baseline, "pick": pick,
-        "cache": (f"{_lines(cache) - lines_before} new simulations, "
-                  f"{cached_before} cached ({_shown(committed)}"
-                  f"{f', {cache}' if cache and Path(cache).resolve() != committed.resolve() else ''})")  # noqa: E501 if _CACHE else "no cache (--no-cache)",
+        "cache": cache_line if _CACHE else "no cache (--no-cache)",
     }
-    from analysis.plan_report import render, write_plan  # the one writer of tables and figures
-
-    result["text"] = render(result)
-    if out_dir:
-        result["files"] = write_plan(result, Path(out_dir))
     return result

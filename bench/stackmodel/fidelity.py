@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import methods
-from records import GiB, Row, append_rows, fidelity_anchor_note, human, read_rows, trial_key
+from records import GiB, Row, fidelity_anchor_note, human, read_rows, trial_key
 from records.facts import TABLE3_COLUMNS
 
 from ..measure.run import HOST_OOM
@@ -455,28 +455,6 @@ def rows_runner(paths: Iterable[str | Path]) -> Callable[[Trial], Row]:
         return row
 
     return runner
-
-
-def write_outputs(results: list[Result], out_dir: Path, figs_dir: Path, write_rows: bool = True) -> list[Path]:
-    """Rows appended to ``<out_dir>/fidelity.jsonl`` (unless ``write_rows`` is off: rows that came
-    from files already); ``fidelity.{md,png}`` in ``figs_dir``, rendered by ``analysis.fidelity_report``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    figs_dir.mkdir(parents=True, exist_ok=True)
-    rows_path = out_dir / "fidelity.jsonl"
-    seen: set[int] = set()
-    rows: list[Row] = []
-    for r in results:
-        for row in r.rows.values():
-            if id(row) not in seen:
-                seen.add(id(row))
-                rows.append(row)
-    from analysis.fidelity_report import write_report  # the one writer of tables and figures
-
-    md, png = write_report(results, real_checks(results), figs_dir)
-    if not write_rows:
-        return [md, png]
-    append_rows(rows_path, rows)
-    return [rows_path, md, png]
 
 
 def summary(results: list[Result]) -> dict[str, Any]:

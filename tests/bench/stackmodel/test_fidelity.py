@@ -153,7 +153,7 @@ def test_run_judges_and_shares_trials(tiny_results):
 def test_outputs_written(tiny_results, tmp_path):
     results, _ = tiny_results
     out, figs = tmp_path / "out", tmp_path / "figs"
-    paths = fidelity.write_outputs(results, out, figs)
+    paths = fidelity_report.write_outputs(results, out, figs)
     assert paths == [out / "fidelity.jsonl", figs / "fidelity.md", figs / "fidelity.png"]
     rows = [json.loads(line) for line in (out / "fidelity.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and {r["levers"].get("stack", "lean") for r in rows} == {"paper", "lean"}
@@ -161,7 +161,7 @@ def test_outputs_written(tiny_results, tmp_path):
     md = (figs / "fidelity.md").read_text()
     assert "| tiny-mem |" in md and "simulated" in md and "FITTED" in md and "h100-80g" in md
     assert (figs / "fidelity.png").stat().st_size > 1000
-    fidelity.write_outputs(results, out, figs)  # appended, not replaced
+    fidelity_report.write_outputs(results, out, figs)  # appended, not replaced
     assert len((out / "fidelity.jsonl").read_text().splitlines()) == 4
 
 
@@ -232,7 +232,7 @@ def test_from_rows_renders_without_simulating(tiny_results, tmp_path, monkeypatc
     appended, and a trial without a row is a one-line error naming it."""
     results, _ = tiny_results
     rows_file = tmp_path / "rows" / "fidelity.jsonl"
-    fidelity.write_outputs(results, rows_file.parent, tmp_path / "first")
+    fidelity_report.write_outputs(results, rows_file.parent, tmp_path / "first")
     monkeypatch.setattr(fidelity, "load_anchors", lambda paper_dir=PAPER_DIR: _tiny_anchors())
     monkeypatch.setattr(fidelity, "run_one", lambda trial: pytest.fail("simulated under --from-rows"))
     out = tmp_path / "out"

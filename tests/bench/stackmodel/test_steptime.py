@@ -41,12 +41,12 @@ from bench.stackmodel.steptime_fit import (
     interpolate,
     is_fit_cell,
     load_counts,
-    main,
     measured_eff_matmul,
     modelled_tps,
     paper_cells,
     targets,
 )
+from bench.steptime_command import main
 from bench.training.config import StepConfig
 from records import Row, validate_row
 
