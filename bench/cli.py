@@ -216,6 +216,10 @@ def build_parser() -> Parser:
     fi.add_argument("--from-rows", nargs="+", default=None, metavar="FILE",
                     help="simulate nothing: take every anchor's trials from these rows (e.g. the committed "
                     "results/fidelity/fidelity.jsonl) and write only fidelity.{md,png}")
+    fi.add_argument("--hf", action="store_true",
+                    help="the Hugging Face stack's section instead: ALST's published lengths (results/hf/"
+                    "alst_anchors.csv) under --stack hf, written to hf_fidelity.{jsonl,md} "
+                    "(bench.stackmodel.hffidelity)")
     fi.add_argument("--out", default=None, help="directory for fidelity.jsonl (default runs/fidelity)")
     fi.add_argument("--figs-dir", default=None, help="directory for fidelity.{md,png} (default: --out)")
     return parser
@@ -358,7 +362,40 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
     return 0
 
 
+def _hf_fidelity(args) -> int:
+    """``fidelity --hf``: the HF stack's anchors (``bench.stackmodel.hffidelity``), one at a time."""
+    from .stackmodel import hffidelity
+
+    try:
+        chosen = hffidelity.load_anchors()
+        if args.anchors:
+            unknown = [n for n in args.anchors if not any(a.name.startswith(n) for a in chosen)]
+            if unknown:
+                raise ValueError(f"unknown hf anchor(s) {unknown}; known: {[a.name for a in chosen]}")
+            chosen = [a for a in chosen if any(a.name.startswith(n) for n in args.anchors)]
+    except (OSError, ValueError) as err:
+        raise UsageError(f"python -m bench fidelity --hf: error: {err}") from None
+    if args.list_anchors:
+        for a in chosen:
+            print(f"{a.name:28} {a.expect:5} {human(a.seq_len):>6} x{a.gpus:<3} {a.method}  {a.source}")
+        return 0
+    out = Path(args.out) if args.out else runs_dir() / "fidelity"
+    figs = Path(args.figs_dir) if args.figs_dir else out
+    try:
+        check_dir(out, "--out")
+        check_dir(figs, "--figs-dir")
+    except OutputError as err:
+        raise UsageError(f"python -m bench fidelity --hf: error: {err}") from None
+    results = hffidelity.run_anchors(chosen)
+    print(hffidelity.markdown(results))
+    for path in hffidelity.write_outputs(results, out, figs):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def _fidelity(args) -> int:
+    if args.hf:
+        return _hf_fidelity(args)
     try:
         anchors = fidelity.load_anchors()
         chosen = fidelity.select(anchors, args.only, [QUICK_ANCHOR] if args.quick else args.anchors)

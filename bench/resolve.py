@@ -13,8 +13,10 @@ and the levers the user set, and nothing else. :func:`resolve` turns it into a
    identity (``records.trial_key``);
 3. the stack's terms fill in what the request left open (``bench.stackmodel.stack.apply``: the
    allocator model, the kernels' scratch, the offload setting, the RoPE table, the ring barrier,
-   DeepSpeed's TiledMLP): ``Trial.resolution`` holds every lever as it runs and the presets that
-   set them, which the row records as ``ran`` and ``presets``;
+   DeepSpeed's TiledMLP; under the ``hf`` stack ``bench.stackmodel.hfstack``'s levers, and
+   ``torch-cp``'s options as Accelerate's cp_size path runs it, which become the trial's options):
+   ``Trial.resolution`` holds every lever as it runs and the presets that set them, which the row
+   records as ``ran`` and ``presets``;
 4. the trial is validated, once, with every refusal a one-line ``ValueError``.
 
 Measurement never rewrites a resolved trial: it runs ``trial.resolved().step``.
@@ -31,7 +33,7 @@ from records import Kind, Mode
 
 from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Resolution, Search, Trial
-from .stackmodel import stack
+from .stackmodel import hfstack, stack
 from .training.config import StepConfig
 from .training.presets import PRESETS, expand
 
@@ -78,6 +80,8 @@ def resolve(request: Request, here: bool = True, validate: bool = True) -> Trial
     (CUDA, GPU count, optional libraries): a sweep resolves its trials on a login node."""
     method, options, levers = expand(request.method, dict(request.options), dict(request.levers))
     step = StepConfig(**decided_levers(levers, request.mode))
+    if step.stack == "hf":  # a method the HF stack cannot run is refused here; torch-cp gets Accelerate's options
+        options = hfstack.options(method, options)
     trial = Trial.make(
         method, request.model, request.seq_len, request.world_size, options, mode=request.mode,
         device=request.device, step=step, link=request.link, warmup=request.warmup, iters=request.iters,

@@ -34,7 +34,10 @@ serves; RoPE uses each token's global position either way.
 Options: ``rotate`` = ``allgather`` (default, the paper's) or ``alltoall``; ``backend`` =
 ``flash`` (default), ``efficient`` (memory-efficient attention, takes fp32) or ``cudnn``.
 K/V are repeated to the H query heads before SDPA, as the paper ran it (torch's CP passes no
-GQA flag to the ops).
+GQA flag to the ops); ``repeat_kv=False`` leaves them at the G KV heads, as Transformers'
+``sdpa_attention_forward`` hands them to SDPA with ``enable_gqa=True`` (no mask, on CUDA): the
+flash and cuDNN ops take G < H KV heads themselves, and torch's ring then gathers and rotates
+G heads of K/V instead of H (the ``hf`` stack, ``bench.stackmodel.stack``).
 
 Refusals (one line): any non-CUDA input (in ``forward``, before any communication: torch's
 context parallel dispatches only the CUDA SDPA ops); fp32 with ``flash``/``cudnn`` (those CUDA
@@ -96,6 +99,7 @@ CPU_REFUSAL = (f"{NAME}: torch's context parallel dispatches only the CUDA SDPA 
 class TorchCPOptions(MethodOptions):
     rotate: str = "allgather"  # torch's set_rotate_method: "allgather" (the paper's) or "alltoall"
     backend: str = "flash"  # the SDPA backend torch's ring calls: "flash", "efficient" or "cudnn"
+    repeat_kv: bool = True  # K/V repeated to the H query heads (the paper's); False: G KV heads, as enable_gqa passes
 
 
 def _cp():
@@ -302,7 +306,7 @@ class TorchCP(ZigzagLayoutMethod):
 
         cos, sin = self.rope_for(x, positions)
         q, k, v = self.project_qkv(x, cos, sin)  # [B, n, H or G, d]
-        if self._repeat > 1:  # K/V repeated to the query heads (query head i reads KV head i // repeat)
+        if self._repeat > 1 and self.options.repeat_kv:  # K/V to the query heads (head i reads KV head i // repeat)
             k, v = (t.repeat_interleave(self._repeat, dim=2) for t in (k, v))
         mesh = self.mesh(x.device.type)
         _enable_dispatcher()

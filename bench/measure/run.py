@@ -56,7 +56,7 @@ from ..stackmodel.allocator import Trace, record_step, replay
 from ..stackmodel.counts import StepCounts
 from ..stackmodel.hardware import CommCounter
 from ..stackmodel.stepcount import StepCounter
-from ..stackmodel.steptime import comm_counts, figures_from_counts
+from ..stackmodel.steptime import comm_counts, figures_from_counts, stack_constants
 from ..stackmodel.workspace import KernelWorkspace
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import launch
@@ -136,7 +136,7 @@ def _replayed(trial: Trial, trace: Trace, device_key: str, counts: StepCounts | 
     device less what lives outside it (the CUDA context; under the paper stack NCCL's buffers for
     the collectives in ``counts`` too), less ``reserve`` bytes held by something the trace does not contain."""
     t0 = time.perf_counter()
-    nccl = stack.nccl_buffer_bytes(counts) if trial.step.stack == "paper" else 0
+    nccl = stack.nccl_buffer_bytes(counts) if stack.reserved(trial.step.stack) else 0
     capacity = stack.usable_bytes(trial.preset(), "paper", nccl=nccl) - reserve
     replayed = replay(trace, device_key, expandable_segments=trial.step.allocator_model == "expandable",
                       capacity=capacity, per_stream=trial.step.allocator_pools == "per-stream",
@@ -191,7 +191,7 @@ def measure_simulated(trial: Trial, keep_trace: bool = False) -> Measurement:
         run = step_fn(trial.step.scope, built, batch, trial.step, group)
         # paper stack, term 8: the cuBLAS workspaces the caching allocator holds from the first GEMMs
         workspaces = [torch.empty(n, dtype=torch.uint8, device=device)
-                      for n in (stack.cublas_workspace_sizes(trial.preset()) if trial.step.stack == "paper"
+                      for n in (stack.cublas_workspace_sizes(trial.preset()) if stack.reserved(trial.step.stack)
                                 and on_gpu_path else ())]
         if workspaces:
             stack_notes.append(stack.cublas_note(trial.preset()))
@@ -386,7 +386,7 @@ def budgeted_peak(trial: Trial, f: Figures) -> tuple[bool, int | None]:
     """(judged on the paper stack, the peak judged against the device budget): under the paper
     stack the modelled allocator's reserved peak (never below the allocated one), else the
     allocated peak."""
-    paper = trial.mode == "simulated" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
+    paper = trial.mode == "simulated" and stack.reserved(trial.step.stack) and f.peak_reserved_bytes is not None
     return paper, (max(f.peak_reserved_bytes, f.peak_bytes) if paper else f.peak_bytes)
 
 
@@ -413,7 +413,7 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
     ranks_here = trial.world_size if preset.kind == "cpu" and trial.mode == "real" else 1
     f.capacity_bytes = preset.capacity(ranks_here)
     accounting = trial.step.stack if trial.mode == "simulated" else "lean"
-    nccl = stack.nccl_buffer_bytes(result.step_counts) if accounting == "paper" and preset.kind != "cpu" else 0
+    nccl = stack.nccl_buffer_bytes(result.step_counts) if stack.reserved(accounting) and preset.kind != "cpu" else 0
     f.usable_bytes = stack.usable_bytes(preset, accounting, ranks_here, nccl=nccl)
     outside = f"{stack.CUDA_CONTEXT_BYTES / GiB:.1f} GiB of CUDA context" + (
         f" and {nccl / GiB:.2f} GiB of NCCL buffers" if nccl else "")
@@ -431,8 +431,8 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
     elif trial.mode == "simulated":
         f.comm_time_s = result.comm_time_s
         if trial.step.scope == "model":
-            for key, value in figures_from_counts(result.step_counts, preset, link,
-                                                  f.tokens_per_device, trial.method).items():
+            for key, value in figures_from_counts(result.step_counts, preset, link, f.tokens_per_device,
+                                                  trial.method, *stack_constants(trial.step.stack)).items():
                 setattr(f, key, value)
     elif trial.mode == "real":
         f.step_time_s = f.compute_time_s
@@ -499,6 +499,10 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
                      "+ MemTracker "
                      f"on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
                      f"{outside}; Liger's loss not modelled")
+    elif trial.mode == "simulated" and trial.step.stack == "hf":
+        notes.append("simulated, hf stack (bench.stackmodel.hfstack): FakeTensorMode + fake process group + MemTracker "
+                     f"on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
+                     f"{outside}; the step time with the measured SDPA flash rate (bench.stackmodel.steptime)")
     elif trial.mode == "simulated":
         unmodelled = "workspaces" if allocator else "workspaces and allocator fragmentation"
         notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "

@@ -323,6 +323,15 @@ def deepspeed_cross_entropy(head: LMHead, h: torch.Tensor, labels: torch.Tensor,
                                                         [head.output.weight], "sum")
 
 
+def liger_chunk(tokens: int, dim: int, vocab: int) -> int:
+    """Tokens per chunk of Liger's fused linear cross-entropy for ``tokens`` rows of width ``dim``
+    and a ``vocab``-sized head: ``next_power_of_2(ceil(tokens / ceil(vocab / dim)))``, so that a
+    chunk's logits hold about as much as the hidden states (Liger-Kernel
+    ``liger_kernel/ops/fused_linear_cross_entropy.py``, ``fused_linear_cross_entropy_forward``)."""
+    rows = max(1, -(-tokens // -(-vocab // dim)))
+    return 1 << (rows - 1).bit_length()
+
+
 def full_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
                        ignore_index: int = -100) -> torch.Tensor:
     """The plain version: materialises ``[tokens, vocab]`` logits (fp32 for the softmax)."""
@@ -338,15 +347,17 @@ class LMHead(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.loss_chunk: int | None = None  # tokens per chunk; None: full logits
+        self.loss_chunk: int | None = None  # tokens per chunk; 0: Liger's rule (liger_chunk); None: full logits
         self.loss_impl = "ours"  # whose chunking: ours | deepspeed (deepspeed_cross_entropy)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        if self.loss_chunk and self.loss_impl == "deepspeed" and torch.is_grad_enabled():
-            return deepspeed_cross_entropy(self, h, labels, self.loss_chunk)
-        if self.loss_chunk:
-            return chunked_cross_entropy(h, self.output.weight, labels, self.loss_chunk)
+        chunk = self.loss_chunk or (liger_chunk(labels.numel(), *self.output.weight.shape[::-1])
+                                    if self.loss_chunk == 0 else None)
+        if chunk and self.loss_impl == "deepspeed" and torch.is_grad_enabled():
+            return deepspeed_cross_entropy(self, h, labels, chunk)
+        if chunk:
+            return chunked_cross_entropy(h, self.output.weight, labels, chunk)
         return full_cross_entropy(h, self.output.weight, labels)
 
 
@@ -417,7 +428,8 @@ class Decoder(nn.Module):
             block.fused_norm = on
 
     def set_loss_chunk(self, chunk: int | None, impl: str = "ours") -> None:
-        """None: full logits; n: chunks of n tokens, by ``impl`` (``ours`` | ``deepspeed``)."""
+        """None: full logits; n: chunks of n tokens (0: Liger's rule, :func:`liger_chunk`), by ``impl``
+        (``ours`` | ``deepspeed``)."""
         if impl == "deepspeed":
             deepspeed_tiled()
         self.head.loss_chunk = chunk

@@ -1,7 +1,10 @@
 """The accounting stack of a simulation: what a simulated peak includes and what it must fit in.
 
-Two stacks (``StepConfig.stack``; ``--stack`` on the CLI, ``step: {stack: ...}`` in sweep
-specs, recorded in every simulated row's levers; rows without it are ``lean``):
+Three stacks: ``lean`` and ``paper`` below, and ``hf``, the Hugging Face stack (Accelerate's
+``sp_size`` and ``cp_size`` paths; its terms in ``bench.stackmodel.hfstack``, judged as the paper
+stack is, terms 6-8 included: :func:`reserved`). All three are ``StepConfig.stack`` (``--stack``
+on the CLI, ``step: {stack: ...}`` in sweep specs, recorded in every simulated row's levers; rows
+without it are ``lean``):
 
 * ``lean`` (the suite's accounting before the paper stack existed): the live tensors of the
   step as the code allocates them (``bench.measure.simulate``), against the device preset's
@@ -118,6 +121,7 @@ import methods
 from records import GiB, MiB
 
 from ..training.config import StepConfig
+from . import hfstack
 from .counts import StepCounts
 from .hardware import DevicePreset
 
@@ -132,11 +136,21 @@ FITTED = 0  # the one fitted constant the paper stack allows (bytes of reserved 
 PAPER_POOLS = "per-stream"  # term 1: the allocator pools the paper stack replays unless a trial asks otherwise
 
 
+RESERVED_STACKS = ("paper", "hf")  # judged on the modelled allocator's reserved peak, terms 6-8 included
+
+
+def reserved(stack: str) -> bool:
+    """Whether ``stack`` judges a simulation as the paper stack does: the modelled allocator's reserved
+    peak against the capacity less the CUDA context and NCCL's buffers, with the cuBLAS workspaces
+    held (terms 6-8: PyTorch's and NCCL's, so the ``hf`` stack's too)."""
+    return stack in RESERVED_STACKS
+
+
 def allocator_pools(stack: str, paper: str = PAPER_POOLS) -> str:
     """The allocator pools of a trial under ``stack`` (``StepConfig.allocator_pools``): ``paper``
-    under the paper stack; under the lean stack ``shared``, the field's default, since it runs
+    under the paper and hf stacks; under the lean stack ``shared``, the field's default, since it runs
     no allocator model unless asked (and a trial's key then stays what it was)."""
-    return paper if stack == "paper" else "shared"
+    return paper if reserved(stack) else "shared"
 
 
 @dataclass(frozen=True)
@@ -187,9 +201,12 @@ def apply(step: StepConfig, method: str) -> tuple[StepConfig, list[str]]:
     """The step as the stack runs it, and a note per term applied (``lean``: unchanged).
 
     A lever the user set away from its default is kept (an explicit ``kernel_workspace`` or
-    ``allocator_model`` wins), so the stack only fills in what the trial left open."""
+    ``allocator_model`` wins), so the stack only fills in what the trial left open. The ``hf`` stack's
+    terms are ``bench.stackmodel.hfstack``'s (a method it cannot run is refused there)."""
     if step.stack == "lean":
         return step, []
+    if step.stack == "hf":
+        return hfstack.apply(step, method)
     changes: dict[str, object] = {}
     notes = []
     if step.allocator_model == "none":
@@ -269,6 +286,6 @@ def nccl_buffer_bytes(counts: StepCounts | None) -> int:
 def usable_bytes(preset: DevicePreset, stack: str, world_size: int = 1, nccl: int = 0) -> int:
     """The bytes a simulated peak may reach on one device of ``preset`` under ``stack`` (``nccl``:
     the paper stack's NCCL buffers of the trial, :func:`nccl_buffer_bytes`)."""
-    if stack == "lean" or preset.kind == "cpu":
+    if not reserved(stack) or preset.kind == "cpu":
         return preset.usable(world_size)
     return preset.capacity(world_size) - CUDA_CONTEXT_BYTES - nccl - FITTED

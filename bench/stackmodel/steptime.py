@@ -168,6 +168,23 @@ FITTED = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=0.63030
 FITTED_V2 = StepTimeConstants(eff_matmul=0.426829, eff_attention=0.614063, eff_attention_fa2=0.315194,
                               latency_s=929.395e-6)
 FIT_CELLS = (("llama3-8b", 131072), ("llama3-8b", 1048576))  # (model, length): every Table 3 method there
+# the FLOP-weighted forward + backward rate of torch's SDPA flash kernel (FlashAttention 2's code) on the lent
+# H100, bf16 causal, Llama3-8B's heads at 32K-512K tokens (results/gpu/h100-ws1/kernels.ndjson, 319 TFLOP/s of the
+# preset's 989; bench.stackmodel.steptime_fit.measured_eff_sdpa_flash): measured, not fitted. The hf stack's
+# attention rate (stack_constants): flash_attention_2 on the sp path, and the stand-in for cuDNN's on the cp path
+# (no cuDNN rate measured)
+EFF_SDPA_FLASH_MEASURED = 0.322490
+HF_CONSTANTS = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=EFF_SDPA_FLASH_MEASURED,
+                                 eff_attention_fa2=EFF_SDPA_FLASH_MEASURED, latency_s=FITTED.latency_s)
+
+
+def stack_constants(stack: str) -> tuple[StepTimeConstants, str | None]:
+    """(constants, attention kernel) of a simulated row under ``stack``: ``FITTED`` and the method's own
+    kernel (None: ``attention_kernel``) for the paper and lean stacks; under ``hf`` the kernel that runs
+    there, FlashAttention 2's code (flash_attention_2 or torch's SDPA; cuDNN stood in for by it), at
+    ``EFF_SDPA_FLASH_MEASURED``, with the model's other constants (the per-call latency still fitted),
+    no ring barrier and no FPDT term (the hf stack runs neither)."""
+    return (HF_CONSTANTS, "fa2") if stack == "hf" else (FITTED, None)
 
 
 def counts_version(counts: StepCounts) -> int:
@@ -327,13 +344,15 @@ def scale_counts(counts: StepCounts, from_len: int, to_len: int) -> StepCounts:
 
 
 def figures_from_counts(counts: StepCounts | None, device: DevicePreset, link: LinkModel,
-                        tokens_per_device: int, method: str, constants: StepTimeConstants = FITTED) -> dict[str, Any]:
+                        tokens_per_device: int, method: str, constants: StepTimeConstants = FITTED,
+                        kernel: str | None = None) -> dict[str, Any]:
     """``step_time_s``, ``compute_time_s``, ``tokens_per_s_per_device`` and ``step_time_model``
     (the counts included, in the flat form rows store: ``StepCounts.to_flat``) for a simulated row;
-    ``{}`` without counts or a device peak."""
+    ``{}`` without counts or a device peak. ``kernel``: the attention kernel (None: the method's,
+    ``attention_kernel``; ``stack_constants`` gives both for a stack)."""
     if counts is None or not device.peak_bf16_flops:
         return {}
-    model = step_time(counts, device, link, constants, attention_kernel(method))
+    model = step_time(counts, device, link, constants, kernel or attention_kernel(method))
     total = model.pop("step_time_s")
     return {"step_time_s": total, "compute_time_s": model.pop("compute_time_s"),
             "tokens_per_s_per_device": tokens_per_device / total if total > 0 else None,

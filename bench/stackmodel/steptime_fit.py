@@ -304,6 +304,16 @@ def measured_eff_matmul(path: Path = ROOT / "results" / "gpu" / "h100-ws1" / "ke
     return flops / seconds / get_device(DEVICE).peak_bf16_flops
 
 
+def measured_eff_sdpa_flash(path: Path = ROOT / "results" / "gpu" / "h100-ws1" / "kernels.ndjson") -> float:
+    """The FLOP-weighted forward + backward rate of torch's SDPA flash kernel in the real H100 rows at
+    ``path``, as a fraction of the h100-80g preset's peak (what ``EFF_SDPA_FLASH_MEASURED`` holds)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    passes = [r[p] for r in rows if r.get("kind") == "attention" for p in ("fwd", "bwd")]
+    flops = sum(p["tflops"] * 1e12 * p["median_ms"] / 1e3 for p in passes)
+    seconds = sum(p["median_ms"] for p in passes) / 1e3
+    return flops / seconds / get_device(DEVICE).peak_bf16_flops
+
+
 @dataclasses.dataclass
 class _TensorConstants:  # StepTimeConstants' fields as tensors, for the fit's gradients
     eff_matmul: Any

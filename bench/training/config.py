@@ -44,7 +44,7 @@ AllocatorModel = Literal["none", "classic", "expandable"]
 AllocatorPools = Literal["shared", "per-stream"]
 Impl = Literal["ours", "deepspeed"]
 SimDevice = Literal["auto", "cpu"]
-Stack = Literal["lean", "paper"]
+Stack = Literal["lean", "paper", "hf"]
 RopeTable = Literal["auto", "none", "checkpointed"]
 OffloadKeep = Literal["first_last", "first", "none"]
 AttentionMath = Literal["compute", "skip"]
@@ -86,7 +86,8 @@ class StepConfig:
     mlp_tiles: int = lever(0, "tiles of the tiled MLP and norms (0: ceil(local tokens / dim), the paper's rule)",
                            flag="--tiles")
     chunked_loss: bool = lever(True, "the loss computed in chunks of tokens (never the whole logits)")
-    loss_chunk: int = lever(2048, "tokens per loss chunk", requires="chunked_loss", size=True)
+    loss_chunk: int = lever(2048, "tokens per loss chunk (0: Liger's fused linear cross-entropy rule, "
+                            "next_pow2(ceil(local tokens / ceil(vocab / dim))))", requires="chunked_loss", size=True)
     lr: float = lever(3e-4, "AdamW learning rate of the optimizer step")
     kernel_workspace: KernelWorkspace = lever(
         "none", "the attention backward's scratch buffers modelled as FA2's or FA3's (bench.stackmodel.workspace)",
@@ -105,9 +106,10 @@ class StepConfig:
         "first_last", "with checkpoint offload, the blocks whose checkpoint stays on the device: first_last, "
         "first (the authors' scripts), or none (every block's on the host)", requires="ac_offload")
     stack: Stack = lever(
-        "lean", "the memory accounting (bench.stackmodel.stack): paper models what the paper's runs held, lean "
-        "counts live tensors against 90% of the device; a simulated trial that leaves it unset gets paper "
-        "(bench.resolve)", concern="simulation", does="is an accounting of simulated memory",
+        "lean", "the memory accounting (bench.stackmodel.stack): paper models what the paper's runs held, hf what "
+        "the Hugging Face stack runs (Accelerate's sp_size/cp_size paths, bench.stackmodel.hfstack), lean counts "
+        "live tensors against 90% of the device; a simulated trial that leaves it unset gets paper (bench.resolve)",
+        concern="simulation", does="is an accounting of simulated memory",
         instead="the run's own memory is measured",
         fix="drop it (or use --stack lean)")
     sim_device: SimDevice = lever(
@@ -155,8 +157,8 @@ class StepConfig:
                 raise ValueError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
         if self.mlp_tiles < 0:
             raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
-        if self.loss_chunk < 1:
-            raise ValueError(f"loss_chunk must be >= 1 token, got {self.loss_chunk}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 1 token (or 0: Liger's rule), got {self.loss_chunk}")
         if self.fsdp_offload and not self.fsdp:
             raise ValueError("fsdp_offload offloads FSDP2's sharded state to the host: it needs fsdp=True")
         if self.fsdp_offload and self.sim_device == "cpu":
