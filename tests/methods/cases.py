@@ -124,11 +124,11 @@ def compare_with_reference(group, block, ref, dt: torch.dtype, docs: methods.Doc
         x_loc = block.shard(x, dim=1, docs=docs).detach().clone().requires_grad_()
         y_loc = block(x_loc, docs=docs)
     assert y_loc.dtype == dt and y_loc.shape == x_loc.shape, (y_loc.dtype, y_loc.shape)
-    y_loc.backward(block.shard(dy, dim=1))
+    y_loc.backward(block.shard(dy, dim=1, docs=docs))  # a layout may place tokens by document
 
     errors = {
-        "out": rel_err(block.unshard(y_loc.detach(), dim=1), y_ref),
-        "dx": rel_err(block.unshard(x_loc.grad, dim=1), x_ref.grad),
+        "out": rel_err(block.unshard(y_loc.detach(), dim=1, docs=docs), y_ref),
+        "dx": rel_err(block.unshard(x_loc.grad, dim=1, docs=docs), x_ref.grad),
     }
     ref_grads = dict(ref.named_parameters())
     for name, p in block.named_parameters():
