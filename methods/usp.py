@@ -138,9 +138,10 @@ class USP(SequenceLayoutMethod):
             )
 
     @classmethod
-    def ring_size_of(cls, world_size: int, options: USPOptions) -> int | None:
-        u = options.ulysses_degree
-        return None if u is None else world_size // u  # None: the degree depends on the spec
+    def ring_size_of(cls, world_size: int, options: USPOptions, spec: AttnSpec | None = None) -> int | None:
+        if options.ulysses_degree is None and spec is None:
+            return None  # the default degree depends on the spec
+        return cls.degrees(spec, world_size, options)[1]
 
     # ------------------------------------------------------------------ layout and forward
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:

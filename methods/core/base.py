@@ -244,6 +244,11 @@ class AttentionMethod(AttentionParams):
         if seq_len is not None:
             docs.check_seq_len(seq_len, f"the global sequence of method {cls.method_name!r}")
 
+    @classmethod
+    def validate_documents(cls, spec: AttnSpec, world_size: int, options: MethodOptions, docs: Documents) -> None:
+        """What a method's layout needs of these documents (``methods.validate`` with ``docs``); nothing
+        by default. A layout that cuts documents overrides it (``methods.core.seqlayout``)."""
+
     def __call__(self, x: torch.Tensor, *args, docs: Documents | None = None, **kwargs) -> torch.Tensor:
         """The block call; ``docs`` (the global documents) is checked against the global length of
         ``x`` here, before any communication, and reaches ``forward`` only when given."""

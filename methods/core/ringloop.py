@@ -98,15 +98,18 @@ class ZigzagSchedule:
 class RunsSchedule:
     """Any layout as runs of global positions per ring rank (``runs[j]``: ring rank j's tokens, in
     local order), with the kernels' masking rule per pair of runs; ``docs``: the documents of
-    those positions (a padded layout's, ``LayoutPlan.docs``), or None."""
+    those positions (a padded layout's, ``LayoutPlan.docs``), or None. With ``keys`` (runs of the
+    K/V rows, e.g. an all-gathered sequence in layout order) it is a one-step schedule on one device:
+    ``runs[0]`` (the queries) against ``keys``, for ``ring_attention(..., group=None)``."""
 
     may_be_empty = True
 
-    def __init__(self, runs: list[list[Run]], causal: bool, docs: Documents | None = None) -> None:
+    def __init__(self, runs: list[list[Run]], causal: bool, docs: Documents | None = None,
+                 keys: list[Run] | None = None) -> None:
         self.causal, self.docs = causal, docs
         starts = docs.starts if docs is not None else None
         self.runs = []
-        for rank_runs in runs:
+        for rank_runs in runs if keys is None else [*runs, keys]:
             local, at = [], 0
             for start, n in rank_runs:
                 # documents of the run's first and last token (a run meets a contiguous range of them)
@@ -117,9 +120,14 @@ class RunsSchedule:
                 local.append((at, start, n, first, last))
                 at += n
             self.runs.append(local)
+        self.keys = None if keys is None else self.runs.pop()
         self._cache: dict[tuple[int, int], list[RingBlock]] = {}
 
     def blocks(self, step: int, rank: int, size: int, local_len: int) -> list[RingBlock]:
+        if self.keys is not None:  # one step: this rank's queries against every key (an all-gather)
+            if step not in self._cache:
+                self._cache[step] = self._pairs(self.runs[0], self.keys)
+            return self._cache[step]
         source = (rank - step) % size
         if (rank, source) not in self._cache:
             self._cache[rank, source] = self._pairs(self.runs[rank], self.runs[source])

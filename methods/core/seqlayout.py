@@ -51,9 +51,15 @@ class SequenceLayoutMethod(AttentionMethod):
         layouts.check_layout(options.layout, cls.method_name)
 
     @classmethod
-    def ring_size_of(cls, world_size: int, options: LayoutOptions) -> int | None:
-        """The ring's rank count at these options (None: not known before the spec is)."""
+    def ring_size_of(cls, world_size: int, options: LayoutOptions, spec: AttnSpec | None = None) -> int | None:
+        """The ring's rank count at these options (None: not known without the spec)."""
         return world_size
+
+    @classmethod
+    def validate_documents(cls, spec: AttnSpec, world_size: int, options: LayoutOptions, docs: Documents) -> None:
+        """The layout's refusals of these documents (``doc-zigzag`` without padding), before any communication."""
+        layouts.plan_layout(options.layout, docs.seq_len, cls.ring_size_of(world_size, options, spec), world_size,
+                            docs, options.pad, cls.method_name)
 
     @classmethod
     def seq_multiple(cls, world_size: int, options: LayoutOptions) -> int:
