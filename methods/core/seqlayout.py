@@ -17,6 +17,7 @@
 the chosen layout (``ring_schedule``: the zigzag schedule for one sequence in the zigzag layout,
 ``ringloop.RunsSchedule`` otherwise). Every refusal (an unknown layout, a length the layout cannot
 divide without padding, an input not sharded by this layout) is one line, before any communication.
+A subclass whose options lack ``layout`` (``yc-usp``: yunchang's layout is fixed) is ``zigzag``.
 A method sets ``ring_size`` (its ring's rank count; the whole group by default): a ring rank's part is
 split contiguously over ``world_size / ring_size`` ranks (USP's Ulysses groups).
 """
@@ -40,6 +41,15 @@ class LayoutOptions(MethodOptions):
     pad: bool = True  # doc-zigzag: pad documents to a multiple of 2R (False: refuse lengths that need it)
 
 
+def layout_of(options: MethodOptions) -> str:
+    """The options' layout; ``zigzag`` for a subclass whose options have none (a wrapped library's fixed layout)."""
+    return getattr(options, "layout", "zigzag")
+
+
+def pad_of(options: MethodOptions) -> bool:
+    return getattr(options, "pad", True)
+
+
 class SequenceLayoutMethod(AttentionMethod):
     """A ring method whose sequence layout is an option (module docstring)."""
 
@@ -48,7 +58,7 @@ class SequenceLayoutMethod(AttentionMethod):
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: LayoutOptions) -> None:
         super().validate(spec, world_size, options)
-        layouts.check_layout(options.layout, cls.method_name)
+        layouts.check_layout(layout_of(options), cls.method_name)
 
     @classmethod
     def ring_size_of(cls, world_size: int, options: LayoutOptions, spec: AttnSpec | None = None) -> int | None:
@@ -58,15 +68,15 @@ class SequenceLayoutMethod(AttentionMethod):
     @classmethod
     def validate_documents(cls, spec: AttnSpec, world_size: int, options: LayoutOptions, docs: Documents) -> None:
         """The layout's refusals of these documents (``doc-zigzag`` without padding), before any communication."""
-        layouts.plan_layout(options.layout, docs.seq_len, cls.ring_size_of(world_size, options, spec), world_size,
-                            docs, options.pad, cls.method_name)
+        layouts.plan_layout(layout_of(options), docs.seq_len, cls.ring_size_of(world_size, options, spec), world_size,
+                            docs, pad_of(options), cls.method_name)
 
     @classmethod
     def seq_multiple(cls, world_size: int, options: LayoutOptions) -> int:
         ring = cls.ring_size_of(world_size, options)
         if ring is None:  # every ring size divides the world size: 2C covers every zigzag layout
-            return world_size if options.layout == "contiguous" else 2 * world_size
-        return layouts.layout_multiple(options.layout, ring, world_size)
+            return world_size if layout_of(options) == "contiguous" else 2 * world_size
+        return layouts.layout_multiple(layout_of(options), ring, world_size)
 
     @property
     def ring_size(self) -> int:
@@ -75,15 +85,15 @@ class SequenceLayoutMethod(AttentionMethod):
     # ------------------------------------------------------------------ the plan
     def plan(self, seq_len: int, docs: Documents | None = None) -> LayoutPlan:
         """This layout's plan for a global sequence of ``seq_len`` tokens (with ``docs``, its documents)."""
-        return layouts.plan_layout(self.options.layout, seq_len, self.ring_size, self.world_size, docs,
-                                   self.options.pad, self.method_name)
+        return layouts.plan_layout(layout_of(self.options), seq_len, self.ring_size, self.world_size, docs,
+                                   pad_of(self.options), self.method_name)
 
     def padding(self, docs: Documents | None, seq_len: int | None = None) -> int:
         """How many padding tokens this layout adds to the sequence of these documents."""
         return self.plan(docs.seq_len if docs is not None else seq_len, docs).padding
 
     def _padded(self, docs: Documents | None) -> bool:
-        return docs is not None and self.options.layout == "doc-zigzag"
+        return docs is not None and layout_of(self.options) == "doc-zigzag"
 
     def check_local_documents(self, docs: Documents | None, local_len: int) -> None:
         """The block call's check: ``local_len`` tokens on this rank are this layout's share of ``docs``."""
@@ -104,7 +114,7 @@ class SequenceLayoutMethod(AttentionMethod):
         if self._padded(docs):
             return self.plan(x.shape[dim], docs).shard(x, dim, self.rank)
         self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        if self.options.layout == "contiguous":
+        if layout_of(self.options) == "contiguous":
             return layouts.contiguous_shard(x, dim, self.rank, self.world_size)
         return layouts.zigzag_shard(x, dim, self.rank, self.world_size, self.ring_size)
 
@@ -114,14 +124,14 @@ class SequenceLayoutMethod(AttentionMethod):
             self.check_local_documents(docs, x.shape[dim])
             return self.plan(docs.seq_len, docs).unshard(x, dim, self.group)
         self.check_documents(docs, x.shape[dim] * self.world_size)
-        if self.options.layout == "contiguous":
+        if layout_of(self.options) == "contiguous":
             return layouts.contiguous_unshard(x, dim, self.group)
         return layouts.zigzag_unshard(x, dim, self.group, self.ring_size)
 
     def ring_schedule(self, causal: bool, docs: Documents | None, seq_len: int) -> RingSchedule | None:
         """The ring's schedule for this layout (``seq_len``: the global sequence's length, used without
         documents); None: the zigzag schedule ``ringloop.ring_attention`` picks itself."""
-        if docs is None and self.options.layout != "contiguous":
+        if docs is None and layout_of(self.options) != "contiguous":
             return None
         plan = self.plan(docs.seq_len if docs is not None else seq_len, docs)
         ring = self.ring_size
