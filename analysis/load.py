@@ -36,6 +36,17 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
 
 
+def user_dirs(given: str | Path | Iterable[str | Path] | None = None) -> list[Path]:
+    """Folders of the user's own rows to read beside the committed ones (``load_rows(user_dirs=...)``):
+    ``given`` (one folder or several), else the runs folder (``$CPAB_RUNS``, else ``runs/`` under the
+    working directory, where the commands write) where it exists."""
+    if given is None:
+        from records.outputs import runs_dir
+
+        return [runs_dir()] if runs_dir().is_dir() else []
+    return [Path(given)] if isinstance(given, (str, Path)) else [Path(d) for d in given]
+
+
 def results_dir(given: str | Path | None = None) -> Path:
     """The rows a notebook reads: its ``RESULTS`` parameter, else ``$ANALYSIS_RESULTS``, else
     the repository's ``results/`` (so a notebook run by hand can be pointed elsewhere)."""

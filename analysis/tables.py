@@ -14,7 +14,7 @@ import pandas as pd
 
 from records.facts import facts_of, implementing
 
-from .load import human_size, load_paper, load_rows
+from .load import human_size, load_paper, load_rows, user_dirs
 from .select import (
     PAPER_LENGTHS,
     PAPER_METHODS,
@@ -820,14 +820,16 @@ def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: s
     """Every method present, side by side: max context (search, and longest run without OOM)
     and ``metric`` at each sequence length, one row per method/options and mode/device.
 
-    Filters (``model``, ``world_size``, ``scope``, ``mode``) narrow the rows; ``highlight``
+    ``rows`` None: the committed rows and the user's own (``load.user_dirs()``: ``runs/``), so a
+    method's sweep shows up beside every committed one. Filters (``model``, ``world_size``, ``scope``,
+    ``mode``) narrow the rows; ``highlight``
     names a method whose rows are marked and listed first. ``lengths``: ``"grid"`` (the lengths
     of trial rows other than a max-context search's probes, so the bisection's lengths do not
     each get a column; all lengths if there are no others), ``"all"``, or a list of token counts.
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
-    rows = _rows(rows)
+    rows = load_rows(quiet=True, user_dirs=user_dirs()) if rows is None else _rows(rows)
     sel = rows
     for col, value in (("model", model), ("world_size", world_size), ("scope", scope), ("mode", mode)):
         if value is not None and len(sel):

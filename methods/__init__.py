@@ -49,8 +49,11 @@ def validate(
             f"method {name!r} needs {', '.join(missing)}, which is not importable here; "
             f"install it ({hint}) or choose one of {available()}"
         )
-    info.cls.validate(spec, world_size, info.cls.parse_options(**options))
+    parsed = info.cls.parse_options(**options)
+    info.cls.validate(spec, world_size, parsed)
     info.cls.check_documents(docs)
+    if docs is not None:
+        info.cls.validate_documents(spec, world_size, parsed, docs)
 
 
 def build(name: str, spec: AttnSpec, group=None, **options):

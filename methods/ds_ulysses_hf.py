@@ -20,6 +20,12 @@ business and run. The library fixes the batch size at construction, so one wrapp
 batch size seen (they hold no state but shapes); ``seq_length_is_variable`` lets the sequence
 length change. deepspeed.comm is set up as for ``ds-ulysses`` (``init_deepspeed_comm``), and the
 libraries are imported lazily, in ``__init__``, never when ``methods`` is imported.
+
+Packed documents (``docs=``), as ALST takes them: ``position_ids`` that restart at 0 at every
+document. The block hands the library the per-document positions of its tokens; the library
+all-gathers them, and the wrapped attention function reads the documents back from the gathered
+``position_ids`` (a new document wherever they restart at 0, Transformers' packed-sequence rule:
+``documents_from_position_ids``) and gives them to our kernel.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import importlib.metadata
 import torch
 
 from .core.base import AttentionMethod, MethodOptions
+from .core.documents import Documents
 from .core.kernels import attention
 from .core.registry import MethodFacts, register
 from .core.spec import AttnSpec
@@ -38,13 +45,24 @@ MIN_TRANSFORMERS = "4.51.3"  # UlyssesSPAttentionHF.__init__ raises below this v
 HF_HINT = "pip install -e '.[deepspeed,hf]' (deepspeed and transformers; pin torch==<your version> in the same command)"
 
 
+def documents_from_position_ids(position_ids: torch.Tensor) -> Documents | None:
+    """The documents of packed ``position_ids`` ``[batch, seq]`` (every row alike): a new one wherever
+    they restart at 0; None for one sequence (no restart after the first token, or no 0 first)."""
+    pos = position_ids[0]
+    starts = torch.nonzero(pos == 0).flatten().tolist()
+    if len(starts) < 2 or starts[0] != 0:
+        return None
+    return Documents.from_lengths([b - a for a, b in zip(starts, [*starts[1:], pos.shape[0]], strict=True)])
+
+
 class _KernelAttentionInterface:
     """Our kernel as a Transformers attention function (an ``ALL_ATTENTION_FUNCTIONS`` entry).
 
     Called as ``fn(module, query, key, value, attention_mask, **kwargs)`` on
     ``[batch, heads, seq, head_dim]`` (query heads a multiple of KV heads); returns
     ``(out [batch, seq, heads, head_dim], attn_weights)``. The block passes no mask (causality
-    is the spec's) and no dropout, and ``scaling`` as Transformers' attention modules do.
+    is the spec's) and no dropout, and ``scaling`` as Transformers' attention modules do; the
+    documents come from the gathered ``position_ids`` (``documents_from_position_ids``).
     """
 
     def __init__(self, causal: bool, kernel, scale: float) -> None:
@@ -54,7 +72,9 @@ class _KernelAttentionInterface:
         if attention_mask is not None or dropout:
             raise ValueError(f"{NAME}: the kernel interface takes no attention mask and no dropout")
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [batch, seq, heads, head_dim]
-        out = attention(q, k, v, self.causal, self.kernel, self.scale if scaling is None else scaling)
+        position_ids = kwargs.get("position_ids")
+        docs = None if position_ids is None else documents_from_position_ids(position_ids)
+        out = attention(q, k, v, self.causal, self.kernel, self.scale if scaling is None else scaling, docs=docs)
         return out, None
 
 
@@ -67,7 +87,7 @@ class _KernelAttentionInterface:
     facts=MethodFacts(column="ulysses", library="DeepSpeed", torchtitan=False),
 )
 class DeepSpeedUlyssesHF(AttentionMethod):
-    documents_refusal = "not yet: ALST's position_ids that restart at each document are not wired to the documents"
+    honours_documents = True  # through position_ids that restart at every document, as ALST takes them
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:
@@ -109,13 +129,16 @@ class DeepSpeedUlyssesHF(AttentionMethod):
             )
         return self._wrappers[batch]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
         if positions is None:
-            positions = self.default_positions(x.shape[1], x.device)
+            positions = self.default_positions(x.shape[1], x.device, docs)
         cos, sin = self.rope_for(x, positions)
         q, k, v = self.project_qkv(x, cos, sin)  # all H query and G KV heads of the local tokens
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # Transformers' [batch, heads, seq, head_dim]
-        position_ids = positions.unsqueeze(0).expand(x.shape[0], -1).contiguous()  # all-gathered as is
+        # the library's position_ids (all-gathered as is) carry the documents: per-document positions
+        ids = positions if docs is None else self.default_positions(x.shape[1], x.device, docs)
+        position_ids = ids.unsqueeze(0).expand(x.shape[0], -1).contiguous()
         # `self` stands for the Transformers attention module: the library reads its `training`
         # and, when it replicates KV heads, sets its `num_key_value_groups`
         out, _ = self.sp_attention(x.shape[0])(self, q, k, v, None, scaling=self.scale, position_ids=position_ids)

@@ -15,6 +15,12 @@ going to group rank j*u+t. After the all-to-all, which concatenates in Ulysses-r
 ring rank j holds exactly chunks j and 2R-1-j: the zigzag layout ring attention's causal
 blocks assume. u = C (R = 1) is Ulysses' contiguous layout; u = 1 is Ring's zigzag layout.
 The sequence must be a multiple of lcm(2R, C) (of C when R = 1).
+The layout is an option (``methods.core.seqlayout``: ``zigzag`` above, ``contiguous``, or
+``doc-zigzag``, the same cut per document over the R ring ranks, padded where needed).
+
+Packed documents (``docs=``): after the all-to-all a ring rank holds its layout's runs of the
+global sequence for its heads, and the ring's schedule masks each step by document
+(``ringloop.RunsSchedule``), as in ``ring``.
 
 Subgroups. Created once per (group ranks, u) and cached. On a group spanning every rank,
 every rank creates every subgroup in one order with ``new_group`` (all ranks must call it).
@@ -27,24 +33,23 @@ rank are ``None``, and a subgroup equal to the whole group is the group itself.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from .core import comm
-from .core.base import AttentionMethod, MethodOptions
 from .core.documents import Documents
-from .core.layouts import zigzag_shard, zigzag_unshard
 from .core.registry import MethodFacts, register
+from .core.ringloop import ring_attention
+from .core.seqlayout import LayoutOptions, SequenceLayoutMethod
 from .core.spec import AttnSpec
-from .ring import ring_attention
 from .ulysses import replicated_kv_heads
 
 
 @dataclass(frozen=True)
-class USPOptions(MethodOptions):
+class USPOptions(LayoutOptions):
     ulysses_degree: int | None = None  # u, ranks per Ulysses group; None: largest that fits
 
 
@@ -87,8 +92,8 @@ def _my_group(parent, parent_ranks: list[int], candidates: list[list[int]]):
 
 @register("usp", "USP hybrid: Ulysses all-to-all within groups of ulysses_degree ranks, zigzag Ring across",
           facts=MethodFacts(column="ulysses", mesh=True, reference=True))
-class USP(AttentionMethod):
-    documents_refusal = "not yet: its ring steps take no document mask"
+class USP(SequenceLayoutMethod):
+    honours_documents: ClassVar[bool] = True
     Options = USPOptions
 
     # ------------------------------------------------------------------ degrees and checks
@@ -133,12 +138,10 @@ class USP(AttentionMethod):
             )
 
     @classmethod
-    def seq_multiple(cls, world_size: int, options: USPOptions) -> int:
-        u = options.ulysses_degree
-        if u is None:  # degree not resolved yet (it depends on the spec): every layout divides 2C
-            return 2 * world_size
-        r = world_size // u
-        return world_size if r == 1 else math.lcm(2 * r, world_size)
+    def ring_size_of(cls, world_size: int, options: USPOptions, spec: AttnSpec | None = None) -> int | None:
+        if options.ulysses_degree is None and spec is None:
+            return None  # the default degree depends on the spec
+        return cls.degrees(spec, world_size, options)[1]
 
     # ------------------------------------------------------------------ layout and forward
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
@@ -149,19 +152,16 @@ class USP(AttentionMethod):
         self.kv_heads = replicated_kv_heads(spec, self.check_head_split(spec, u, "usp"))
         self.ulysses_group, self.ring_group = mesh_groups(group, u)
 
-    def shard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
-        self.check_documents(docs, x.shape[dim])
-        self.check_seq_len(x.shape[dim], self.world_size, self.options)
-        return zigzag_shard(x, dim, self.rank, self.world_size, self.ring_degree)
+    @property
+    def ring_size(self) -> int:
+        return self.ring_degree
 
-    def unshard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
-        self.check_documents(docs, x.shape[dim] * self.world_size)
-        return zigzag_unshard(x, dim, self.group, self.ring_degree)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        cos, sin = self.rope_for(x, positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        cos, sin = self.rope_for(x, positions, docs)
         q, k, v = self.project_qkv(x, cos, sin, self.kv_heads)
         q, k, v = (comm.seq_to_head(t, self.ulysses_group) for t in (q, k, v))
-        out = ring_attention(q, k, v, self.spec.causal, self.kernel, self.scale, self.ring_group)
+        schedule = self.ring_schedule(self.spec.causal, docs, x.shape[1] * self.world_size)
+        out = ring_attention(q, k, v, self.spec.causal, self.kernel, self.scale, self.ring_group, schedule)
         out = comm.head_to_seq(out, self.ulysses_group)
         return self.wo(out.flatten(2))

@@ -6,6 +6,9 @@ runs over the Ulysses group (chunk_heads U a multiple of the Ulysses degree u), 
 stage's attention is ring attention over the ring group, through ``ring.RingKernel``. So
 the per-stage buffers stay U/H of Ulysses' while the sequence spans nodes. With
 ``ulysses_degree = C`` it is UPipe; with ``chunk_heads = H`` it is USP.
+
+The layout option and packed documents are USP's: every stage's ring kernel takes the call's
+documents and runs the ring with the layout's schedule (``USP.ring_kernel_schedule``).
 """
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from types import SimpleNamespace
 
 import torch
 
+from .core.documents import Documents
 from .core.registry import MethodFacts, PaperRun, register
+from .core.ringloop import RingKernel
 from .core.spec import AttnSpec
-from .ring import RingKernel
 from .upipe import UPipe, UPipeOptions, plan_stages, upipe_block
 from .usp import USP, USPOptions
 
@@ -49,10 +53,12 @@ class USPUPipe(USP):
         chunk = u if self.options.chunk_heads is None else self.options.chunk_heads
         self.options = replace(self.options, chunk_heads=chunk)
         self.schedule = SimpleNamespace(
-            spec=spec, group=self.ulysses_group, kernel=RingKernel(self.kernel, self.ring_group),
+            spec=spec, group=self.ulysses_group,
+            kernel=RingKernel(self.kernel, self.ring_group, self.ring_kernel_schedule),
             scale=self.scale, stages=plan_stages(spec, u, chunk),
         )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        cos, sin = self.rope_for(x, positions)
-        return upipe_block(self, x, cos, sin, self.schedule)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
+        cos, sin = self.rope_for(x, positions, docs)
+        return upipe_block(self, x, cos, sin, self.schedule, None, docs)

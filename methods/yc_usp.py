@@ -66,6 +66,7 @@ class YunchangUSPOptions(YunchangOptions):
                                    for c in ("ulysses", "usp", "alst")))),
 )
 class YunchangUSP(USP):
+    honours_documents = False
     documents_refusal = "yunchang's LongContextAttention takes no cu_seqlens (a library limit)"
     Options = YunchangUSPOptions
     calls_suite_kernel = False  # yunchang calls flash-attn itself

@@ -19,15 +19,16 @@
 # %% tags=["parameters"]
 METHOD = "upipe"  # the method to compare
 RESULTS = None  # folder of result rows; None: the repository's results/
+RUNS = None  # folder(s) of your own rows, read beside RESULTS; None: runs/ ($CPAB_RUNS) where it exists
 MODEL = None  # e.g. "llama3-8b"; None: the model of METHOD's rows (all, if it has none)
 WORLD_SIZE = None  # e.g. 8; None: the world size of METHOD's rows
 SCOPE = None  # "model" or "attention"; None: both
 
 # %%
 from analysis import tables
-from analysis.load import load_rows, modes_summary, results_dir
+from analysis.load import load_rows, modes_summary, results_dir, user_dirs
 
-rows = load_rows(results_dir(RESULTS))
+rows = load_rows(results_dir(RESULTS), user_dirs=user_dirs(RUNS))
 mine = rows[rows["method"] == METHOD] if len(rows) else rows
 print(f"{len(rows)} rows in all; {len(mine)} of {METHOD!r}: {modes_summary(mine)}")
 

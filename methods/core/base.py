@@ -244,13 +244,23 @@ class AttentionMethod(AttentionParams):
         if seq_len is not None:
             docs.check_seq_len(seq_len, f"the global sequence of method {cls.method_name!r}")
 
+    @classmethod
+    def validate_documents(cls, spec: AttnSpec, world_size: int, options: MethodOptions, docs: Documents) -> None:
+        """What a method's layout needs of these documents (``methods.validate`` with ``docs``); nothing
+        by default. A layout that cuts documents overrides it (``methods.core.seqlayout``)."""
+
     def __call__(self, x: torch.Tensor, *args, docs: Documents | None = None, **kwargs) -> torch.Tensor:
         """The block call; ``docs`` (the global documents) is checked against the global length of
         ``x`` here, before any communication, and reaches ``forward`` only when given."""
         if docs is None:
             return super().__call__(x, *args, **kwargs)
-        self.check_documents(docs, x.shape[1] * self.world_size)
+        self.check_local_documents(docs, x.shape[1])
         return super().__call__(x, *args, docs=docs, **kwargs)
+
+    def check_local_documents(self, docs: Documents | None, local_len: int) -> None:
+        """Refuse documents that do not tile the global sequence of which this rank holds
+        ``local_len`` tokens (``world_size`` times that; a padding layout overrides this)."""
+        self.check_documents(docs, local_len * self.world_size)
 
     @classmethod
     def run_notes(cls, options: MethodOptions, world_size: int) -> list[str]:
@@ -327,8 +337,9 @@ class AttentionMethod(AttentionParams):
 
 class ZigzagLayoutMethod(AttentionMethod):
     """A method whose tokens sit in the zigzag layout over all its ranks (rank r holds chunks r
-    and 2C-1-r of 2C, so causal work is balanced around a ring): ``ring``, ``rfa-zigzag``,
-    ``yc-ring``. The layout lives once here; a method overrides ``seq_multiple`` where its
+    and 2C-1-r of 2C, so causal work is balanced around a ring): the wrappers ``rfa-zigzag``,
+    ``yc-ring``, ``torch-cp``, whose libraries fix it (our own ring methods take the layout as an
+    option, ``methods.core.seqlayout``). The layout lives once here; a method overrides ``seq_multiple`` where its
     library needs more than ``layouts.zigzag_multiple``."""
 
     @classmethod

@@ -21,14 +21,31 @@ Layouts (C ranks, sequence length S):
   chunks j and 2R-1-j, in that order, which balances causal work around the ring; that
   order is then split contiguously into the C ranks. Ring and ring-flash-attn use R = C;
   USP uses its ring degree (C = R * ulysses_degree, see ``methods/usp.py``).
-* cyclic (FPDT's): C*K chunks, global chunk c on rank c % C, so rank r holds chunks
-  ``r, r+C, ..., r+(K-1)C`` in that order (K = ``num_chunks``; K = 1 is contiguous).
+* cyclic: C*K chunks, global chunk c on rank c % C, so rank r holds chunks
+  ``r, r+C, ..., r+(K-1)C`` in that order (K = ``num_chunks``; K = 1 is contiguous). FPDT's
+  chunk order, and with one-token chunks the strided layout below.
+* strided: rank r holds tokens ``r, r+C, r+2C, ...`` (striped attention's layout: every rank's
+  tokens are spread evenly over the sequence, so causal work is balanced token by token).
+
+Layouts as runs. For a method that masks by global position (a ring step with documents, a
+layout chosen by option) every layout is also a list of runs: ``(first global position, length)``
+in the order the tokens sit, over the whole sequence (``global_runs``), split into the ranks'
+parts by ``split_runs``. ``plan_layout`` builds such a plan for a layout named by option
+(``SEQUENCE_LAYOUTS``), including the per-document head-tail layout, which cuts every document
+into 2R chunks (R ring ranks, ring rank j holding chunks j and 2R-1-j of each document) and may
+pad documents to a multiple of 2R: padding tokens are zero inputs in documents of their own
+(``LayoutPlan.docs``), so no real token sees them, and ``LayoutPlan.unshard`` drops them.
 """
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
 
 import torch
 
 from . import comm
+from .documents import Documents
 
 
 # ----------------------------------------------------------------------- contiguous
@@ -87,3 +104,184 @@ def cyclic_unshard(x: torch.Tensor, dim: int, group, num_chunks: int) -> torch.T
     full = comm.all_gather_cat(x, group, dim)
     cs = full.shape[dim] // (world_size * num_chunks)
     return full.unflatten(dim, (world_size, num_chunks, cs)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+# ----------------------------------------------------------------------- strided
+def strided_shard(x: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens ``rank, rank+C, rank+2C, ...`` of ``x`` along ``dim`` (one-token cyclic chunks)."""
+    return cyclic_shard(x, dim, rank, world_size, x.shape[dim] // world_size)
+
+
+def strided_unshard(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Inverse of ``strided_shard``: gather in rank order, then interleave the ranks' tokens."""
+    return cyclic_unshard(x, dim, group, x.shape[dim])
+
+
+# ----------------------------------------------------------------------- runs and plans
+Run = tuple[int, int]  # (first global position, length)
+SEQUENCE_LAYOUTS = ("contiguous", "zigzag", "doc-zigzag")
+
+
+def split_runs(runs: list[Run], parts: int) -> list[list[Run]]:
+    """The concatenation of ``runs`` cut into ``parts`` equal contiguous pieces, each as runs."""
+    total = sum(n for _, n in runs)
+    size = total // parts
+    out: list[list[Run]] = [[] for _ in range(parts)]
+    at = 0  # position in the concatenation
+    for start, n in runs:
+        while n:
+            part = at // size
+            take = min(n, (part + 1) * size - at)
+            out[part].append((start, take))
+            start, n, at = start + take, n - take, at + take
+    return out
+
+
+def merge_runs(runs: list[Run]) -> list[Run]:
+    """Adjacent runs that continue one another joined into one."""
+    out: list[Run] = []
+    for start, n in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        elif n:
+            out.append((start, n))
+    return out
+
+
+def zigzag_runs(seq_len: int, ring_size: int, start: int = 0) -> list[Run]:
+    """The zigzag order of ``seq_len`` tokens from ``start`` over ``ring_size`` ring ranks, as runs."""
+    if ring_size == 1:
+        return [(start, seq_len)]
+    c = seq_len // (2 * ring_size)
+    return [(start + i * c, c) for j in range(ring_size) for i in (j, 2 * ring_size - 1 - j)]
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """Where every token sits under one layout: the sequence (padded, when the layout pads) in the
+    order of the ranks' parts.
+
+    * ``order``: runs of positions of the padded sequence, rank 0's tokens first; the first
+      ``len / world_size`` tokens of the concatenation are rank 0's, and so on;
+    * ``docs``: the documents of the padded sequence (padding in documents of its own), or None;
+    * ``real``: per padded document, the position of its first token in the given sequence, or
+      -1 for a padding document (None without documents: no padding);
+    * ``padding``: how many padding tokens the layout adds (0 but for ``doc-zigzag`` with padding).
+    """
+
+    order: tuple[Run, ...]
+    world_size: int
+    docs: Documents | None = None
+    real: tuple[int, ...] | None = None
+    padding: int = 0
+
+    @property
+    def padded_len(self) -> int:
+        return sum(n for _, n in self.order)
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_len // self.world_size
+
+    def rank_runs(self, rank: int, parts: int | None = None) -> list[Run]:
+        """Runs of the padded positions held by part ``rank`` of ``parts`` (None: the world size)."""
+        return merge_runs(split_runs(list(self.order), parts or self.world_size)[rank])
+
+    def source_index(self, device=None) -> torch.Tensor:
+        """Per token in the ranks' order, its index in the given sequence (padding: that sequence's length)."""
+        padded = torch.cat([torch.arange(s, s + n) for s, n in self.order])
+        if not self.padding:
+            return padded.to(device)
+        ids = self.docs.doc_ids()[padded]
+        real, starts = torch.tensor(self.real)[ids], torch.tensor(self.docs.starts)[ids]
+        return torch.where(real >= 0, padded - starts + real, self.padded_len - self.padding).to(device)
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s tokens of the full sequence ``x``; padding tokens are zeros."""
+        index = self.source_index(x.device).chunk(self.world_size)[rank]
+        if self.padding:
+            x = torch.cat([x, torch.zeros_like(x.narrow(dim, 0, 1))], dim=dim)
+        return x.index_select(dim, index)
+
+    def unshard(self, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        """Inverse of ``shard``: every rank's part gathered, padding dropped, in global order."""
+        full = comm.all_gather_cat(x, group, dim)
+        source = self.source_index(full.device)
+        keep = torch.nonzero(source < full.shape[dim] - self.padding).flatten() if self.padding else None
+        if keep is not None:
+            full, source = full.index_select(dim, keep), source[keep]
+        return full.index_select(dim, torch.argsort(source))
+
+
+def layout_multiple(layout: str, ring_size: int, world_size: int) -> int:
+    """The sequence length must be a multiple of this under ``layout`` without padding."""
+    if layout == "contiguous" or ring_size == 1:
+        return world_size
+    return math.lcm(2 * ring_size, world_size)
+
+
+def check_layout(layout: str, who: str) -> None:
+    if layout not in SEQUENCE_LAYOUTS:
+        raise ValueError(f"{who}: unknown sequence layout {layout!r}; choose one of {list(SEQUENCE_LAYOUTS)}")
+
+
+@functools.lru_cache(maxsize=64)
+def plan_layout(
+    layout: str, seq_len: int, ring_size: int, world_size: int, docs: Documents | None = None, pad: bool = True,
+    who: str = "this method",
+) -> LayoutPlan:
+    """The plan of ``layout`` for a sequence of ``seq_len`` tokens (with ``docs``, its documents)
+    over a ring of ``ring_size`` ranks whose parts are split contiguously into ``world_size`` ranks.
+
+    ``contiguous`` and ``zigzag`` need ``seq_len`` a multiple of ``layout_multiple``; so does
+    ``doc-zigzag`` without documents (it is then ``zigzag``). With documents ``doc-zigzag`` cuts each
+    document into 2R chunks; with ``pad`` it pads each to a multiple of 2R (and the whole to a
+    multiple of ``layout_multiple`` with a trailing padding document), without ``pad`` it refuses
+    lengths that would need padding. Every refusal is one line naming the fix.
+    """
+    check_layout(layout, who)
+    multiple = layout_multiple(layout, ring_size, world_size)
+    if layout != "doc-zigzag" or docs is None or ring_size == 1 and seq_len % world_size == 0:
+        if seq_len % multiple:
+            fix = ("pad or trim the sequence" if layout != "doc-zigzag" or docs is None
+                   else "give documents with pad=True")
+            raise ValueError(
+                f"{who}: sequence length {seq_len} is not divisible by {multiple}, which the {layout!r} layout needs "
+                f"at world size {world_size}; {fix} to a multiple of {multiple}"
+            )
+        order = [(0, seq_len)] if layout == "contiguous" else zigzag_runs(seq_len, ring_size)
+        return LayoutPlan(tuple(order), world_size, docs)
+    docs.check_seq_len(seq_len)
+    two_r = 2 * ring_size
+    short = [n for n in docs.lengths if n % two_r]
+    if short and not pad:
+        raise ValueError(
+            f"{who}: the 'doc-zigzag' layout cuts every document into {two_r} chunks, but {len(short)} document "
+            f"length(s) are not divisible by {two_r} (e.g. {short[0]}); allow padding (pad=True) or give lengths "
+            f"that are multiples of {two_r}"
+        )
+    groups: list[Run] = []  # each document with its padding: (padded start, padded length)
+    lengths: list[int] = []
+    real: list[int] = []  # per padded document: its first token in the given sequence, -1 for padding
+    for n, start in zip(docs.lengths, docs.starts, strict=True):
+        groups.append((sum(lengths), n + -n % two_r))
+        lengths.append(n)
+        real.append(start)
+        if n % two_r:
+            lengths.append(-n % two_r)
+            real.append(-1)
+    tail = -sum(lengths) % multiple
+    if tail and not pad:
+        raise ValueError(
+            f"{who}: the 'doc-zigzag' layout needs the sequence length ({seq_len}) to be a multiple of {multiple} "
+            f"at world size {world_size}; allow padding (pad=True) or pad the sequence"
+        )
+    if tail:
+        groups.append((sum(lengths), tail))
+        lengths.append(tail)
+        real.append(-1)
+    padded = Documents.from_lengths(lengths)
+    # ring rank j takes chunks j and 2R-1-j of every document (zigzag_runs lists them ring rank by ring rank)
+    order = [run for j in range(ring_size) for start, n in groups
+             for run in zigzag_runs(n, ring_size, start)[2 * j : 2 * j + 2]]
+    return LayoutPlan(tuple(merge_runs(order)), world_size, padded, tuple(real), padded.seq_len - seq_len)

@@ -8,8 +8,9 @@ exemption is ``CUDA_ONLY``: methods with no CPU path at all, whose cases are ski
 reason and which must prove they refuse CPU input (``cpu_refusal``).
 
 Packed documents (``DOC_LAYOUTS``, ``doc_cases``, ``check_documents_against_reference``): the
-same methods, world sizes, specs, dtypes and option variants, each case checking every document
-layout in one run on the ranks. A layout is data here: adding one needs no change to any method.
+same methods, world sizes, specs, dtypes and option variants (plus ``doc_variants``: the sequence
+layouts of the ring methods), each case checking every document layout in one run on the ranks.
+A layout is data here: adding one needs no change to any method.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def variants(method: str, world_size: int, spec: dict) -> list[dict]:
     h = spec["n_heads"]
     table = {
         "upipe": [{}, {"chunk_heads": 2 * world_size}, {"chunk_heads": h}],
-        "ring": [{}],
+        "ring": [{}, {"layout": "contiguous"}],
         "usp": [{"ulysses_degree": u} for u in (world_size, 2, 1) if world_size % u == 0],
         "usp-upipe": [{"ulysses_degree": u} for u in (world_size, 2, 1) if world_size % u == 0]
         + ([{"ulysses_degree": 2, "chunk_heads": 4}] if world_size == 4 else []),
@@ -82,6 +83,16 @@ def variants(method: str, world_size: int, spec: dict) -> list[dict]:
         if v not in out:
             out.append(v)
     return out
+
+
+def doc_variants(method: str, world_size: int, spec: dict) -> list[dict]:
+    """Option sets the document matrix adds to ``variants``: the sequence layouts where they change
+    which rank holds which part of which document (per-document head-tail, ``doc-zigzag``, padded
+    where a length is not divisible; on USP's mesh with a ring of 2 as well)."""
+    ring = [{"layout": "doc-zigzag"}]
+    mesh = [{"ulysses_degree": u, "layout": "doc-zigzag"} for u in (1, 2) if world_size % u == 0 and world_size > u]
+    table = {"ring": ring, "allgather-kv": ring, "usp": mesh, "usp-upipe": mesh}
+    return [v for v in table.get(method, []) if v not in variants(method, world_size, spec)]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -124,11 +135,11 @@ def compare_with_reference(group, block, ref, dt: torch.dtype, docs: methods.Doc
         x_loc = block.shard(x, dim=1, docs=docs).detach().clone().requires_grad_()
         y_loc = block(x_loc, docs=docs)
     assert y_loc.dtype == dt and y_loc.shape == x_loc.shape, (y_loc.dtype, y_loc.shape)
-    y_loc.backward(block.shard(dy, dim=1))
+    y_loc.backward(block.shard(dy, dim=1, docs=docs))  # a layout may place tokens by document
 
     errors = {
-        "out": rel_err(block.unshard(y_loc.detach(), dim=1), y_ref),
-        "dx": rel_err(block.unshard(x_loc.grad, dim=1), x_ref.grad),
+        "out": rel_err(block.unshard(y_loc.detach(), dim=1, docs=docs), y_ref),
+        "dx": rel_err(block.unshard(x_loc.grad, dim=1, docs=docs), x_ref.grad),
     }
     ref_grads = dict(ref.named_parameters())
     for name, p in block.named_parameters():
@@ -216,7 +227,7 @@ def doc_cases(methods_list: list[str]):
                 spec = SPECS[spec_name]
                 for causal in (True, False):
                     for dtype in ("float32", "bfloat16"):
-                        for opts in variants(method, ws, spec):
+                        for opts in variants(method, ws, spec) + doc_variants(method, ws, spec):
                             opt_id = ",".join(f"{k}={v}" for k, v in opts.items()) or "default"
                             mask = "causal" if causal else "full"
                             yield pytest.param(

@@ -1,6 +1,6 @@
-"""docs/adding-a-method.md, section 5, run: the second example (``allgather-kv``, not head-parallel).
+"""docs/adding-a-method.md, section 5, run: the second example (``allgather-kv-mini``, not head-parallel).
 
-The method file is taken verbatim from the page (the block after ``<!-- file: methods/allgather_kv.py -->``),
+The method file is taken verbatim from the page (the block after ``<!-- file: methods/allgather_kv_mini.py -->``),
 written to a temporary folder and imported from there: in this process by a fixture, and on every
 rank of this module's own gloo pool by the pool's start-up (the ranks are new processes, where a
 method registered here does not exist). It never goes into ``methods/``: other test runs in the same
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow  # spawns a rank pool (tests/conftest.py's meaning
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "adding-a-method.md"
-NAME = "allgather-kv"
-MODULE = "allgather_kv"
+NAME = "allgather-kv-mini"
+MODULE = "allgather_kv_mini"
 CASES = list(cases([NAME]))  # the matrix's cases for this one method (no registration needed to list them)
 
 

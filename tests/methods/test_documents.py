@@ -206,7 +206,7 @@ def test_documents_are_checked_before_any_communication(method):
     try:
         block = methods.build(method, spec)
     except ValueError as err:  # a wrapped library that always communicates through a group
-        assert "process group" in str(err) and not cls.honours_documents, str(err)
+        assert "process group" in str(err), str(err)
         block = None
     x = torch.randn(1, SEQ_LEN, spec.dim)
     if not cls.honours_documents:
@@ -221,16 +221,48 @@ def test_documents_are_checked_before_any_communication(method):
         return
     methods.validate(method, spec, 2, docs=Documents.from_lengths(DOC_LAYOUTS["many-short"]))
     short = Documents.from_lengths([10, 20])
-    for call in (lambda: block.shard(x, 1, docs=short), lambda: block(x, docs=short)):
+    # a method that builds only on a group: the class's check, which its shard and block call make first
+    calls = [lambda: cls.check_documents(short, SEQ_LEN)] if block is None else [
+        lambda: block.shard(x, 1, docs=short), lambda: block(x, docs=short)]
+    for call in calls:
         with pytest.raises(ValueError, match=r"lengths sum to 30 but the global sequence .* has 64 tokens") as err:
             call()
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match=r"docs must be a methods.Documents"):
-        block(x, docs=[64])
+    if block is not None:
+        with pytest.raises(ValueError, match=r"docs must be a methods.Documents"):
+            block(x, docs=[64])
+
+
+@pytest.mark.parametrize("method", ["ring", "usp", "usp-upipe", "allgather-kv"])
+def test_layouts_refuse_what_they_cannot_place_before_any_communication(method):
+    """``methods.validate`` (no process group): an unknown layout; ``doc-zigzag`` without padding and
+    lengths not divisible by 2R; both in one line naming the fix. With padding the same documents pass
+    and the padding is counted (``LayoutPlan.padding``)."""
+    spec = methods.AttnSpec(**SPECS["gqa"])
+    opts = {"ulysses_degree": 1} if method.startswith("usp") else {}
+    with pytest.raises(ValueError, match=r"unknown sequence layout 'striped'; choose one of") as err:
+        methods.validate(method, spec, 4, layout="striped", **opts)
+    assert "\n" not in str(err.value)
+    docs = Documents.from_lengths(DOC_LAYOUTS["not-divisible-by-2C"])
+    with pytest.raises(ValueError, match=r"'doc-zigzag' layout cuts every document into 8 chunks, .* allow padding "
+                                         r"\(pad=True\)") as err:
+        methods.validate(method, spec, 4, docs=docs, layout="doc-zigzag", pad=False, **opts)
+    assert "\n" not in str(err.value)
+    methods.validate(method, spec, 4, docs=docs, layout="doc-zigzag", **opts)
+    from methods.core.layouts import plan_layout
+
+    plan = plan_layout("doc-zigzag", SEQ_LEN, 4, 4, docs)
+    assert plan.padding == sum(-n % 8 for n in docs.lengths) and plan.padded_len % 8 == 0
+    divisible = Documents.from_lengths([16, 8, 40])
+    methods.validate(method, spec, 4, docs=divisible, layout="doc-zigzag", pad=False, **opts)
 
 
 def test_every_own_head_parallel_method_honours_documents():
     assert {"ulysses", "upipe", "no-cp", "offload", "fpdt"} <= set(HONOURING)
+
+
+def test_every_own_ring_method_honours_documents():
+    assert {"ring", "usp", "usp-upipe", "allgather-kv"} <= set(HONOURING)
 
 
 # ------------------------------------------------------------------------ the matrix
