@@ -67,13 +67,16 @@ class _KernelAttentionInterface:
 
     def __init__(self, causal: bool, kernel, scale: float) -> None:
         self.causal, self.kernel, self.scale = causal, kernel, scale
+        # set by the block for each call: only a call with documents reads them from position_ids
+        # (reading them needs the positions' values, which a call without documents never asks for)
+        self.packed = False
 
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         if attention_mask is not None or dropout:
             raise ValueError(f"{NAME}: the kernel interface takes no attention mask and no dropout")
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # -> [batch, seq, heads, head_dim]
         position_ids = kwargs.get("position_ids")
-        docs = None if position_ids is None else documents_from_position_ids(position_ids)
+        docs = documents_from_position_ids(position_ids) if self.packed and position_ids is not None else None
         out = attention(q, k, v, self.causal, self.kernel, self.scale if scaling is None else scaling, docs=docs)
         return out, None
 
@@ -141,5 +144,6 @@ class DeepSpeedUlyssesHF(AttentionMethod):
         position_ids = ids.unsqueeze(0).expand(x.shape[0], -1).contiguous()
         # `self` stands for the Transformers attention module: the library reads its `training`
         # and, when it replicates KV heads, sets its `num_key_value_groups`
+        self.attention_interface.packed = docs is not None
         out, _ = self.sp_attention(x.shape[0])(self, q, k, v, None, scaling=self.scale, position_ids=position_ids)
         return self.wo(out)  # out: [batch, local seq, H * head_dim]

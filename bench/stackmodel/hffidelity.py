@@ -8,7 +8,7 @@ layer extrapolation as the paper's anchors (``bench.stackmodel.fidelity.run_one`
 it fits on the device. The residual reported is the headroom: the bytes the device has left beyond
 the reserved peak (capacity less the CUDA context and NCCL's buffers), negative when it does not
 fit; host memory is reported beside it, not judged (the ALST runs' hosts had 1.9 TB, ArcticTraining's
-README). This section is written to its own file (``hf_fidelity.md``), so the paper's fidelity
+README). This section is written to its own file (``hf_fidelity`` .md, beside its rows), so the paper's fidelity
 outputs stay as they are.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def markdown(results: list[HFResult]) -> str:
 
 
 def write_outputs(results: list[HFResult], out_dir: Path, figs_dir: Path, write_rows: bool = True) -> list[Path]:
-    """Rows appended to ``<out_dir>/hf_fidelity.jsonl`` and ``hf_fidelity.md`` in ``figs_dir``."""
+    """Rows appended to ``<out_dir>/hf_fidelity.jsonl`` and the table ``hf_fidelity`` (.md) in ``figs_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     figs_dir.mkdir(parents=True, exist_ok=True)
     md = figs_dir / "hf_fidelity.md"

@@ -43,7 +43,7 @@ options that :func:`apply` and :func:`options` fill in where the trial left them
    DeepSpeed ALST tutorial's ``tiled_mlp_forward_common``): ``tiled_mlp_impl="deepspeed"`` and
    ``mlp_tiles=0``, the suite's same rule. Accelerate's CP path has no tiled MLP.
 4. ``sdpa_backend`` (cp path): Accelerate's CP runs only with ``attn_implementation="sdpa"``
-   (docs/source/concept_guides/context_parallelism.md). On an H100 (sm90) PyTorch puts cuDNN first
+   (huggingface/accelerate:docs/source/concept_guides/context_parallelism.md). On an H100 (sm90) PyTorch puts cuDNN first
    in SDPA's priority order when ``check_prefer_cudnn_attention`` holds (``aten/src/ATen/native/
    transformers/cuda/sdp_utils.cpp``: sm90/sm100 with a recent cuDNN, unless the environment
    deprioritises it), so a bf16 causal call without a mask goes to
@@ -73,7 +73,7 @@ options that :func:`apply` and :func:`options` fill in where the trial left them
    buffers, FSDP2's all-gather buffers beyond what its code path holds.
 7. ``allocator``: the caching allocator with PyTorch's defaults: expandable segments only on the sp
    path, whose recipes export ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (ArcticTraining
-   ``projects/sequence-parallelism/README.md``; the DeepSpeed ALST tutorial); Accelerate's CP example
+   ``snowflakedb/ArcticTraining:projects/sequence-parallelism/README.md``; the DeepSpeed ALST tutorial); Accelerate's CP example
    sets nothing, so ``classic`` segments there. A pool per stream, as the real allocator keeps them.
 8. ``rope``: Transformers' rotary embedding computes cos/sin for the positions it is given, the
    local ones (``rope_table="none"``); no barrier after ring steps (``ring_barrier`` stays off).
@@ -132,7 +132,7 @@ HF_TERMS: tuple[Term, ...] = (
          "not modelled",
          "ALST recipes zero_optimization stage 3, offload_optimizer cpu; Accelerate configs/cp.yaml (fsdp_version 2)"),
     Term("allocator", "caching allocator, expandable segments on the sp path only, a pool per stream",
-         "ArcticTraining projects/sequence-parallelism/README.md (PYTORCH_CUDA_ALLOC_CONF); "
+         "snowflakedb/ArcticTraining:projects/sequence-parallelism/README.md (PYTORCH_CUDA_ALLOC_CONF); "
          "c10/cuda/CUDACachingAllocator.cpp"),
     Term("rope", "cos/sin of the local positions (no TorchTitan table), no ring barrier",
          "transformers/models/llama/modeling_llama.py (LlamaRotaryEmbedding)"),
