@@ -267,7 +267,8 @@ def validate_row(row: Row | dict) -> Row:
         try:
             check_docs(r.docs)
         except ValueError as err:
-            raise RowError(f"row.{err}") from None
+            said = str(err)
+            raise RowError(f"row.{said}" if said.startswith("docs") else f"row.docs: {said}") from None
     _check_spread(r.figures)
     _json_safe(data, "row")
     return r
