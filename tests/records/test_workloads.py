@@ -30,7 +30,7 @@ def test_the_published_distributions_are_there_with_their_sources():
         assert d.name == name and d.description
         assert {"repository", "commit", "path"} <= set(d.source), name
         assert len(d.source["commit"]) == 40 and d.source["commit"] in readme, name
-        assert f"`{name}`" in readme, f"{name} is not in data/README.md's table"
+        assert f"`{name}`" in readme, f"{name} is not in records/workloads/data/README.md's table"
 
 
 def test_histograms_hold_the_sources_numbers():
