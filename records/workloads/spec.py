@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sizes import parse_size
-from . import distributions as dist
+from .distributions import check_seed, get, sample, summary
 
 IDENTITY_KEYS = ("distribution", "seed", "lengths")
 SUMMARY_KEYS = ("count", "min", "max", "mean")
@@ -36,9 +36,9 @@ class DocsSpec:
         if (self.distribution is None) == (self.lengths is None):
             raise ValueError("documents are a distribution (with a seed) or explicit lengths, exactly one of the two; "
                              "e.g. --docs prolong64k:1 or --docs-lengths 4K,4K,8K")
-        dist.check_seed(self.seed)
+        check_seed(self.seed)
         if self.distribution is not None:
-            dist.get(self.distribution)
+            get(self.distribution)
         else:
             lengths = self.lengths
             if not isinstance(lengths, tuple) or not lengths or any(
@@ -128,7 +128,7 @@ class DocsSpec:
         """The document lengths of a ``seq_len``-token sequence (sampled, or the explicit ones
         checked against it)."""
         if self.distribution is not None:
-            return dist.sample(self.distribution, seq_len, self.seed)
+            return sample(self.distribution, seq_len, self.seed)
         longest = max(self.lengths)
         if longest > seq_len:
             raise ValueError(f"a document of {longest} tokens is longer than the {seq_len}-token sequence; "
@@ -155,7 +155,7 @@ class DocsSpec:
         """A row's ``docs``: the identity, and with ``seq_len`` the lengths' summary."""
         out = self.identity()
         if seq_len is not None:
-            out.update(dist.summary(self.lengths_for(seq_len)))
+            out.update(summary(self.lengths_for(seq_len)))
         return out
 
     @property
