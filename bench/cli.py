@@ -2,7 +2,7 @@
 
     python -m bench run --method upipe --model llama3-8b --seq-len 1M --world-size 8 \\
         --mode simulated --device h100-80g [--opt chunk_heads=8 ...] [--scope model|attention] \\
-        [--dtype bf16] [--out FILE] [--json]
+        [--dtype bf16] [--docs NAME[:SEED] | --docs-lengths LENGTHS|FILE] [--out FILE] [--json]
     python -m bench max-context ... [--granularity 128K] [--max-seq-len 16M] [--start 128K]
     python -m bench list            # methods, models, devices, links
     python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
@@ -32,6 +32,8 @@ from records import GiB, Kind, Row, append_rows, human
 from records import parse_size as parse_tokens
 from records.outputs import OutputError, check_dir, check_file, runs_dir
 from records.sizes import positive_int
+from records.workloads import DocsSpec
+from records.workloads import names as distribution_names
 
 from .measure.launch import is_rank_zero
 from .measure.timing import MIN_TIMED_STEPS
@@ -88,6 +90,33 @@ def parse_opt(text: str) -> tuple[str, Any]:
     return name, raw
 
 
+def parse_docs(text: str) -> DocsSpec:
+    """``--docs NAME[:SEED]``: a document-length distribution (``records.workloads``) and its seed."""
+    try:
+        return DocsSpec.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def parse_docs_lengths(text: str) -> DocsSpec:
+    """``--docs-lengths``: explicit document lengths (``4K,4K,8K``), or a file of them."""
+    try:
+        return DocsSpec.from_argument(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_docs_flags(p: argparse.ArgumentParser) -> None:
+    """``--docs`` and ``--docs-lengths`` (one of them; neither: one sequence), both into ``args.docs``."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--docs", type=parse_docs, default=None, metavar="NAME[:SEED]",
+                       help="packed documents drawn from a document-length distribution with a seed (default 0): "
+                       f"{', '.join(distribution_names())} (records/workloads/data/README.md); default: one sequence")
+    group.add_argument("--docs-lengths", dest="docs", type=parse_docs_lengths, metavar="LENGTHS|FILE",
+                       help="packed documents of these lengths, summing to --seq-len: comma-separated "
+                       "(4K,4K,8K) or a file of them (one per line, or a JSON list)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", required=True, help="attention method (python -m bench list), or a named "
                    "configuration: upipe-best (bench.training.presets)")
@@ -101,6 +130,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scope", choices=["model", "attention"], default="model")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--batch", type=positive_int, default=1)
+    add_docs_flags(p)
     add_lever_flags(p)
     p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps (real/emulated)")
     p.add_argument("--iters", type=positive_int, default=MIN_TIMED_STEPS,
@@ -231,7 +261,7 @@ def _trial(args, seq_len: int, search: Search | None = None) -> Trial:
     levers.update(scope=args.scope, batch=args.batch, dtype=args.dtype)
     request = Request(args.method, args.model, seq_len, args.world_size, dict(args.opt), mode=args.mode,
                       device=args.device, link=args.link, levers=levers, search=search, warmup=args.warmup,
-                      iters=args.iters, smoke=args.smoke, threads=args.threads)
+                      iters=args.iters, smoke=args.smoke, threads=args.threads, docs=args.docs)
     try:
         return resolve(request)
     except ValueError as err:

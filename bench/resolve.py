@@ -17,7 +17,8 @@ and the levers the user set, and nothing else. :func:`resolve` turns it into a
    ``torch-cp``'s options as Accelerate's cp_size path runs it, which become the trial's options):
    ``Trial.resolution`` holds every lever as it runs and the presets that set them, which the row
    records as ``ran`` and ``presets``;
-4. the trial is validated, once, with every refusal a one-line ``ValueError``.
+4. the trial is validated, once, with every refusal a one-line ``ValueError`` (documents
+   included: a method that refuses them, lengths that do not tile the sequence).
 
 Measurement never rewrites a resolved trial: it runs ``trial.resolved().step``.
 ``chunk_heads=auto`` is the one request left for run time, since answering it takes
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from records import Kind, Mode
+from records.workloads import DocsSpec
 
 from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Resolution, Search, Trial
@@ -61,6 +63,7 @@ class Request:
     smoke: bool = False
     threads: int | None = None
     seed: int = 0
+    docs: DocsSpec | None = None  # packed documents (a distribution and seed, or lengths); None: one sequence
 
 
 def decided_levers(levers: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -86,9 +89,10 @@ def resolve(request: Request, here: bool = True, validate: bool = True) -> Trial
         method, request.model, request.seq_len, request.world_size, options, mode=request.mode,
         device=request.device, step=step, link=request.link, warmup=request.warmup, iters=request.iters,
         smoke=request.smoke, threads=request.threads, seed=request.seed,
-        kind=Kind.MAX_CONTEXT if request.search is not None else Kind.TRIAL, search=request.search)
+        kind=Kind.MAX_CONTEXT if request.search is not None else Kind.TRIAL, search=request.search,
+        docs=request.docs)
     named = (request.method,) if request.method in PRESETS else ()
-    trial = dataclasses.replace(trial, resolution=Resolution.of(step, method, named))
+    trial = dataclasses.replace(trial, resolution=Resolution.of(step, method, named).noting_docs(request.docs))
     if validate:
         trial.validate(here=here)
     return trial

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from .schema import Row
+from .workloads import identity as docs_identity
 
 # Method options under which a row records what a request was resolved to: a trial asked
 # for ``chunk_heads="auto"`` writes the U it chose in ``chunk_heads`` and the request here.
@@ -41,16 +42,20 @@ def requested_options(options: dict) -> dict:
 
 
 def trial_key(row: Row | dict) -> tuple:
-    """Hashable identity of the trial a row (or a trial's ``row_fields``) reports."""
+    """Hashable identity of the trial a row (or a trial's ``row_fields``) reports. A row with
+    packed documents (``docs``) has their identity appended; a row without keeps the key it had
+    before documents existed."""
     d = row.to_dict() if isinstance(row, Row) else row
     link = d.get("link")
-    return (
+    key = (
         str(d["kind"]), d["method"], _canon(requested_options(d.get("options") or {})), d["model"],
         str(d["scope"]), int(d["seq_len"]), int(d.get("batch", 1)), int(d["world_size"]), str(d["mode"]),
         str(d["dtype"]), d["device"], _canon({**V1_OMITTED_LEVERS, **(d.get("levers") or {})}),
         link["name"] if link else None,
         _canon(d.get("search")),
     )
+    docs = d.get("docs")
+    return key + (_canon(docs_identity(docs)),) if docs else key
 
 
 def key_string(key: tuple) -> str:

@@ -1,7 +1,8 @@
 """The result row: one schema, validated on write (``records.store``) and on read.
 
 A row is a ``Row``: the trial's keys (what was run), its outcome (status, message),
-``Figures`` (what was measured) and ``Environment`` (where and with what).
+``Figures`` (what was measured) and ``Environment`` (where and with what); ``docs`` (packed
+documents, ``records.workloads``) is a trial key too, absent from a row of one sequence.
 ``validate_row`` checks every field's type and allowed values (``records.vocab``) and names
 the bad field.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from .vocab import DType, Kind, Mode, Scope, Status
+from .workloads import check_fields as check_docs
 
 # 2: ``levers`` holds every lever (schema 1 left out those at their default that were added
 # late, records.identity.V1_OMITTED_LEVERS), and ``ran``/``presets`` say what ran
@@ -125,9 +127,18 @@ class Row:
     ran: dict | None = None
     presets: list = field(default_factory=list)
     schema: int = SCHEMA_VERSION
+    # ---- packed documents (a trial key when present; records.workloads.DocsSpec.fields): the
+    # distribution and seed, or the explicit lengths, and the lengths' count/min/max/mean.
+    # None: one sequence (every row before documents existed)
+    docs: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The row as JSON-ready data; ``docs`` only when the row has documents, so that a row of
+        one sequence is written as it was before documents existed."""
+        d = dataclasses.asdict(self)
+        if d["docs"] is None:
+            del d["docs"]
+        return d
 
 
 # ----------------------------------------------------------------------------- validation
@@ -252,6 +263,12 @@ def validate_row(row: Row | dict) -> Row:
         v = getattr(r.figures, name)
         if v is not None and v < 0:
             raise RowError(f"row.figures.{name} = {v} must not be negative")
+    if r.docs is not None:
+        try:
+            check_docs(r.docs)
+        except ValueError as err:
+            said = str(err)
+            raise RowError(f"row.{said}" if said.startswith("docs") else f"row.docs: {said}") from None
     _check_spread(r.figures)
     _json_safe(data, "row")
     return r

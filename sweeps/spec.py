@@ -18,6 +18,7 @@ what is allowed. Example::
       - {name: upipe, options: {chunk_heads: 16}}
     step: {ac: true, ac_offload: true, tiled_mlp: true}        # training-step levers (StepConfig), warmup, iters, smoke
     max_context: {granularity: 256K, max_seq_len: 16M}         # kind: max_context only (Search, and layers:)
+    docs: [none, prolong64k:1, {distribution: pile, seed: 2}, {lengths: [64K, 64K]}, {lengths_file: f.txt}]
     slurm: {partition: gpu, account: null, time_min: 60, gpus_per_node: 8, constraint: h100}
 
 ``max_context.layers`` says how a simulated search's probes of a model deeper than 4 layers
@@ -27,6 +28,11 @@ the layers (``bench.search.extrapolate``, as ``python -m bench max-context
 their notes), or ``full`` (the whole model, each probe in its own process). The default falls
 back to ``full`` where the rule does not hold (two-level checkpoints, ``ac_group`` > 1) and
 does nothing outside simulated mode; ``layers: extrapolate`` written there is an error.
+
+``docs`` (optional) lists the packed documents to cross with everything else
+(``records.workloads.DocsSpec``): ``none`` is one sequence (the default, ``[none]``), a string
+``NAME[:SEED]`` a distribution (``records/workloads/data/README.md``) and a seed, a mapping
+explicit lengths or a file of them. Each entry is checked on load, one line per bad entry.
 """
 from __future__ import annotations
 
@@ -46,10 +52,11 @@ from bench.training.presets import expand
 from records import DType, Kind, Mode, Scope
 from records import parse_size as parse_tokens
 from records.outputs import OutputError, check_file, runs_dir
+from records.workloads import DocsSpec
 
 TOP_KEYS = {
     "name", "kind", "mode", "scope", "dtype", "device", "models", "seq_lens", "world_sizes",
-    "methods", "step", "max_context", "slurm", "out", "description",
+    "methods", "step", "max_context", "slurm", "out", "description", "docs",
 }
 SLURM_KEYS = {
     "partition", "account", "time_min", "gpus_per_node", "cpus_per_task", "mem_gb",
@@ -105,6 +112,7 @@ class SweepSpec:
     out: str | None = None
     source: str = ""
     layers: str | None = None  # max_context.layers as written (None: the default, extrapolate where exact)
+    docs: list[DocsSpec | None] = field(default_factory=lambda: [None])  # packed documents; None: one sequence
 
     @property
     def rows_path(self) -> Path:
@@ -138,6 +146,8 @@ class SweepSpec:
             except ValueError as err:
                 opts = ",".join(f"{k}={v}" for k, v in sorted(trial.requested_opts().items()))
                 where = f"{trial.method}{f'[{opts}]' if opts else ''} on {trial.model} x{trial.world_size}"
+                if trial.docs is not None:
+                    where += f" with docs {trial.docs.label}"
                 message = str(err).splitlines()[0]
                 line = f"{where}: {message}"
                 if trial.kind == Kind.TRIAL and "sequence length" in message:
@@ -147,21 +157,22 @@ class SweepSpec:
                     out.append(line)
         return out
 
-    def trial(self, entry: MethodEntry, model: str, world_size: int, seq_len: int) -> Trial:
+    def trial(self, entry: MethodEntry, model: str, world_size: int, seq_len: int,
+              docs: DocsSpec | None = None) -> Trial:
         """One trial of the spec (``ValueError`` when the entry's options or levers are invalid)."""
         levers = {**self.step, **dict(entry.step), "scope": self.scope, "dtype": self.dtype}
         per_trial = {k: levers.pop(k) for k in TRIAL_KEYS if k in levers}
         search = Search(**self.max_context) if self.kind == Kind.MAX_CONTEXT else None
         request = Request(entry.preset or entry.name, model, search.granularity if search else seq_len, world_size,
                           entry.options_dict, mode=self.mode, device=self.device, levers=levers, search=search,
-                          **per_trial)
+                          docs=docs, **per_trial)
         return resolve(request, validate=False)  # problems() validates every trial, for the submitting side
 
     def trials(self) -> list[Trial]:
-        """The cross product, in a stable order (methods outermost, then models, sizes, lengths)."""
+        """The cross product, in a stable order (methods outermost, then models, sizes, lengths, documents)."""
         lengths = self.seq_lens if self.kind == Kind.TRIAL else [0]
-        return [self.trial(m, model, ws, seq)
-                for m, model, ws, seq in itertools.product(self.methods, self.models, self.world_sizes, lengths)]
+        return [self.trial(m, model, ws, seq, docs) for m, model, ws, seq, docs
+                in itertools.product(self.methods, self.models, self.world_sizes, lengths, self.docs)]
 
 
 def _choice(raw: dict, key: str, allowed: tuple[str, ...], default: str | None = None) -> str:
@@ -206,6 +217,25 @@ def _methods(raw: list) -> list[MethodEntry]:
                 f"methods[{i}]: expected a method name or {{name: ..., options: {{...}}, step: {{...}}}}, "
                 f"got {item!r}"
             )
+    return out
+
+
+def _docs(raw: dict) -> list[DocsSpec | None]:
+    """The spec's ``docs`` entries (``[None]``, one sequence, when it has none)."""
+    if "docs" not in raw:
+        return [None]
+    value = raw["docs"]
+    entries = value if isinstance(value, list) else [value]
+    if not entries:
+        raise SpecError("docs: expected a non-empty list (none, NAME[:SEED], {lengths: [...]}, ...) or leave it out")
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            out.append(DocsSpec.from_value(entry, f"docs[{i}]" if isinstance(value, list) else "docs"))
+        except ValueError as err:
+            raise SpecError(str(err)) from None
+    if len(set(out)) != len(out):
+        raise SpecError(f"docs: an entry is repeated ({[d.label if d else 'none' for d in out]}); list each once")
     return out
 
 
@@ -264,13 +294,14 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
         if bad:
             raise SpecError(f"{where}: unknown lever(s) {bad}; allowed: {sorted(STEP_KEYS)}")
     models = [str(m) for m in _list(raw, "models")]
+    docs = _docs(raw)
     spec = SweepSpec(
         name=name, kind=kind, mode=_choice(raw, "mode", Mode.values()),
         scope=_choice(raw, "scope", Scope.values(), Scope.MODEL.value),
         dtype=_choice(raw, "dtype", DType.values(), DType.BF16.value), device=str(raw.get("device", "cpu")),
         models=models, seq_lens=seq_lens, world_sizes=world_sizes, methods=entries, step=step,
         max_context=max_context, slurm=dict(raw.get("slurm") or {}), out=raw.get("out"), source=source,
-        layers=layers,
+        layers=layers, docs=docs,
     )
     if layers == "extrapolate" and spec.mode != "simulated":
         raise SpecError(f"max_context.layers: extrapolate extrapolates simulations, and this spec's mode is "

@@ -7,6 +7,12 @@ parameters. The sweeps expand a spec into trials, send each to a job as JSON
 (``to_json``/``from_json``), and decide whether it already ran by ``key()``, which is
 ``records.trial_key`` of the row fields the trial will write (``row_fields``).
 
+Packed documents are the field ``docs`` (``records.workloads.DocsSpec``: a distribution and a
+seed, or explicit lengths; None: one sequence): ``check`` refuses a method that does not honour
+them, and lengths that do not tile the sequence, in one line before any work; the row records
+them (``Row.docs``) and they are part of the trial's identity. The step does not use them yet:
+it still runs one sequence, and the row's notes say so.
+
 Requests that are resolved before a trial runs are explicit fields, never option values:
 ``auto_chunk`` asks ``bench.search.autochunk`` to pick UPipe's ``chunk_heads`` by
 simulation. Its spelling in ``--opt``, specs and rows is ``chunk_heads=auto``; ``make``
@@ -27,6 +33,7 @@ from methods.core.base import MethodOptions
 from methods.core.kernels import default_kernel_name
 from records import Kind, Mode, human, trial_key
 from records.sizes import parse_size
+from records.workloads import DocsSpec
 
 from ..model.config import ModelConfig, get_config
 from ..stackmodel import fake_flash_attn
@@ -39,6 +46,8 @@ AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and
 AUTO_OPTION = "chunk_heads"
 AUTO_METHODS = ("upipe", "usp-upipe")
 STACK_SUFFIX = "-stack"  # a stack's name among a resolution's presets ("paper-stack")
+DOCS_NOTE = ("docs: the documents are recorded with the trial (its identity and this row's docs); "
+             "the step does not use them yet and ran one sequence")
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,10 @@ class Resolution:
         ran, notes = stack.apply(step, method)
         stacks = (f"{step.stack}{STACK_SUFFIX}",) if step.stack != "lean" else ()
         return cls(ran, tuple(presets) + stacks, tuple(notes))
+
+    def noting_docs(self, docs: DocsSpec | None) -> Resolution:
+        """This resolution with the note a trial with documents carries (none without)."""
+        return self if docs is None else dataclasses.replace(self, notes=self.notes + (DOCS_NOTE,))
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,7 @@ class Trial:
     search: Search | None = None  # kind max_context only
     auto_chunk: AutoChunk | None = None
     resolution: Resolution | None = None  # set by bench.resolve; None: the stack's terms only (resolved())
+    docs: DocsSpec | None = None  # packed documents (records.workloads); None: one sequence
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -154,6 +168,8 @@ class Trial:
             raise ValueError(f"kind must be one of {list(Kind.values())}, got {self.kind!r}")
         if (self.kind == Kind.MAX_CONTEXT) != (self.search is not None):
             raise ValueError("a max_context trial needs its Search parameters, and only it has them")
+        if self.docs is not None and not isinstance(self.docs, DocsSpec):
+            raise ValueError(f"docs must be a records.workloads.DocsSpec, got {type(self.docs).__name__}")
 
     @classmethod
     def make(cls, method: str, model: str, seq_len: int, world_size: int,
@@ -187,7 +203,8 @@ class Trial:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.requested_opts().items()))
         what = f"{self.method}[{opts}]" if opts else self.method
         size = "max-context" if self.kind == Kind.MAX_CONTEXT else human(self.seq_len)
-        return f"{what} {self.model} {size} x{self.world_size} {self.mode}"
+        docs = f" docs={self.docs.label}" if self.docs is not None else ""
+        return f"{what} {self.model} {size}{docs} x{self.world_size} {self.mode}"
 
     # ------------------------------------------------------------------ resolution
     def resolved(self) -> Resolution:
@@ -216,6 +233,11 @@ class Trial:
 
     def kernel_name(self) -> str:
         return self.options.kernel or default_kernel_name()
+
+    def documents(self):
+        """The ``methods.Documents`` of this trial's sequence (None: one sequence); a max-context
+        search's are those of its current probe length."""
+        return None if self.docs is None else self.docs.documents(self.seq_len)
 
     # ------------------------------------------------------------------ checks
     def supplies(self) -> tuple[str, ...]:
@@ -264,7 +286,11 @@ class Trial:
                              f"rank's memory; in {self.mode} mode it would falsify the run: use --mode emulated, "
                              f"or drop --attention-math skip")
         provided = self.supplies() if libraries else self.supplies() + self.needs()
-        methods.validate(self.method, cfg.attn_spec(), self.world_size, provided=provided, **self.opts)
+        if self.docs is not None and self.docs.lengths is not None and self.kind == Kind.MAX_CONTEXT:
+            raise ValueError("explicit document lengths fix the sequence length, which a max-context search varies; "
+                             "give a distribution (--docs NAME[:SEED]) or run single trials")
+        methods.validate(self.method, cfg.attn_spec(), self.world_size, provided=provided,
+                         docs=self.documents(), **self.opts)
         if (simulated or skip_math) and fake_flash_attn.needs_it(methods.get_info(self.method).requires):
             fake_flash_attn.check_fresh()
         if check_seq_len and self.kind == Kind.TRIAL:
@@ -338,8 +364,15 @@ class Trial:
             batch=self.step.batch, world_size=self.world_size, mode=str(self.mode), dtype=str(self.step.dtype),
             device=self.device, levers=self.step.levers(),
             link=self.link_model().to_dict() if self.mode in (Mode.EMULATED, Mode.SIMULATED) else None,
-            search=self.search_fields(),
+            search=self.search_fields(), docs=self.docs_fields(),
         )
+
+    def docs_fields(self) -> dict[str, Any] | None:
+        """The ``docs`` of the row this trial writes: the documents' identity, with the lengths'
+        summary for a single trial (a search's lengths change with every probe). None: one sequence."""
+        if self.docs is None:
+            return None
+        return self.docs.fields(self.seq_len if self.kind == Kind.TRIAL else None)
 
     def key(self) -> tuple:
         """``records.trial_key`` of this trial's row: equal keys, same trial."""
@@ -353,6 +386,10 @@ class Trial:
                  mode=str(self.mode), kind=str(self.kind))
         d.pop("auto_chunk")
         d.pop("resolution")  # the receiving process applies the stack again; the named presets travel
+        if self.docs is None:  # absent, so that a trial of one sequence serialises as before documents
+            d.pop("docs")
+        else:
+            d["docs"] = self.docs.identity()
         presets = [p for p in self.resolved().presets if not p.endswith(STACK_SUFFIX)]
         if presets:
             d["presets"] = presets
@@ -365,8 +402,10 @@ class Trial:
             step = StepConfig(**d.pop("step"))
             search = Search(**d.pop("search")) if d.get("search") else d.pop("search", None)
             presets = tuple(d.pop("presets", ()))
+            docs = DocsSpec.from_fields(d.pop("docs")) if d.get("docs") is not None else d.pop("docs", None)
             trial = cls.make(d.pop("method"), d.pop("model"), d.pop("seq_len"), d.pop("world_size"),
-                             d.pop("options"), step=step, search=search, **d)
-            return dataclasses.replace(trial, resolution=Resolution.of(step, trial.method, presets))
+                             d.pop("options"), step=step, search=search, docs=docs, **d)
+            resolution = Resolution.of(step, trial.method, presets).noting_docs(docs)
+            return dataclasses.replace(trial, resolution=resolution)
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"not a serialised trial: {type(err).__name__}: {err}") from None

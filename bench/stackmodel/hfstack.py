@@ -43,9 +43,9 @@ options that :func:`apply` and :func:`options` fill in where the trial left them
    DeepSpeed ALST tutorial's ``tiled_mlp_forward_common``): ``tiled_mlp_impl="deepspeed"`` and
    ``mlp_tiles=0``, the suite's same rule. Accelerate's CP path has no tiled MLP.
 4. ``sdpa_backend`` (cp path): Accelerate's CP runs only with ``attn_implementation="sdpa"``
-   (huggingface/accelerate:docs/source/concept_guides/context_parallelism.md). On an H100 (sm90) PyTorch puts cuDNN first
-   in SDPA's priority order when ``check_prefer_cudnn_attention`` holds (``aten/src/ATen/native/
-   transformers/cuda/sdp_utils.cpp``: sm90/sm100 with a recent cuDNN, unless the environment
+   (huggingface/accelerate:docs/source/concept_guides/context_parallelism.md). On an H100 (sm90)
+   PyTorch puts cuDNN first in SDPA's priority order when ``check_prefer_cudnn_attention`` holds
+   (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: sm90/sm100 with a recent cuDNN, unless the environment
    deprioritises it), so a bf16 causal call without a mask goes to
    ``_scaled_dot_product_cudnn_attention``, which torch's CP handler intercepts like the flash op:
    ``torch-cp`` option ``backend="cudnn"``. The suite has **no model of cuDNN's scratch** (its
@@ -72,9 +72,10 @@ options that :func:`apply` and :func:`options` fill in where the trial left them
    elements, the prefetch bucket, ``stage3_max_live_parameters``), DeepSpeedCPUAdam's pinned
    buffers, FSDP2's all-gather buffers beyond what its code path holds.
 7. ``allocator``: the caching allocator with PyTorch's defaults: expandable segments only on the sp
-   path, whose recipes export ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (ArcticTraining
-   ``snowflakedb/ArcticTraining:projects/sequence-parallelism/README.md``; the DeepSpeed ALST tutorial); Accelerate's CP example
-   sets nothing, so ``classic`` segments there. A pool per stream, as the real allocator keeps them.
+   path, whose recipes export ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+   (``snowflakedb/ArcticTraining:projects/sequence-parallelism/README.md``; the DeepSpeed ALST
+   tutorial); Accelerate's CP example sets nothing, so ``classic`` segments there. A pool per
+   stream, as the real allocator keeps them.
 8. ``rope``: Transformers' rotary embedding computes cos/sin for the positions it is given, the
    local ones (``rope_table="none"``); no barrier after ring steps (``ring_barrier`` stays off).
 

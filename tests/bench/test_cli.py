@@ -149,6 +149,31 @@ def test_bad_arguments_in_process(capsys, override, needle):
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+DOCS_BAD = [
+    (["--docs", "prolong9k"], "unknown document-length distribution 'prolong9k'; choose one of"),
+    (["--docs", "prolong64k:one"], "the seed after ':' must be an integer, got 'one'"),
+    (["--docs-lengths", "512K,x"], "entry 2 ('x') is not a positive token count"),
+    (["--docs-lengths", "512K,256K"], "sum to 786432 but the sequence has 1048576 tokens"),
+    (["--docs", "pile", "--method", "ring"], "method 'ring' refuses packed documents"),
+    (["--docs", "pile", "--docs-lengths", "1M"], "not allowed with argument"),
+]
+
+
+@pytest.mark.parametrize("override,needle", DOCS_BAD, ids=[f"docs-{b[1][:24]}" for b in DOCS_BAD])
+def test_bad_docs_arguments_in_process(capsys, override, needle):
+    assert main(_argv(override)) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_docs_lengths_file_in_process(capsys, tmp_path):
+    bad = tmp_path / "lengths.txt"
+    bad.write_text("512K\nhalf a million\n")
+    assert main(_argv(["--docs-lengths", str(bad)])) == 2
+    err = capsys.readouterr().err
+    assert f"lengths file {bad}: entry 2 ('half')" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_missing_library_is_a_usage_error():
     """A registered wrapper whose library is absent (flash_attn on CPU machines); checked in a
     fresh interpreter, since the test session installs a flash-attn stand-in. In real mode:
