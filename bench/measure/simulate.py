@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.init as init
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
+from torch.utils._pytree import tree_leaves
 
 from methods.core.hostmem import simulated_host
 from methods.core.tiling import compressing_repeats
+
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+# output types tracked without flattening (MemTracker flattens every output with tree_map_only)
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
 
 
 @contextlib.contextmanager
@@ -131,10 +137,39 @@ class PeakTracker(MemTracker):
     """
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - same signature
+        # a device's snapshot maps categories to ints: a shallow copy is a deep one
+        peak = self._peak_mem
         for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = deepcopy(dev_snap)
+            total = dev_snap[_TOTAL_KEY]
+            if peak.get(dev, 0) < total:
+                peak[dev] = total
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """``MemTracker.__torch_dispatch__`` with less work per operator: the outputs are tracked in
+        the order ``tree_map_only`` visits them, a single tensor without flattening, and the peak
+        is updated after every operator as there."""
+        if DTensor in types:
+            return NotImplemented
+        if func is _WAIT_TENSOR and active_fake_mode():
+            res = args[0]  # as MemTracker: a wait returns its input, not the fake kernel's new tensor
+        else:
+            res = func(*args, **kwargs or {})
+        if active_fake_mode() is self._fake_mode_on_entry:
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _MemRefType.TEMP
+            else:
+                reftype = _MemRefType.ACT
+            if type(res) in _PLAIN_TENSORS:
+                self._track(reftype, res)
+            else:
+                for leaf in tree_leaves(res):
+                    if isinstance(leaf, torch.Tensor):
+                        self._track(reftype, leaf)
+            self._update_peak_stats(None)
+        return res
 
 
 def _peak_tracker() -> PeakTracker:

@@ -357,6 +357,26 @@ def _span_bytes(t: torch.Tensor) -> int:
     return n * t.element_size()
 
 
+_NO_KERNEL = object()  # an operator MemoryTraffic leaves to others: a view, a collective, a matmul, an attention
+
+
+def _traffic_of(func) -> object:
+    """What ``MemoryTraffic`` needs of an operator, worked out once per operator: ``_NO_KERNEL``, or
+    (its name, the (index, name) of the arguments it writes in place, None when it writes none)."""
+    name = func._schema.name.split("::")[-1]
+    if (func.is_view or func.namespace in _COMM_NAMESPACES or name in MATMUL_OPS
+            or kernel_class(func) == "attention"):
+        return _NO_KERNEL
+    written = None
+    if func._schema.is_mutable:
+        names = {a.name for a in func._schema.arguments if a.alias_info and a.alias_info.is_write}
+        written = tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if a.name in names)
+    return name, written
+
+
+_TRAFFIC: dict = {}  # operator -> _traffic_of(operator)
+
+
 class MemoryTraffic(TorchDispatchMode):
     """Bytes the memory-bound kernels of a step read and write on the accelerator (module docstring)."""
 
@@ -377,10 +397,12 @@ class MemoryTraffic(TorchDispatchMode):
         out = func(*args, **kwargs)
         if _LocalOpsMode.propagating or not isinstance(func, torch._ops.OpOverload):
             return out
-        name = func._schema.name.split("::")[-1]
-        if (func.is_view or func.namespace in _COMM_NAMESPACES or name in MATMUL_OPS
-                or kernel_class(func) == "attention"):
+        how = _TRAFFIC.get(func)
+        if how is None:
+            how = _TRAFFIC[func] = _traffic_of(func)
+        if how is _NO_KERNEL:
             return out
+        name, written = how
         if name == "copy_" and args[0].device == args[1].device and args[0].device.type == self.accelerator:
             moved = 2 * _span_bytes(args[0])  # a device-to-device copy: read the source, write the destination
         elif name == "_to_copy" and isinstance(out, torch.Tensor) and args[0].device == out.device \
@@ -390,12 +412,10 @@ class MemoryTraffic(TorchDispatchMode):
             return out
         else:
             writes = self._on_device(out)
-            if func._schema.is_mutable:  # in-place (the _foreach_ ones return nothing): the written arguments
-                written = [a.name for a in func._schema.arguments if a.alias_info and a.alias_info.is_write]
+            if written is not None:  # in-place (the _foreach_ ones return nothing): the written arguments
                 ids = {id(t) for t in writes}
                 writes += [t for t in self._on_device([kwargs.get(n, args[i] if i < len(args) else None)
-                                                       for i, n in enumerate(a.name for a in func._schema.arguments)
-                                                       if n in written]) if id(t) not in ids]
+                                                       for i, n in written]) if id(t) not in ids]
             if not writes:
                 return out  # metadata (prim.device, sizes): no kernel
             reads = self._on_device((args[1:], kwargs) if name in _WRITE_ONLY_OPS else (args, kwargs))
