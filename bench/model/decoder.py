@@ -27,9 +27,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import methods
 from methods.core.rope import rope_table
-from methods.core.tiling import run_tiles, tile_bounds
+from methods.core.tiling import compressing, run_tiles, tile_bounds
 
 from .config import ModelConfig
+from .dstiled import TiledMLPStandIn
 
 # --------------------------------------------------------------------------- layers
 
@@ -168,8 +169,12 @@ class FeedForward(nn.Module):
         if tiles == 1 or not torch.is_grad_enabled():
             return self.plain(x)
         if self.impl == "deepspeed":
-            # weights are read from the module at call time (FSDP's unsharded ones in both passes)
-            return deepspeed_tiled().TiledMLP.apply(type(self).plain, self, x, tiles, self.weights())
+            # weights are read from the module at call time (FSDP's unsharded ones in both passes); a
+            # simulation runs DeepSpeed's tiles through a stand-in that replays its identical middle tiles
+            tiled = deepspeed_tiled().TiledMLP
+            if compressing():
+                tiled = TiledMLPStandIn
+            return tiled.apply(type(self).plain, self, x, tiles, self.weights())
         return _Tiled.apply(partial(norm_mlp_fn, eps=self.eps), tiles, x, *self.weights())
 
 
