@@ -29,6 +29,7 @@ compressed loop does.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -169,7 +170,10 @@ class Tape:
 
 @contextlib.contextmanager
 def recording() -> Iterator[Tape]:
-    """Within the block, the active tracker notes its updates; the ``Tape`` replays them after."""
+    """Within the block, the active tracker notes its updates; the ``Tape`` replays them after.
+
+    The cyclic garbage collector is held off meanwhile: a storage it happened to free inside the
+    block would be taken for the iteration's own free of an earlier storage."""
     if len(_TRACKERS) > 1:
         raise RuntimeError(f"{len(_TRACKERS)} memory trackers are active: a tape records one")
     tape = Tape(_TRACKERS[0] if _TRACKERS else None)
@@ -178,9 +182,13 @@ def recording() -> Iterator[Tape]:
         if recorder.tracker._tape is not None:
             raise RuntimeError("a tape is already recording: nested recordings are not supported")
         recorder.tracker._tape = recorder
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         yield tape
     finally:
+        if collecting:
+            gc.enable()
         if recorder is not None:
             recorder.tracker._tape = None
     if recorder is not None:
