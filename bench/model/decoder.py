@@ -138,6 +138,8 @@ class FeedForward(nn.Module):
     lets autograd accumulate into the weights' ``.grad`` tile by tile). DeepSpeed cuts tiles
     with ``torch.chunk`` (sizes ``ceil(n / tiles)``, possibly fewer of them) where ours cuts
     ``tensor_split``'s near-equal ones; the function is token-wise, so the result is the same.
+    A simulation (``compressing``) runs DeepSpeed's tiles through ``dstiled.TiledMLPStandIn``, which
+    replays its identical middle tiles to the same figures.
     """
 
     def __init__(self, dim: int, ffn_dim: int, eps: float) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from bench.measure import tape
-from methods.core.tiling import run_tiles, tile_items
+from methods.core.tiling import compressing, run_tiles, tile_items
 
 
 def _release(held: list) -> None:
@@ -45,8 +45,9 @@ def _release(held: list) -> None:
 
 
 def _compressed(sizes: list[int]) -> dict[int, int]:
-    """Each tile that runs and how many tiles it stands for (``methods.core.tiling.tile_items``)."""
-    return dict(tile_items(sizes, True))
+    """Each tile that runs and how many tiles it stands for (``methods.core.tiling.tile_items`` under the
+    policy: without ``compressing``, every tile, each standing for itself, as DeepSpeed runs them)."""
+    return dict(tile_items(sizes, compressing()))
 
 
 def _check_periodic(rec: tape.Tape, frees: int) -> None:
