@@ -33,7 +33,8 @@ import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.distributed._tools.mem_tracker import _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _TRACKERS: list[Any] = []  # trackers inside their outermost ``with`` (registered by PeakTracker)
 
@@ -176,6 +177,9 @@ def recording() -> Iterator[Tape]:
     block would be taken for the iteration's own free of an earlier storage."""
     if len(_TRACKERS) > 1:
         raise RuntimeError(f"{len(_TRACKERS)} memory trackers are active: a tape records one")
+    if not _TRACKERS and any(isinstance(m, MemTracker) for m in _get_current_dispatch_mode_stack()):
+        raise RuntimeError("a MemTracker that cannot replay iterations is active: it would miss the skipped ones; "
+                           "track with bench.measure.simulate.PeakTracker (track_peaks) instead")
     tape = Tape(_TRACKERS[0] if _TRACKERS else None)
     recorder = tape._tape
     if recorder is not None:

@@ -93,3 +93,10 @@ def test_a_tape_frees_what_it_is_given_for_an_earlier_iteration():
                      ("alloc", 1024), ("free", 1024), ("free", 1024)]
     with pytest.raises(ValueError, match="carried"):
         rec.replay([])
+
+
+def test_a_tape_refuses_a_tracker_that_cannot_replay():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode(), MemTracker(), pytest.raises(RuntimeError, match="PeakTracker"), tape.recording():
+        pass
