@@ -40,7 +40,7 @@ def test_the_trial_json_carries_documents_and_omits_them_for_one_sequence():
 
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"method": "ring", "docs": DocsSpec("pile", 0)}, "method 'ring' refuses packed documents"),
+    ({"method": "torch-cp", "docs": DocsSpec("pile", 0)}, "method 'torch-cp' refuses packed documents"),
     ({"docs": DocsSpec(lengths=(S, S))}, f"sum to {2 * S} but the sequence has {S} tokens"),
     ({"docs": DocsSpec(lengths=(2 * S,))}, f"a document of {2 * S} tokens is longer than the {S}-token sequence"),
     ({"docs": DocsSpec(lengths=(S,)), "search": Search(S, 4 * S)}, "explicit document lengths fix the sequence"),
@@ -59,7 +59,7 @@ def test_a_max_context_search_takes_a_distribution():
 
 
 SPEC = {"name": "docs-test", "mode": "simulated", "device": "h100-80g", "models": ["llama3-8b"],
-        "seq_lens": ["16K"], "world_sizes": [8], "methods": ["upipe", "ring"]}
+        "seq_lens": ["16K"], "world_sizes": [8], "methods": ["upipe", "torch-cp"]}
 
 
 def test_a_spec_crosses_its_documents():
@@ -69,7 +69,7 @@ def test_a_spec_crosses_its_documents():
     assert len(trials) == 6 and len({t.key() for t in trials}) == 6
     assert parse_spec(SPEC).docs == [None] and len(parse_spec(SPEC).trials()) == 2
     problems = spec.problems()
-    assert len(problems) == 2 and all(p.startswith("ring on llama3-8b x8 with docs ") for p in problems)
+    assert len(problems) == 2 and all(p.startswith("torch-cp on llama3-8b x8 with docs ") for p in problems)
     assert all("refuses packed documents" in p for p in problems)
 
 
