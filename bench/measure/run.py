@@ -98,15 +98,16 @@ def _build(trial: Trial, group, device: torch.device, host: str, fake: bool):
     """(built, batch): the model and optimizer, or the attention case. An emulated rank on a
     GPU builds on meta and materialises its shards only (``build_model(meta_init=True)``): its
     values do not matter, and a 32B model's whole fp32 weights would not fit the device."""
-    cfg, step = trial.config(), trial.step
+    cfg, step, docs = trial.config(), trial.step, trial.documents()
     if step.scope == "attention":
         case = build_attention(cfg, trial.method, trial.opts, group, step, trial.seq_len, device,
-                               fake=fake, seed=trial.seed)
+                               fake=fake, seed=trial.seed, docs=docs)
         return case, None
     meta_init = (trial.mode == "emulated" and device.type == "cuda" and step.fsdp and not step.fsdp_offload)
     model, opt = build_model(cfg, trial.method, trial.opts, group, step, device, host=host,
-                             seed=None if fake else trial.seed, seq_len=trial.seq_len, meta_init=meta_init)
-    batch = make_batch(model, trial.seq_len, step.batch, device, seed=trial.seed + 1, fake=fake)
+                             seed=None if fake else trial.seed, seq_len=trial.seq_len, meta_init=meta_init,
+                             docs=docs)
+    batch = make_batch(model, trial.seq_len, step.batch, device, seed=trial.seed + 1, fake=fake, docs=docs)
     return (model, opt), batch
 
 
