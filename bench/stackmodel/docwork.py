@@ -43,6 +43,10 @@ from methods.core.layouts import LayoutPlan, Run, plan_layout
 from methods.core.seqlayout import SequenceLayoutMethod, layout_of, pad_of
 from methods.core.spec import AttnSpec
 
+# a simulated row's note when the step time takes the slowest rank's attention (bench.measure.run.build_row)
+NOTE = ("docs: the modelled step takes the slowest rank's attention, rank {rank}'s ({ratio:.3f} x the simulated "
+        "rank 0's counted attention FLOPs; bench.stackmodel.docwork); the attention rate is the dense one, "
+        "no published varlen rate by document length is used")
 FLOPS_PER_PAIR_PER_HEAD_DIM = 4 + 10  # forward 4·d, backward 10·d per (query, key) pair and head
 
 
@@ -182,3 +186,14 @@ def rank_work(method: str, spec: AttnSpec, world_size: int, docs: Documents, opt
     return RankWork(method, layout, pairs, tuple(float(p * flop) for p in pairs),
                     tuple(steps[j] for j in rank_of) if steps is not None else None, plan.padding)
 
+
+
+def trial_work(trial) -> RankWork | None:
+    """The per-rank work of a trial (``bench.measure.trial.Trial``) with documents (None without): its
+    method and options, its model's attention, every layer and batch row."""
+    docs = trial.documents()
+    if docs is None:
+        return None
+    cfg = trial.config()
+    return rank_work(trial.method, cfg.attn_spec(causal=True), trial.world_size, docs, trial.opts,
+                     n_layers=cfg.n_layers if trial.step.scope == "model" else 1, batch=trial.step.batch)
