@@ -92,7 +92,7 @@ def resolve(request: Request, here: bool = True, validate: bool = True) -> Trial
         kind=Kind.MAX_CONTEXT if request.search is not None else Kind.TRIAL, search=request.search,
         docs=request.docs)
     named = (request.method,) if request.method in PRESETS else ()
-    trial = dataclasses.replace(trial, resolution=Resolution.of(step, method, named).noting_docs(request.docs))
+    trial = dataclasses.replace(trial, resolution=Resolution.of(step, method, named))
     if validate:
         trial.validate(here=here)
     return trial

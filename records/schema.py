@@ -81,6 +81,9 @@ class Figures:
     trial_threads: int | None = None  # threads the trial's own processes run on that host
     host_shared: bool | None = None  # the load exceeded trial_threads: others' work ran too
     step_time_model: dict | None = None  # simulated: terms, constants, counts (bench.stackmodel.steptime)
+    # packed documents: each rank's attention work and the imbalance (bench.stackmodel.docwork.RankWork.to_dict);
+    # absent from a row of one sequence
+    doc_work: dict | None = None
 
 
 @dataclass
@@ -133,11 +136,13 @@ class Row:
     docs: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The row as JSON-ready data; ``docs`` only when the row has documents, so that a row of
-        one sequence is written as it was before documents existed."""
+        """The row as JSON-ready data; ``docs`` and ``figures.doc_work`` only when the row has documents,
+        so that a row of one sequence is written as it was before documents existed."""
         d = dataclasses.asdict(self)
         if d["docs"] is None:
             del d["docs"]
+        if d["figures"].get("doc_work") is None:
+            d["figures"].pop("doc_work", None)
         return d
 
 

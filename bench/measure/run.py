@@ -51,12 +51,19 @@ import methods
 from records import Figures, GiB, Row, cpu_name, environment
 
 from ..model.config import flops_per_device
-from ..stackmodel import fake_flash_attn, simcuda, stack
+from ..stackmodel import docwork, fake_flash_attn, simcuda, stack
 from ..stackmodel.allocator import Trace, record_step, replay
 from ..stackmodel.counts import StepCounts
 from ..stackmodel.hardware import CommCounter
 from ..stackmodel.stepcount import StepCounter
-from ..stackmodel.steptime import comm_counts, figures_from_counts, stack_constants
+from ..stackmodel.steptime import (
+    attention_kernel,
+    attention_rate,
+    comm_counts,
+    figures_from_counts,
+    slowest_rank_counts,
+    stack_constants,
+)
 from ..stackmodel.workspace import KernelWorkspace
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import launch
@@ -98,15 +105,16 @@ def _build(trial: Trial, group, device: torch.device, host: str, fake: bool):
     """(built, batch): the model and optimizer, or the attention case. An emulated rank on a
     GPU builds on meta and materialises its shards only (``build_model(meta_init=True)``): its
     values do not matter, and a 32B model's whole fp32 weights would not fit the device."""
-    cfg, step = trial.config(), trial.step
+    cfg, step, docs = trial.config(), trial.step, trial.documents()
     if step.scope == "attention":
         case = build_attention(cfg, trial.method, trial.opts, group, step, trial.seq_len, device,
-                               fake=fake, seed=trial.seed)
+                               fake=fake, seed=trial.seed, docs=docs)
         return case, None
     meta_init = (trial.mode == "emulated" and device.type == "cuda" and step.fsdp and not step.fsdp_offload)
     model, opt = build_model(cfg, trial.method, trial.opts, group, step, device, host=host,
-                             seed=None if fake else trial.seed, seq_len=trial.seq_len, meta_init=meta_init)
-    batch = make_batch(model, trial.seq_len, step.batch, device, seed=trial.seed + 1, fake=fake)
+                             seed=None if fake else trial.seed, seq_len=trial.seq_len, meta_init=meta_init,
+                             docs=docs)
+    batch = make_batch(model, trial.seq_len, step.batch, device, seed=trial.seed + 1, fake=fake, docs=docs)
     return (model, opt), batch
 
 
@@ -424,6 +432,10 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
     f.flops_per_device = flops_per_device(cfg, trial.seq_len, seq_ranks, trial.step.batch, trial.step.scope)
     f.wall_s = round(wall_s, 3)
     link = trial.link_model()
+    work = docwork.trial_work(trial)  # packed documents: each rank's attention work (None: one sequence)
+    if work is not None:
+        constants, kernel = stack_constants(trial.step.stack)
+        f.doc_work = work.to_dict(attention_rate(preset, constants, kernel or attention_kernel(trial.method)))
     if trial.mode == "emulated" and f.compute_time_s is not None:
         f.comm_time_s = sum(link.time(op, b, s) for op, b, s in result.comm_calls) \
             if result.comm_calls is not None else result.comm_time_s
@@ -431,7 +443,11 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
     elif trial.mode == "simulated":
         f.comm_time_s = result.comm_time_s
         if trial.step.scope == "model":
-            for key, value in figures_from_counts(result.step_counts, preset, link, f.tokens_per_device,
+            counts = result.step_counts
+            if work is not None and counts is not None:  # the step waits for the slowest rank's attention
+                counts = slowest_rank_counts(counts, work.pairs[0], max(work.pairs))
+                notes.append(docwork.NOTE.format(rank=work.slowest_rank, ratio=max(work.pairs) / work.pairs[0]))
+            for key, value in figures_from_counts(counts, preset, link, f.tokens_per_device,
                                                   trial.method, *stack_constants(trial.step.stack)).items():
                 setattr(f, key, value)
     elif trial.mode == "real":

@@ -10,8 +10,8 @@ parameters. The sweeps expand a spec into trials, send each to a job as JSON
 Packed documents are the field ``docs`` (``records.workloads.DocsSpec``: a distribution and a
 seed, or explicit lengths; None: one sequence): ``check`` refuses a method that does not honour
 them, and lengths that do not tile the sequence, in one line before any work; the row records
-them (``Row.docs``) and they are part of the trial's identity. The step does not use them yet:
-it still runs one sequence, and the row's notes say so.
+them (``Row.docs``) and they are part of the trial's identity. The step runs them
+(``bench.training.step``: every attention block keeps within the documents) in every mode.
 
 Requests that are resolved before a trial runs are explicit fields, never option values:
 ``auto_chunk`` asks ``bench.search.autochunk`` to pick UPipe's ``chunk_heads`` by
@@ -46,8 +46,6 @@ AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and
 AUTO_OPTION = "chunk_heads"
 AUTO_METHODS = ("upipe", "usp-upipe")
 STACK_SUFFIX = "-stack"  # a stack's name among a resolution's presets ("paper-stack")
-DOCS_NOTE = ("docs: the documents are recorded with the trial (its identity and this row's docs); "
-             "the step does not use them yet and ran one sequence")
 
 
 @dataclass(frozen=True)
@@ -76,10 +74,6 @@ class Resolution:
         ran, notes = stack.apply(step, method)
         stacks = (f"{step.stack}{STACK_SUFFIX}",) if step.stack != "lean" else ()
         return cls(ran, tuple(presets) + stacks, tuple(notes))
-
-    def noting_docs(self, docs: DocsSpec | None) -> Resolution:
-        """This resolution with the note a trial with documents carries (none without)."""
-        return self if docs is None else dataclasses.replace(self, notes=self.notes + (DOCS_NOTE,))
 
 
 @dataclass(frozen=True)
@@ -405,7 +399,7 @@ class Trial:
             docs = DocsSpec.from_fields(d.pop("docs")) if d.get("docs") is not None else d.pop("docs", None)
             trial = cls.make(d.pop("method"), d.pop("model"), d.pop("seq_len"), d.pop("world_size"),
                              d.pop("options"), step=step, search=search, docs=docs, **d)
-            resolution = Resolution.of(step, trial.method, presets).noting_docs(docs)
+            resolution = Resolution.of(step, trial.method, presets)
             return dataclasses.replace(trial, resolution=resolution)
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"not a serialised trial: {type(err).__name__}: {err}") from None

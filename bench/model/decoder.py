@@ -26,6 +26,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 import methods
+from methods.core.documents import Documents
 from methods.core.rope import rope_table
 from methods.core.tiling import compressing, run_tiles, tile_bounds
 
@@ -217,6 +218,7 @@ class Block(nn.Module):
         self.attention = attention
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.norm_eps)
         self.fused_norm = False
+        self.docs: Documents | None = None  # packed documents of the sequence (Decoder.set_documents)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor | None = None) -> torch.Tensor:
         if rope_table is not None:
@@ -230,10 +232,12 @@ class Block(nn.Module):
         return h + self.feed_forward(h)
 
     def _attend(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # documents reach the method only when there are some (a method that refuses them takes no docs=)
+        docs = {"docs": self.docs} if self.docs is not None else {}
         if self.fused_norm:
             norm = (self.attention_norm.weight, self.attention_norm.eps)
-            return self.attention(x, positions=positions, input_norm=norm)
-        return self.attention(self.attention_norm(x), positions=positions)
+            return self.attention(x, positions=positions, input_norm=norm, **docs)
+        return self.attention(self.attention_norm(x), positions=positions, **docs)
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -375,7 +379,8 @@ class Decoder(nn.Module):
     attention method's layout (``model.shard``), their global positions, and next-token
     labels in the same layout; it returns the mean loss over the local tokens (with equal
     token counts per rank, averaging gradients over ranks, as FSDP does, gives the
-    gradient of the global mean).
+    gradient of the global mean). With packed documents (``set_documents``) every attention keeps
+    within each document and ``positions`` are the tokens' positions inside their documents.
 
     ``bench.training.step`` may replace each block by a wrapper (activation checkpointing) and
     may run them in groups (``set_layer_groups``, two-level checkpointing); by default each
@@ -395,12 +400,27 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:  # one parameter: FSDP shards it once, both uses add to its gradient
             self.head.output.weight = self.tok_embeddings.weight
 
+    def blocks(self) -> list[Block]:
+        """Every decoder block, through any wrapper around it (activation checkpointing)."""
+        out = []
+        for layer in self.layers:
+            while not isinstance(layer, Block):
+                layer = layer.block
+            out.append(layer)
+        return out
+
     def attention_module(self) -> nn.Module:
         """The first block's attention method (through any wrapper around the block)."""
-        layer = self.layers[0]
-        while not isinstance(layer, Block):
-            layer = layer.block
-        return layer.attention
+        return self.blocks()[0].attention
+
+    def set_documents(self, docs: Documents | None) -> None:
+        """Packed documents (``methods.Documents`` of the global sequence; None: one sequence): every
+        block's attention gets them as ``docs=``, so attention stays within each document. A setting
+        of the model, not a forward argument, so that checkpoint wrappers and groups pass nothing new;
+        the batch's positions are then the per-document ones (``bench.training.step.make_batch``)."""
+        self.attention_module().check_documents(docs)
+        for block in self.blocks():
+            block.docs = docs
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of a full-sequence tensor in the attention method's layout."""
@@ -428,10 +448,7 @@ class Decoder(nn.Module):
         if on and not getattr(self.attention_module(), "accepts_input_norm", False):
             raise ValueError(f"fused_attn_norm: method {self.method!r} cannot run the block's RMSNorm inside "
                              f"its projections (only upipe and fpdt can); drop fused_attn_norm")
-        for layer in self.layers:
-            block = layer
-            while not isinstance(block, Block):
-                block = block.block
+        for block in self.blocks():
             block.fused_norm = on
 
     def set_loss_chunk(self, chunk: int | None, impl: str = "ours") -> None:

@@ -65,6 +65,7 @@ import methods
 from methods.core import events
 from methods.core.tiling import counted_as
 
+from . import varlencount
 from .counts import KERNEL_CLASSES, HostCopy, StepCounts, Traffic
 
 aten = torch.ops.aten
@@ -180,6 +181,7 @@ def attention_formulas() -> dict:
         aten._scaled_dot_product_flash_attention_backward: _sdpa_flash_bwd,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd,
     }
+    table.update(varlencount.varlen_formulas())  # the flash op's variable-length form, per sequence
     sim = getattr(torch.ops, "cpab_sim", None)
     for name, fn in (("fa2_fwd", _fa2_fwd), ("fa2_bwd", _fa2_bwd), ("fa3_fwd", _fa3_fwd), ("fa3_bwd", _fa3_bwd)):
         op = getattr(sim, name, None) if sim is not None else None
@@ -437,7 +439,8 @@ class StepCounter:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[StepCounter]:
-        with _marking_shape_propagation(), self.flops, self.copies, self.traffic, events.counting() as noted:
+        with _marking_shape_propagation(), varlencount.tracking(), self.flops, self.copies, self.traffic, \
+                events.counting() as noted:
             self.events = noted
             yield self
 

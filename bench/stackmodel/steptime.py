@@ -107,7 +107,7 @@ partly missing.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from methods.core.events import CHUNK_PASSES
@@ -324,6 +324,25 @@ def step_time(counts: StepCounts, device: DevicePreset, link: LinkModel,
     return {"version": STEPTIME_VERSION, "step_time_s": total, "compute_time_s": compute, "terms": terms,
             "constants": {**asdict(constants), "peak_bf16_flops": peak, "host_link_Bps": HOST_LINK_Bps,
                           "hbm_Bps": device.hbm_Bps, "link": link.name, "attention_kernel": kernel}}
+
+
+def slowest_rank_counts(counts: StepCounts, simulated_pairs: int, slowest_pairs: int) -> StepCounts:
+    """``counts`` of the simulated rank with its attention FLOPs carried to the slowest rank's: under packed
+    documents the ranks' attention differs (``bench.stackmodel.docwork``), and the step waits for the
+    slowest; the simulated rank's counted FLOPs (each document's own causal area) are scaled by the
+    ratio of the two ranks' counted (query, key) pairs. Everything else is the simulated rank's."""
+    if simulated_pairs <= 0 or slowest_pairs == simulated_pairs:
+        return counts
+    return replace(counts, flops_attention=counts.flops_attention * slowest_pairs / simulated_pairs)
+
+
+def attention_rate(device: DevicePreset, constants: StepTimeConstants = FITTED, kernel: str = "fa3") -> float | None:
+    """The attention kernel's modelled rate (FLOP/s) on ``device``: its efficiency times the bf16 peak. The
+    dense rate serves every document length: no published varlen rate by document length is used."""
+    if not device.peak_bf16_flops:
+        return None
+    eff = constants.eff_attention if kernel == "fa3" else constants.eff_attention_fa2
+    return eff * device.peak_bf16_flops
 
 
 def scale_counts(counts: StepCounts, from_len: int, to_len: int) -> StepCounts:

@@ -43,6 +43,14 @@
 * ``ring_barrier``: a barrier after every ring step's wait, for the whole step (forward and
   backward), as the ring code the paper ran does (``methods.core.ringsync``); numerics unchanged.
 
+Packed documents (``docs``, a ``methods.Documents`` of the global sequence; None: one sequence):
+every attention block call gets them (``Decoder.set_documents``; the attention scope's block call)
+and the batch's RoPE positions restart at every document. The batch is otherwise as without
+documents: the same tokens and next-token labels (a document's last label, the next document's
+first token, is kept, so every rank keeps its count of labelled tokens and averaging the ranks'
+gradients still gives the global mean's), sharded by the method's layout; a layout that pads
+documents (``doc-zigzag``) pads the tokens with zeros and their labels with the ignored index.
+
 Two scopes: ``model`` (embedding -> blocks -> loss, backward, optimizer step) and
 ``attention`` (one attention block forward + backward on random input, weights in the
 compute dtype, no optimizer).
@@ -70,6 +78,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import methods
 from methods.core import comm, ringsync
+from methods.core.documents import Documents
 
 from ..model.config import ModelConfig
 from ..model.decoder import Decoder
@@ -189,6 +198,7 @@ def build_model(
     seed: int | None = 0,
     seq_len: int | None = None,
     meta_init: bool = False,
+    docs: Documents | None = None,
 ) -> tuple[Decoder, torch.optim.Optimizer]:
     """The decoder with every lever of ``step`` applied, and its AdamW.
 
@@ -196,7 +206,8 @@ def build_model(
     and in the compute dtype otherwise, then initialised from ``seed`` (identical on every
     rank). Under FakeTensorMode pass ``seed=None`` and call inside
     ``bench.measure.simulate.no_param_init()`` (random init is not possible on fake tensors).
-    ``seq_len`` (global tokens) sizes the RoPE table of ``step.rope_table``.
+    ``seq_len`` (global tokens) sizes the RoPE table of ``step.rope_table``. ``docs``: the packed
+    documents every attention block keeps within (``Decoder.set_documents``).
 
     ``meta_init``: build on the meta device, shard with FSDP, then materialise only each rank's
     shards on ``device`` (``init_local_shards``: random values, not ``init_weights``' model), as
@@ -219,6 +230,7 @@ def build_model(
             model = Decoder(cfg, method, group=group, **options)
     finally:
         torch.set_default_dtype(previous)
+    model.set_documents(docs)
     if seed is not None and not meta_init:
         init_weights(model, seed)
     if table and not meta_init:
@@ -328,31 +340,50 @@ def maybe_prime_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         g["lr"], g["weight_decay"] = lr, wd
 
 
+IGNORE_INDEX = -100  # a label the loss ignores (bench.model.decoder's cross-entropies)
+
+
 @dataclass
 class Batch:
     tokens: torch.Tensor  # [B, S/C] in the method's layout
     labels: torch.Tensor
-    positions: torch.Tensor  # [S/C] global positions of the local tokens
+    positions: torch.Tensor  # [S/C] RoPE positions of the local tokens: global, or inside their documents
 
 
-def make_batch(model: Decoder, seq_len: int, batch: int, device, seed: int = 1, fake: bool = False) -> Batch:
+def local_len(attn: nn.Module, seq_len: int, docs: Documents | None) -> int:
+    """Tokens per rank under the method's layout: ``seq_len / C``, or with documents the layout's
+    share of them, padding included (``doc-zigzag``; ``methods.core.seqlayout``)."""
+    plan = getattr(attn, "plan", None)
+    if docs is not None and plan is not None:
+        return plan(seq_len, docs).local_len
+    return seq_len // attn.world_size
+
+
+def make_batch(model: Decoder, seq_len: int, batch: int, device, seed: int = 1, fake: bool = False,
+               docs: Documents | None = None) -> Batch:
     """Random tokens for the full sequence (same on every rank for a seed), next-token labels,
-    and this rank's part of all three in the method's layout."""
+    and this rank's part of all three in the method's layout. With ``docs`` the positions restart
+    at every document (module docstring)."""
     vocab = model.cfg.vocab_size
     attn = model.attention_module()
     attn.check_seq_len(seq_len, attn.world_size, attn.options)
+    attn.check_documents(docs, seq_len)
     if fake:  # simulated: the values do not matter; avoid a data-dependent generator
-        n = seq_len // attn.world_size
+        n = local_len(attn, seq_len, docs)
         tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
         return Batch(tokens, tokens.clone(), torch.zeros(n, dtype=torch.long, device=device))
     gen = torch.Generator().manual_seed(seed)
     full = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
     tokens, labels = full[:, :-1], full[:, 1:]
-    positions = torch.arange(seq_len)
+    if docs is None:
+        return Batch(attn.shard(tokens, dim=1).to(device), attn.shard(labels, dim=1).to(device),
+                     attn.shard(torch.arange(seq_len), dim=0).to(device))
+    labels = attn.shard(labels, dim=1, docs=docs)
+    real = attn.shard(torch.ones(1, seq_len, dtype=torch.bool), dim=1, docs=docs)  # False: a padding token
     return Batch(
-        attn.shard(tokens, dim=1).to(device),
-        attn.shard(labels, dim=1).to(device),
-        attn.shard(positions, dim=0).to(device),
+        attn.shard(tokens, dim=1, docs=docs).to(device),
+        torch.where(real, labels, IGNORE_INDEX).to(device),
+        attn.shard(docs.positions(), dim=0, docs=docs).to(device),
     )
 
 
@@ -380,11 +411,14 @@ class AttentionCase:
     x: torch.Tensor
     dy: torch.Tensor
     positions: torch.Tensor
+    docs: Documents | None = None
 
 
 def build_attention(cfg: ModelConfig, method: str, options: dict[str, Any], group, step: StepConfig,
-                    seq_len: int, device, fake: bool = False, seed: int = 0) -> AttentionCase:
-    """One attention block in the compute dtype with random input and output gradient."""
+                    seq_len: int, device, fake: bool = False, seed: int = 0,
+                    docs: Documents | None = None) -> AttentionCase:
+    """One attention block in the compute dtype with random input and output gradient (with ``docs``,
+    attention within those documents, at their per-document positions)."""
     device = torch.device(device)
     spec = cfg.attn_spec(causal=True)
     previous = torch.get_default_dtype()
@@ -395,7 +429,8 @@ def build_attention(cfg: ModelConfig, method: str, options: dict[str, Any], grou
     finally:
         torch.set_default_dtype(previous)
     block.check_seq_len(seq_len, block.world_size, block.options)
-    n = seq_len // block.world_size
+    block.check_documents(docs, seq_len)
+    n = local_len(block, seq_len, docs)
     shape = (step.batch, n, cfg.dim)
     if fake:
         x = torch.empty(shape, dtype=step.torch_dtype, device=device)
@@ -406,13 +441,15 @@ def build_attention(cfg: ModelConfig, method: str, options: dict[str, Any], grou
         gen = torch.Generator().manual_seed(seed + 1)
         x = torch.randn(shape, generator=gen).to(device, step.torch_dtype)
         dy = torch.randn(shape, generator=gen).to(device, step.torch_dtype)
-        positions = block.shard(torch.arange(seq_len), dim=0).to(device)
-    return AttentionCase(block, x.requires_grad_(), dy, positions)
+        where = docs.positions() if docs is not None else torch.arange(seq_len)
+        positions = block.shard(where, dim=0, docs=docs).to(device)
+    return AttentionCase(block, x.requires_grad_(), dy, positions, docs)
 
 
 def attention_step(case: AttentionCase) -> None:
     """Forward + backward of one attention block; gradients are dropped afterwards."""
-    y = case.block(case.x, positions=case.positions)
+    docs = {"docs": case.docs} if case.docs is not None else {}
+    y = case.block(case.x, positions=case.positions, **docs)
     y.backward(case.dy)
     del y
     case.x.grad = None

@@ -11,7 +11,7 @@ after. Both runs' figures (the whole measurement, the replay's wall time aside) 
 speed-up that changed one is reported as such and the script exits non-zero.
 
     python scripts/speed/run.py                        # tiny and 1M, both stacks, base = merge-base with main
-    python scripts/speed/run.py --cases tiny,1m,4m --base <commit> --out results/speed/speed.jsonl
+    python scripts/speed/run.py --cases tiny,1m,4m --base <commit> --out results/speed/speed.ndjson
 
 Rows go to ``--out`` (JSON Lines, one per run), a table to stdout. What was measured and on which
 machine: ``results/speed/README.md``.

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from bench.cli import main
-from bench.measure.trial import DOCS_NOTE, Search, Trial
+from bench.measure.trial import Search, Trial
 from bench.resolve import Request, resolve
 from records.workloads import DocsSpec
 from sweeps.spec import SpecError, parse_spec
@@ -22,8 +22,8 @@ def _trial(docs=None, method="upipe", **kw) -> Trial:
 
 def test_a_trial_with_documents_resolves_and_records_them():
     plain, docs = _trial(), _trial(DocsSpec("prolong64k", 3))
-    assert plain.docs is None and plain.row_fields()["docs"] is None and DOCS_NOTE not in plain.resolved().notes
-    assert docs.documents().seq_len == S and DOCS_NOTE in docs.resolved().notes
+    assert plain.docs is None and plain.row_fields()["docs"] is None
+    assert docs.documents().seq_len == S
     fields = docs.row_fields()["docs"]
     assert fields["distribution"] == "prolong64k" and fields["seed"] == 3
     assert fields["count"] == len(docs.documents()) and fields["max"] == max(docs.documents().lengths)
@@ -35,12 +35,12 @@ def test_the_trial_json_carries_documents_and_omits_them_for_one_sequence():
     plain, docs = _trial(), _trial(DocsSpec(lengths=(S // 2, S // 4, S // 4)))
     assert "docs" not in json.loads(plain.to_json())
     back = Trial.from_json(docs.to_json())
-    assert back.docs == docs.docs and back.key() == docs.key() and DOCS_NOTE in back.resolved().notes
+    assert back.docs == docs.docs and back.key() == docs.key()
     assert Trial.from_json(plain.to_json()).docs is None
 
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"method": "ring", "docs": DocsSpec("pile", 0)}, "method 'ring' refuses packed documents"),
+    ({"method": "torch-cp", "docs": DocsSpec("pile", 0)}, "method 'torch-cp' refuses packed documents"),
     ({"docs": DocsSpec(lengths=(S, S))}, f"sum to {2 * S} but the sequence has {S} tokens"),
     ({"docs": DocsSpec(lengths=(2 * S,))}, f"a document of {2 * S} tokens is longer than the {S}-token sequence"),
     ({"docs": DocsSpec(lengths=(S,)), "search": Search(S, 4 * S)}, "explicit document lengths fix the sequence"),
@@ -59,7 +59,7 @@ def test_a_max_context_search_takes_a_distribution():
 
 
 SPEC = {"name": "docs-test", "mode": "simulated", "device": "h100-80g", "models": ["llama3-8b"],
-        "seq_lens": ["16K"], "world_sizes": [8], "methods": ["upipe", "ring"]}
+        "seq_lens": ["16K"], "world_sizes": [8], "methods": ["upipe", "torch-cp"]}
 
 
 def test_a_spec_crosses_its_documents():
@@ -69,7 +69,7 @@ def test_a_spec_crosses_its_documents():
     assert len(trials) == 6 and len({t.key() for t in trials}) == 6
     assert parse_spec(SPEC).docs == [None] and len(parse_spec(SPEC).trials()) == 2
     problems = spec.problems()
-    assert len(problems) == 2 and all(p.startswith("ring on llama3-8b x8 with docs ") for p in problems)
+    assert len(problems) == 2 and all(p.startswith("torch-cp on llama3-8b x8 with docs ") for p in problems)
     assert all("refuses packed documents" in p for p in problems)
 
 
@@ -95,5 +95,5 @@ def test_a_simulated_run_with_documents_writes_them_in_its_row(capsys, tmp_path)
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["docs"] == {"distribution": "fixed-1K", "seed": 2, "count": 4, "min": 1024, "max": 1024,
                            "mean": 1024.0}
-    assert DOCS_NOTE in row["notes"] and row["status"] == "ok"
+    assert row["status"] == "ok" and not any("docs" in note and "not use" in note for note in row["notes"])
     assert json.loads(out.read_text())["docs"] == row["docs"]

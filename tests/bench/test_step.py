@@ -144,14 +144,16 @@ def _names(model) -> dict[str, torch.nn.Parameter]:
     return {n.replace(".block.", "."): p for n, p in model.named_parameters()}
 
 
-def cp_step(group, method: str, levers: dict, dtype: str = "fp32") -> dict:
+def cp_step(group, method: str, levers: dict, dtype: str = "fp32", options: dict | None = None,
+            docs: methods.Documents | None = None) -> dict:
     """One forward+backward on the ranks of ``group`` with the given levers (fp32 by default)."""
     from bench.model.config import get_config
 
     torch.manual_seed(0)
     step = StepConfig(dtype=dtype, **levers)
-    model, _ = build_model(get_config(TINY), method, {}, group, step, "cpu", seed=0, seq_len=SEQ)
-    batch = make_batch(model, SEQ, 2, "cpu", seed=1)
+    model, _ = build_model(get_config(TINY), method, options or {}, group, step, "cpu", seed=0, seq_len=SEQ,
+                           docs=docs)
+    batch = make_batch(model, SEQ, 2, "cpu", seed=1, docs=docs)
     loss = model(batch.tokens, batch.positions, batch.labels)
     loss.backward()
     grads = {}
@@ -166,12 +168,13 @@ def cp_step(group, method: str, levers: dict, dtype: str = "fp32") -> dict:
     return {"loss": torch.stack(losses).mean().item(), "grads": grads}
 
 
-def reference_step(method: str) -> dict:
+def reference_step(method: str, docs: methods.Documents | None = None) -> dict:
     from bench.model.config import get_config
 
     torch.manual_seed(0)
-    model, _ = build_model(get_config(TINY), method, {}, None, StepConfig.plain(dtype="fp32"), "cpu", seed=0)
-    batch = make_batch(model, SEQ, 2, "cpu", seed=1)
+    model, _ = build_model(get_config(TINY), method, {}, None, StepConfig.plain(dtype="fp32"), "cpu", seed=0,
+                           docs=docs)
+    batch = make_batch(model, SEQ, 2, "cpu", seed=1, docs=docs)
     loss = model(batch.tokens, batch.positions, batch.labels)
     loss.backward()
     return {"loss": loss.item(), "grads": {n: p.grad for n, p in _names(model).items()}}
@@ -196,6 +199,42 @@ def test_step_with_levers_equals_plain_single_device_step(pool, method, levers):
         want = ref["grads"][name]
         err = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
         assert err < 1e-4, (name, err)
+
+
+# packed documents in the step: every attention block keeps within the documents, at per-document positions.
+# Lengths divisible by 2C = 4, so the doc-zigzag layout pads nothing and every rank keeps SEQ/2 labelled tokens
+DOCS = methods.Documents.from_lengths([40, 8, 56, 24])
+
+
+@pytest.mark.parametrize("method,options", [("ulysses", {}), ("upipe", {}), ("ring", {}),
+                                            ("ring", {"layout": "doc-zigzag"}), ("ring", {"layout": "contiguous"}),
+                                            ("allgather-kv", {}), ("fpdt", {})],
+                         ids=["ulysses", "upipe", "ring-zigzag", "ring-doc-zigzag", "ring-contiguous",
+                              "allgather-kv", "fpdt"])
+def test_step_with_documents_equals_the_single_device_step_with_them(pool, method, options):
+    ref = reference_step("no-cp", DOCS)
+    plain = reference_step("no-cp")
+    assert abs(ref["loss"] - plain["loss"]) > 1e-4  # the documents change the attention, so the loss
+    got = pool.run(cp_step, method, ALL_ON, "fp32", options, DOCS, world_size=2)[0]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    for name, g in got["grads"].items():
+        want = ref["grads"][name]
+        err = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+        assert err < 1e-4, (name, err)
+
+
+def test_padded_documents_are_ignored_labels():
+    """doc-zigzag pads documents to a multiple of 2C: the padding tokens' labels are ignored."""
+    from bench.model.config import get_config
+
+    docs = methods.Documents.from_lengths([37, 91])  # neither divisible by 2C = 4
+    with fake_process_group(2) as group:
+        model, _ = build_model(get_config(TINY), "ring", {"layout": "doc-zigzag"}, group, StepConfig.plain(),
+                               "cpu", seed=0, docs=docs)
+        batch = make_batch(model, SEQ, 1, "cpu", seed=1, docs=docs)
+    padding = model.attention_module().padding(docs)
+    assert padding > 0 and batch.tokens.shape[1] == (SEQ + padding) // 2
+    assert 0 < int((batch.labels == -100).sum()) <= padding
 
 
 # DeepSpeed's tiled MLP and tiled loss against ours: the same step (every lever on, tiles and loss

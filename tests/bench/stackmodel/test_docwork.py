@@ -1,0 +1,80 @@
+"""bench.stackmodel.docwork: per-rank attention work under packed documents, counted from the methods' layouts."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+import methods
+from bench.cli import main
+from bench.model.config import get_config
+from bench.stackmodel.docwork import causal_pairs, document_area, rank_work, runs_pairs
+
+SPEC = get_config("tiny-llama").attn_spec(causal=True)
+S = 4096
+ONE = methods.Documents.from_lengths([S])
+# skewed: one long document at the end, many short ones before it (a causal mask leaves the last ranks most work)
+SKEWED = methods.Documents.from_lengths([64] * 32 + [S - 64 * 32])
+MIXED = methods.Documents.from_lengths([100, 901, 33, 1500, 7, 555, 1000])
+SEQUENCE = [("ring", {}), ("ring", {"layout": "contiguous"}), ("ring", {"layout": "doc-zigzag"}),
+            ("allgather-kv", {}), ("usp", {"ulysses_degree": 2}), ("usp-upipe", {"ulysses_degree": 2})]
+HEADS = ["ulysses", "upipe", "fpdt", "offload"]
+
+
+def brute(q: tuple[int, int], k: tuple[int, int], causal: bool) -> int:
+    return sum(1 for i, j in itertools.product(range(*q), range(*k)) if not causal or j <= i)
+
+
+@pytest.mark.parametrize("q,k", [((0, 5), (0, 5)), ((3, 9), (0, 4)), ((0, 4), (6, 9)), ((5, 12), (2, 20)),
+                                 ((10, 11), (0, 30)), ((2, 2), (0, 3))])
+@pytest.mark.parametrize("causal", [True, False])
+def test_causal_pairs_counts_every_visible_pair(q, k, causal):
+    assert causal_pairs(q, k, causal) == brute(q, k, causal)
+
+
+@pytest.mark.parametrize("docs", [ONE, SKEWED, MIXED], ids=["one", "skewed", "mixed"])
+@pytest.mark.parametrize("method,options", SEQUENCE + [(m, {}) for m in HEADS])
+def test_the_ranks_share_exactly_the_documents_area(docs, method, options):
+    work = rank_work(method, SPEC, 4, docs, options)
+    assert len(work.pairs) == 4
+    if work.padding:  # a padding layout computes its padding documents too
+        assert sum(work.pairs) > document_area(docs) * SPEC.n_heads
+    else:
+        assert sum(work.pairs) == document_area(docs) * SPEC.n_heads
+    if work.steps is not None:  # a ring's steps add up to each rank's work
+        assert [sum(s) for s in work.steps] == list(work.pairs)
+        assert work.step_imbalance >= work.imbalance - 1e-12
+
+
+def test_runs_pairs_is_the_sum_over_query_tokens():
+    runs = [(90, 30), (1000, 20)]
+    want = sum(p - MIXED.starts[d] + 1 for s, n in runs for p in range(s, s + n)
+               for d in [max(i for i, st in enumerate(MIXED.starts) if st <= p)])
+    assert runs_pairs(runs, None, MIXED) == want
+
+
+def test_the_zigzag_ring_is_unbalanced_under_skewed_documents_and_head_parallel_is_not():
+    zigzag = rank_work("ring", SPEC, 4, SKEWED)
+    assert rank_work("ring", SPEC, 4, ONE).imbalance == pytest.approx(1.0)  # balanced for one sequence
+    assert zigzag.imbalance > 1.2
+    assert rank_work("ring", SPEC, 4, SKEWED, {"layout": "doc-zigzag"}).imbalance < zigzag.imbalance
+    assert rank_work("allgather-kv", SPEC, 4, SKEWED).imbalance == pytest.approx(zigzag.imbalance)
+    for method in HEADS + ["no-cp"]:
+        assert rank_work(method, SPEC, 4, SKEWED).imbalance == 1.0
+    assert rank_work("ring", SPEC, 4, ONE, {"layout": "contiguous"}).imbalance > 1.5  # the last rank: 7/4 of the mean
+    idle = zigzag.idle_s(1e12)
+    assert idle == pytest.approx((max(zigzag.flops) - sum(zigzag.flops) / 4) / 1e12)
+
+
+def test_a_simulated_row_with_documents_records_the_work_and_the_slowest_rank(capsys):
+    args = ["run", "--method", "ring", "--model", "tiny-llama", "--seq-len", "4K", "--world-size", "4", "--json"]
+    assert main(args + ["--docs-lengths", ",".join(map(str, SKEWED.lengths))]) == 0
+    assert main(args) == 0
+    docs_row, plain_row = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:])
+    work = docs_row["figures"]["doc_work"]
+    want = rank_work("ring", SPEC, 4, SKEWED, n_layers=get_config("tiny-llama").n_layers)
+    assert work["pairs"] == list(want.pairs) and work["imbalance"] == pytest.approx(want.imbalance, rel=1e-6)
+    assert work["idle_s"] > 0 and work["slowest_rank"] == want.slowest_rank
+    assert any("slowest rank's attention" in n for n in docs_row["notes"])
+    assert "doc_work" not in plain_row["figures"]
