@@ -31,6 +31,8 @@ from torch.utils._pytree import tree_leaves
 from methods.core.hostmem import simulated_host
 from methods.core.tiling import compressing_repeats
 
+from . import tape
+
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 # output types tracked without flattening (MemTracker flattens every output with tree_map_only)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
@@ -134,9 +136,33 @@ class PeakTracker(MemTracker):
     (docs/modes.md, section "Simulated"). Only the global per-device peak and its category split
     are needed here, so the scan is replaced by the global update (the same code as MemTracker's
     last loop).
+
+    While a ``tape.recording`` block runs (``_tape`` set), every update of the current snapshot and
+    every peak check is also noted, so that identical loop iterations can be replayed on it without
+    running (``bench.measure.tape``).
     """
 
+    _tape = None  # the recording tape (bench.measure.tape), if any
+
+    def __enter__(self) -> PeakTracker:
+        super().__enter__()
+        if self._depth == 1:
+            tape.register(self)
+        return self
+
+    def __exit__(self, *args) -> None:
+        if self._depth == 1:
+            tape.unregister(self)
+        super().__exit__(*args)
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        if self._tape is not None:
+            self._tape.note_update(u_type, winfo, old_mem_consumed, old_reftype)
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - same signature
+        if self._tape is not None:
+            self._tape.note_peak()
         # a device's snapshot maps categories to ints: a shallow copy is a deep one
         peak = self._peak_mem
         for dev, dev_snap in self._curr_mem_snap.items():

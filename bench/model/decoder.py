@@ -28,9 +28,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 import methods
 from methods.core.documents import Documents
 from methods.core.rope import rope_table
-from methods.core.tiling import run_tiles, tile_bounds
+from methods.core.tiling import compressing, run_tiles, tile_bounds
 
 from .config import ModelConfig
+from .dstiled import TiledMLPStandIn
 
 # --------------------------------------------------------------------------- layers
 
@@ -138,6 +139,8 @@ class FeedForward(nn.Module):
     lets autograd accumulate into the weights' ``.grad`` tile by tile). DeepSpeed cuts tiles
     with ``torch.chunk`` (sizes ``ceil(n / tiles)``, possibly fewer of them) where ours cuts
     ``tensor_split``'s near-equal ones; the function is token-wise, so the result is the same.
+    A simulation (``compressing``) runs DeepSpeed's tiles through ``dstiled.TiledMLPStandIn``, which
+    replays its identical middle tiles to the same figures.
     """
 
     def __init__(self, dim: int, ffn_dim: int, eps: float) -> None:
@@ -169,8 +172,12 @@ class FeedForward(nn.Module):
         if tiles == 1 or not torch.is_grad_enabled():
             return self.plain(x)
         if self.impl == "deepspeed":
-            # weights are read from the module at call time (FSDP's unsharded ones in both passes)
-            return deepspeed_tiled().TiledMLP.apply(type(self).plain, self, x, tiles, self.weights())
+            # weights are read from the module at call time (FSDP's unsharded ones in both passes); a
+            # simulation runs DeepSpeed's tiles through a stand-in that replays its identical middle tiles
+            tiled = deepspeed_tiled().TiledMLP
+            if compressing():
+                tiled = TiledMLPStandIn
+            return tiled.apply(type(self).plain, self, x, tiles, self.weights())
         return _Tiled.apply(partial(norm_mlp_fn, eps=self.eps), tiles, x, *self.weights())
 
 

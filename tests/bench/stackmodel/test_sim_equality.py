@@ -8,6 +8,13 @@ collectives, the methods' events), the allocator replay's events and cache relea
 Only the replay's own wall time is left out. A speed-up of the simulator (one dispatch mode for
 several, less work per operation) must leave every one of them as it was.
 
+The paper stack runs the MLP through DeepSpeed's ``TiledMLP``, which simulation compresses (its
+identical middle tiles replayed, ``bench.model.dstiled``); at 128K it has only 4 tiles, so two more
+cases have many: UPipe at 1M (32 tiles of a 128K-token rank, all of one size) and Ulysses at
+508,000 tokens (16 tiles of a 63,500-token rank, the last shorter than the others), 2 layers each.
+Their golden figures were written by the code before that compression (main's ``48f5bbb``), with
+the command below, from a worktree of that commit.
+
 The golden file was written by the base commit's code (``git merge-base main simspeed``), from a
 worktree of that commit, with this file run as a script::
 
@@ -28,13 +35,15 @@ GOLDEN = Path(__file__).with_name("sim_golden.json")
 METHODS = ("ulysses", "upipe", "ring", "fpdt")
 STACKS = ("paper", "lean")
 LAYERS, SEQ_LEN, WORLD = 3, 128 << 10, 8
+# (method, stack, layers, tokens): DeepSpeed's TiledMLP over many tiles, of one size and with a shorter last one
+MANY_TILES = (("upipe", "paper", 2, 1 << 20), ("ulysses", "paper", 2, 508_000))
 
 
-def cases() -> list[tuple[str, str]]:
-    return [(m, s) for m in METHODS for s in STACKS]
+def cases() -> list[tuple[str, str, int, int]]:
+    return [(m, s, LAYERS, SEQ_LEN) for m in METHODS for s in STACKS] + list(MANY_TILES)
 
 
-def figures(method: str, stack: str, directory: str) -> dict:
+def figures(method: str, stack: str, directory: str, layers: int = LAYERS, seq_len: int = SEQ_LEN) -> dict:
     """The measurement of one case as JSON (``Measurement.to_dict``), the replay's wall time left out."""
     from bench.measure.run import measure_simulated
     from bench.measure.trial import Trial
@@ -42,8 +51,8 @@ def figures(method: str, stack: str, directory: str) -> dict:
     from bench.search.extrapolate import layer_variant
     from bench.training.config import StepConfig
 
-    model = layer_variant(get_config("llama3-8b"), LAYERS, directory)
-    trial = Trial.make(method, model, SEQ_LEN, WORLD, step=StepConfig(stack=stack))
+    model = layer_variant(get_config("llama3-8b"), layers, directory)
+    trial = Trial.make(method, model, seq_len, WORLD, step=StepConfig(stack=stack))
     trial.validate()
     out = measure_simulated(trial).to_dict()
     if "allocator" in out:
@@ -51,17 +60,20 @@ def figures(method: str, stack: str, directory: str) -> dict:
     return json.loads(json.dumps(out))  # tuples and keys as the file has them
 
 
-def _key(method: str, stack: str) -> str:
-    return f"{method}/{stack}"
+def _key(method: str, stack: str, layers: int = LAYERS, seq_len: int = SEQ_LEN) -> str:
+    """``method/stack`` for the 3-layer 128K cases, with ``/<layers>L-<tokens>`` appended for the others."""
+    if (layers, seq_len) == (LAYERS, SEQ_LEN):
+        return f"{method}/{stack}"
+    return f"{method}/{stack}/{layers}L-{seq_len}"
 
 
 def test_figures_equal_the_base_commits():
     import pytest
 
     golden = json.loads(GOLDEN.read_text())
-    assert sorted(golden) == sorted(_key(m, s) for m, s in cases()), "sim_golden.json holds other cases"
+    assert sorted(golden) == sorted(_key(*case) for case in cases()), "sim_golden.json holds other cases"
     with tempfile.TemporaryDirectory() as directory:
-        got = {_key(m, s): figures(m, s, directory) for m, s in cases()}
+        got = {_key(*case): figures(*case[:2], directory, *case[2:]) for case in cases()}
     for key in golden:
         want, have = golden[key], got[key]
         assert want["status"] == "ok", f"{key}: the golden run failed: {want.get('message')}"
@@ -79,7 +91,7 @@ def main(argv: list[str]) -> int:
 
     install_if_missing()
     with tempfile.TemporaryDirectory() as directory:
-        out = {_key(m, s): figures(m, s, directory) for m, s in cases()}
+        out = {_key(*case): figures(*case[:2], directory, *case[2:]) for case in cases()}
     Path(argv[1]).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     return 0
 
