@@ -19,6 +19,7 @@ only when given, so a method that refuses them needs no ``docs`` parameter.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 import types
 import typing
@@ -183,6 +184,17 @@ class AttentionMethod(AttentionParams):
     # document; otherwise ``documents_refusal`` says why not in one line (``check_documents``)
     honours_documents: ClassVar[bool] = False
     documents_refusal: ClassVar[str] = "not yet: its attention does not mask documents"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A subclass that overrides ``forward`` without a ``docs`` parameter cannot pass documents on,
+        so it does not inherit its parent's ``honours_documents`` unless it declares it itself."""
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if (forward is not None and "honours_documents" not in cls.__dict__ and cls.honours_documents
+                and "docs" not in inspect.signature(forward).parameters):
+            cls.honours_documents = False
+            cls.documents_refusal = ("its forward takes no docs= (it overrides the forward of a method that "
+                                     "honours documents); add docs=None to forward and pass it on")
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec)

@@ -314,3 +314,23 @@ def check_unseen_layout(group, names: list[str]) -> dict[str, dict]:
                                                      {"unseen": UNSEEN_LAYOUT})
             out[f"{name}-{'causal' if causal else 'full'}"] = errs["unseen"]
     return out
+
+
+def test_a_subclass_whose_forward_takes_no_docs_does_not_inherit_honouring():
+    """A method built on an honouring one (the guide's example subclasses Ulysses) but whose own forward has no
+    ``docs`` cannot pass documents on: it refuses them in one line instead of failing inside its forward."""
+    parent = methods.get_info("ulysses").cls
+    assert parent.honours_documents
+
+    class NoDocs(parent):
+        def forward(self, x, positions=None):
+            return super().forward(x, positions)
+
+    class WithDocs(parent):
+        def forward(self, x, positions=None, docs=None):
+            return super().forward(x, positions, docs=docs)
+
+    assert not NoDocs.honours_documents and "forward takes no docs=" in NoDocs.documents_refusal
+    assert WithDocs.honours_documents and parent.honours_documents
+    with pytest.raises(ValueError, match=r"refuses packed documents \(docs=\): its forward takes no docs="):
+        NoDocs.check_documents(methods.Documents.from_lengths([4, 4]), 8)
