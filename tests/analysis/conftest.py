@@ -1,6 +1,8 @@
 """A small results folder of synthetic rows covering every table (see rowfactory.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.rowfactory import K, M, make_row, write
@@ -61,12 +63,16 @@ def standard_rows() -> dict[str, list]:
             "u-ablation.jsonl": ua, "sub/maxctx.jsonl": mc}
 
 
-@pytest.fixture
-def results_dir(tmp_path):
-    root = tmp_path / "results"
+def write_standard_results(root: Path) -> Path:
+    """``standard_rows`` written under ``root``, with a corrupt line and a ``paper/`` file to skip."""
     for name, rows in standard_rows().items():
         write(root / name, rows)  # one append per file
     with open(root / "table3-llama3-8b.jsonl", "a") as f:
         f.write('{"kind": "trial", "method": "cut-off"\n')  # a corrupt line
     write(root / "paper" / "ignored.jsonl", [make_row("upipe", seq_len=5 * M, tps=1.0)])  # results/paper/ is skipped
     return root
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    return write_standard_results(tmp_path / "results")

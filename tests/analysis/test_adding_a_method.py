@@ -82,8 +82,10 @@ def test_example_registers_validates_and_matches_the_reference(plugin):
 
 
 def test_correctness_matrix_picks_the_example_up(plugin):
+    """The page's command, with ``-x``: a failed case restarts the module's rank pool (tests/distpool.py),
+    so a method failing every case would otherwise spend a pool start per case before this test fails."""
     _, env = plugin
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/methods",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/methods",
                            "-k", NAME], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     tail = proc.stdout[-2000:]
     assert proc.returncode == 0, tail + proc.stderr[-2000:]

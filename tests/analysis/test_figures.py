@@ -63,9 +63,29 @@ def committed():
     return load_rows(REPO / "results", quiet=True)
 
 
-@pytest.fixture
-def crowded(tmp_path):
-    return _load(tmp_path, crowded_rows())
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory):
+    return _load(tmp_path_factory.mktemp("crowded"), crowded_rows())
+
+
+@pytest.fixture(scope="module")
+def plots(crowded, committed):
+    """``plots(data)``: every figure of ``BUILDERS`` on the crowded or the committed rows, by its
+    builder, built once for the module and closed at its end. Building them is most of a figure
+    test's time (on the committed rows most of all), and the tests only read them: the overprint
+    check draws a figure, which lays it out but changes no artist's data or text."""
+    rows = {"crowded": crowded, "committed": committed}
+    built: dict[str, dict] = {}
+
+    def get(data: str) -> dict:
+        if data not in built:
+            built[data] = {build: build(rows[data]) for build in BUILDERS}
+        return built[data]
+
+    yield get
+    for by_builder in built.values():
+        for plot in by_builder.values():
+            plot.close()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -153,14 +173,19 @@ def _legends(fig) -> list:
 # ----------------------------------------------------------------------------- every figure
 
 @pytest.mark.parametrize("data", ["none", "standard", "crowded", "committed"])
-def test_no_figure_prints_over_another_panel(data, tmp_path, results_dir, committed):
+def test_no_figure_prints_over_another_panel(data, tmp_path, results_dir, plots):
     """Panels, their labels and OOM bands, the suptitle and figure legends never overlap; no
     line point lies outside its panel (the old OOM crosses sat on the next panel's label);
     tick labels of one axis stay apart."""
-    rows = {"none": lambda: load_rows(tmp_path / "empty", quiet=True),
-            "standard": lambda: load_rows(results_dir, quiet=True),
-            "crowded": lambda: _load(tmp_path, crowded_rows()), "committed": lambda: committed}[data]()
     faults = {}
+    if data in ("crowded", "committed"):  # the module's figures, shared with the tests below
+        for plot in plots(data).values():
+            found = _overprints(plot.fig)
+            if found:
+                faults[plot.name] = found
+        assert not faults, faults
+        return
+    rows = load_rows(tmp_path / "empty" if data == "none" else results_dir, quiet=True)
     for build in BUILDERS:
         plot = build(rows)
         try:
@@ -173,35 +198,27 @@ def test_no_figure_prints_over_another_panel(data, tmp_path, results_dir, commit
 
 
 @pytest.mark.parametrize("data", ["crowded", "committed"])
-def test_legends_are_short(data, tmp_path, committed):
+def test_legends_are_short(data, plots):
     """No legend lists more than a reader can scan: many series are told apart by colour
     (method), marker (source) and line style (variant), each in its own short legend."""
-    rows = _load(tmp_path, crowded_rows()) if data == "crowded" else committed
-    for build in BUILDERS:
-        plot = build(rows)
-        try:
-            for legend in _legends(plot.fig):
-                assert len(legend.get_texts()) <= MAX_LEGEND_ENTRIES, (plot.name, [t.get_text() for t in
-                                                                                    legend.get_texts()])
-        finally:
-            plot.close()
+    for plot in plots(data).values():
+        for legend in _legends(plot.fig):
+            assert len(legend.get_texts()) <= MAX_LEGEND_ENTRIES, (plot.name, [t.get_text() for t in
+                                                                                legend.get_texts()])
 
 
-def test_memory_vs_seq_factors_its_series_into_three_small_legends(crowded):
-    plot = figures.memory_vs_seq_plot(crowded)
-    try:
-        legends = {leg.get_title().get_text(): [t.get_text() for t in leg.get_texts()] for leg in plot.fig.legends}
-        assert set(legends) == {"colour: method", "marker: source", "line: kernel-scratch model (simulation)"}
-        assert len(legends["colour: method"]) == len(CROWDED_METHODS)
-        assert sorted(legends["marker: source"]) == ["ours: real, NVIDIA H100 80GB HBM3",
-                                                     "ours: simulated, h100-80g, lean stack",
-                                                     "paper (128K anchors, unconfirmed)"]
-        drawn = [line for line in plot.fig.axes[0].get_lines() if line.get_transform() == plot.fig.axes[0].transData]
-        assert len(drawn) > sum(len(v) for v in legends.values())  # 18 series and an anchor, 11 entries
-        styles = {(line.get_color(), line.get_marker(), str(line.get_linestyle())) for line in drawn}
-        assert len(styles) == len(drawn)  # yet every series looks different
-    finally:
-        plot.close()
+def test_memory_vs_seq_factors_its_series_into_three_small_legends(plots):
+    plot = plots("crowded")[figures.memory_vs_seq_plot]
+    legends = {leg.get_title().get_text(): [t.get_text() for t in leg.get_texts()] for leg in plot.fig.legends}
+    assert set(legends) == {"colour: method", "marker: source", "line: kernel-scratch model (simulation)"}
+    assert len(legends["colour: method"]) == len(CROWDED_METHODS)
+    assert sorted(legends["marker: source"]) == ["ours: real, NVIDIA H100 80GB HBM3",
+                                                 "ours: simulated, h100-80g, lean stack",
+                                                 "paper (128K anchors, unconfirmed)"]
+    drawn = [line for line in plot.fig.axes[0].get_lines() if line.get_transform() == plot.fig.axes[0].transData]
+    assert len(drawn) > sum(len(v) for v in legends.values())  # 18 series and an anchor, 11 entries
+    styles = {(line.get_color(), line.get_marker(), str(line.get_linestyle())) for line in drawn}
+    assert len(styles) == len(drawn)  # yet every series looks different
 
 
 # ----------------------------------------------------------------------------- OOM
@@ -220,48 +237,33 @@ def _oom_check(ax, oom_lengths: set[float], n_series: int, nothing_fits: set[flo
     assert len({y for _, y in band_points}) == n_series  # a row per series: none hides another
 
 
-def test_memory_vs_seq_draws_oom_in_a_band_not_at_a_memory_value(crowded):
-    plot = figures.memory_vs_seq_plot(crowded)
-    try:
-        _oom_check(plot.fig.axes[0], {3.0 * M, 4.0 * M, 5.0 * M}, 3 * len(CROWDED_METHODS), {4.0 * M, 5.0 * M})
-        assert not _bands(plot.fig.axes[1])  # no OOM rows of ours on 16 GPUs: no band
-    finally:
-        plot.close()
+def test_memory_vs_seq_draws_oom_in_a_band_not_at_a_memory_value(plots):
+    plot = plots("crowded")[figures.memory_vs_seq_plot]
+    _oom_check(plot.fig.axes[0], {3.0 * M, 4.0 * M, 5.0 * M}, 3 * len(CROWDED_METHODS), {4.0 * M, 5.0 * M})
+    assert not _bands(plot.fig.axes[1])  # no OOM rows of ours on 16 GPUs: no band
 
 
-def test_table3_draws_oom_in_a_band_not_at_the_axis_floor(crowded):
-    plot = figures.table3_plot(crowded)
-    try:
-        ax = plot.fig.axes[0]
-        # the paper's OOMs (2M: Native PyTorch; 4M: Ring, Ulysses) and our real series' (3M-5M)
-        _oom_check(ax, {2.0 * M, 3.0 * M, 4.0 * M, 5.0 * M}, 3 + len(CROWDED_METHODS), set())
-        floor = ax.get_ylim()[0]
-        assert all(y > floor for _, y in _points(ax))
-    finally:
-        plot.close()
+def test_table3_draws_oom_in_a_band_not_at_the_axis_floor(plots):
+    ax = plots("crowded")[figures.table3_plot].fig.axes[0]
+    # the paper's OOMs (2M: Native PyTorch; 4M: Ring, Ulysses) and our real series' (3M-5M)
+    _oom_check(ax, {2.0 * M, 3.0 * M, 4.0 * M, 5.0 * M}, 3 + len(CROWDED_METHODS), set())
+    floor = ax.get_ylim()[0]
+    assert all(y > floor for _, y in _points(ax))
 
 
-def test_attention_and_u_ablation_draw_oom_in_bands(crowded):
-    plot = figures.attn_memory_plot(crowded)
-    try:
-        top = plot.fig.axes[0]
-        (band,) = _bands(top)
-        assert {x for x, _ in _points(band)} == {4.0 * M}
-        assert (4.0 * M, 12.0) in _points(top)  # UPipe fits 4M
-        assert not [p for p in _points(top) if abs(p[1] - OOM_PEAK) < 1e-6]
-    finally:
-        plot.close()
-    plot = figures.u_ablation_plot(crowded)
-    try:
-        throughput, _, memory = plot.fig.axes[:3]
-        for ax in (throughput, memory):
-            (band,) = _bands(ax)
-            assert len(_points(band)) == 1  # Ulysses at 256K
-            x_oom = _points(band)[0][0]
-            lines = [line for line in ax.get_lines() if line.get_label().startswith("256K")]
-            assert lines and all(x_oom not in line.get_xdata() for line in lines)
-    finally:
-        plot.close()
+def test_attention_and_u_ablation_draw_oom_in_bands(plots):
+    top = plots("crowded")[figures.attn_memory_plot].fig.axes[0]
+    (band,) = _bands(top)
+    assert {x for x, _ in _points(band)} == {4.0 * M}
+    assert (4.0 * M, 12.0) in _points(top)  # UPipe fits 4M
+    assert not [p for p in _points(top) if abs(p[1] - OOM_PEAK) < 1e-6]
+    throughput, _, memory = plots("crowded")[figures.u_ablation_plot].fig.axes[:3]
+    for ax in (throughput, memory):
+        (band,) = _bands(ax)
+        assert len(_points(band)) == 1  # Ulysses at 256K
+        x_oom = _points(band)[0][0]
+        lines = [line for line in ax.get_lines() if line.get_label().startswith("256K")]
+        assert lines and all(x_oom not in line.get_xdata() for line in lines)
 
 
 # ----------------------------------------------------------------------------- max context
