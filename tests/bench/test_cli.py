@@ -154,7 +154,7 @@ DOCS_BAD = [
     (["--docs", "prolong64k:one"], "the seed after ':' must be an integer, got 'one'"),
     (["--docs-lengths", "512K,x"], "entry 2 ('x') is not a positive token count"),
     (["--docs-lengths", "512K,256K"], "sum to 786432 but the sequence has 1048576 tokens"),
-    (["--docs", "pile", "--method", "ring"], "method 'ring' refuses packed documents"),
+    (["--docs", "pile", "--method", "torch-cp"], "method 'torch-cp' refuses packed documents"),
     (["--docs", "pile", "--docs-lengths", "1M"], "not allowed with argument"),
 ]
 
