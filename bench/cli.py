@@ -392,6 +392,18 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
     return 0
 
 
+def _fidelity_dirs(args, prog: str) -> tuple[Path, Path]:
+    """The rows folder and the figures folder of ``bench fidelity``, both checked writable before any work."""
+    out = Path(args.out) if args.out else runs_dir() / "fidelity"
+    figs = Path(args.figs_dir) if args.figs_dir else out
+    try:
+        check_dir(out, "--out")
+        check_dir(figs, "--figs-dir")
+    except OutputError as err:
+        raise UsageError(f"{prog}: error: {err}") from None
+    return out, figs
+
+
 def _hf_fidelity(args) -> int:
     """``fidelity --hf``: the HF stack's anchors (``bench.stackmodel.hffidelity``), one at a time."""
     from .stackmodel import hffidelity
@@ -409,13 +421,7 @@ def _hf_fidelity(args) -> int:
         for a in chosen:
             print(f"{a.name:28} {a.expect:5} {human(a.seq_len):>6} x{a.gpus:<3} {a.method}  {a.source}")
         return 0
-    out = Path(args.out) if args.out else runs_dir() / "fidelity"
-    figs = Path(args.figs_dir) if args.figs_dir else out
-    try:
-        check_dir(out, "--out")
-        check_dir(figs, "--figs-dir")
-    except OutputError as err:
-        raise UsageError(f"python -m bench fidelity --hf: error: {err}") from None
+    out, figs = _fidelity_dirs(args, "python -m bench fidelity --hf")
     results = hffidelity.run_anchors(chosen)
     print(hffidelity.markdown(results))
     for path in hffidelity.write_outputs(results, out, figs):
@@ -437,13 +443,7 @@ def _fidelity(args) -> int:
         return 0
     if not chosen:
         raise UsageError("python -m bench fidelity: error: no anchor selected")
-    out = Path(args.out) if args.out else runs_dir() / "fidelity"
-    figs = Path(args.figs_dir) if args.figs_dir else out
-    try:
-        check_dir(out, "--out")
-        check_dir(figs, "--figs-dir")
-    except OutputError as err:
-        raise UsageError(f"python -m bench fidelity: error: {err}") from None
+    out, figs = _fidelity_dirs(args, "python -m bench fidelity")
     try:
         runner = fidelity.rows_runner(args.from_rows) if args.from_rows else None
         results = fidelity.run_anchors(chosen, jobs=1 if runner else args.jobs, pools=args.allocator_pools,
