@@ -12,69 +12,23 @@ and their backward reduce-scatters.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-import re
-import sys
-from pathlib import Path
-
 import pytest
 
 import methods
 from bench.measure.run import run_trial
 from bench.measure.trial import Trial
 from bench.training.config import StepConfig
-from tests.distpool import RankPool
 from tests.methods.cases import TOLERANCE, cases, check_against_reference, refusal
+from tests.methods.guide_example import REPO, fixtures
 
 pytestmark = pytest.mark.slow  # spawns a rank pool (tests/conftest.py's meaning of slow)
 
-REPO = Path(__file__).resolve().parents[2]
-DOC = REPO / "docs" / "adding-a-method.md"
 NAME = "allgather-kv-mini"
 MODULE = "allgather_kv_mini"
 CASES = list(cases([NAME]))  # the matrix's cases for this one method (no registration needed to list them)
 
 
-def doc_block(path: str) -> str:
-    """The fenced block that follows ``<!-- file: PATH -->`` in the page, verbatim."""
-    m = re.search(r"<!-- file: " + re.escape(path) + r" -->\s*```\w*\n(.*?)```", DOC.read_text(), re.S)
-    assert m, f"{DOC} has no block for {path}"
-    return m.group(1)
-
-
-def load_example(folder: str) -> None:
-    """Import the example module from ``folder``, which registers the method in this process.
-
-    Module-level so that the rank pool can pickle it (with ``functools.partial``) as each rank's
-    start-up; a no-op where it is imported already."""
-    if MODULE in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(MODULE, Path(folder) / f"{MODULE}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE] = module
-    spec.loader.exec_module(module)
-
-
-@pytest.fixture(scope="module")
-def example(tmp_path_factory):
-    """The page's method file in a temporary folder, registered in this process until the module ends."""
-    folder = tmp_path_factory.mktemp("second-example")
-    (folder / f"{MODULE}.py").write_text(doc_block(f"methods/{MODULE}.py"))
-    load_example(str(folder))
-    try:
-        yield folder
-    finally:
-        methods.unregister(NAME)
-        sys.modules.pop(MODULE, None)
-
-
-@pytest.fixture(scope="module")
-def pool(example):
-    """This module's 4 gloo ranks (instead of tests/methods/conftest.py's): each imports the example first."""
-    p = RankPool(4, setup=functools.partial(load_example, str(example)))
-    yield p
-    p.close()
+example, pool = fixtures(NAME, MODULE)
 
 
 def test_the_example_registers_from_the_page_and_has_no_head_constraint(example):
