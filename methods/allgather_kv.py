@@ -35,6 +35,7 @@ from .core.seqlayout import SequenceLayoutMethod
           facts=MethodFacts(column=None, library="ours"))
 class AllGatherKV(SequenceLayoutMethod):
     honours_documents: ClassVar[bool] = True
+    passes_kv_by_steps: ClassVar[bool] = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 docs: Documents | None = None) -> torch.Tensor:

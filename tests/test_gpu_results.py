@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from analysis.gpu_report import segments_markdown
 from records import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +20,6 @@ FOLDERS = [(FOLDER, "real.jsonl", "real"), (ROOT / "results" / "gpu" / "h100-emu
            (ROOT / "results" / "gpu" / "h200-skipmath", "real.ndjson", "emulated")]
 H100 = "NVIDIA H100 80GB HBM3"
 DEVICES = {"h100-ws1": H100, "h100-emulated": H100, "h200-skipmath": "NVIDIA H200"}
-sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
-import compare  # noqa: E402
 
 
 @pytest.mark.parametrize("folder,name,mode", FOLDERS, ids=lambda v: getattr(v, "name", None))
@@ -45,8 +44,7 @@ def test_segments_add_up_to_the_reserved_peak(folder):
 
 def test_segments_table_renders(tmp_path):
     (tmp_path / "segments.ndjson").write_text((FOLDER / "segments.ndjson").read_text())
-    compare.segments_md(tmp_path)
-    text = (tmp_path / "segments.md").read_text()
+    text = segments_markdown(tmp_path)
     assert "| ulysses | 128K | default |" in text and "**46.47**" in text
 
 

@@ -175,7 +175,7 @@ def rank_work(method: str, spec: AttnSpec, world_size: int, docs: Documents, opt
     parts = [plan.rank_runs(j, ring) for j in range(ring)]
     per_ring = [runs_pairs(parts[j], None, pdocs, spec.causal) * heads for j in range(ring)]
     steps = None
-    if ring > 1 and method != "allgather-kv":
+    if ring > 1 and getattr(cls, "passes_kv_by_steps", True):
         steps = tuple(tuple(runs_pairs(parts[j], parts[(j - t) % ring], pdocs, spec.causal) * heads
                             for t in range(ring)) for j in range(ring))
     # a ring rank's part is split contiguously over the next u = C / R ranks (methods.core.seqlayout), which

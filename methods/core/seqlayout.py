@@ -24,6 +24,7 @@ split contiguously over ``world_size / ring_size`` ranks (USP's Ulysses groups).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -54,6 +55,9 @@ class SequenceLayoutMethod(AttentionMethod):
     """A ring method whose sequence layout is an option (module docstring)."""
 
     Options = LayoutOptions
+    # True: K/V travel round the ring step by step (rank j meets rank j - t's part at step t);
+    # False: every rank gathers all K/V at once (``allgather-kv``), so there are no per-step pairs
+    passes_kv_by_steps: ClassVar[bool] = True
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: LayoutOptions) -> None:

@@ -134,6 +134,8 @@ ALLOWED = {
     "analysis/style.py": "presentation: each method's display name and fixed colour in every figure "
                          "(a method not listed shows its own name and a colour hashed from it)",
     "bench/search/plan.py": "the planner's search space: the configurations it tries, by name",
+    "bench/stackmodel/hfstack.py": "the hf stack's two paths: which methods Accelerate runs on sp_size "
+                                   "(DeepSpeed ALST, UPipe through its integration) and which on cp_size",
     "bench/measure/trial.py": "AUTO_METHODS: the methods whose chunk_heads may be 'auto' "
                               "(bench.search.autochunk), not part of the method facts yet",
 }
