@@ -209,6 +209,13 @@ class RingComm:
     ``exchange`` posts all sends and receives at once with ``batch_isend_irecv`` and
     returns immediately, so the caller can compute on the current block while the next
     one travels; ``wait`` completes them. Peers are global ranks, as P2P ops require.
+
+    The tensors being sent are held here until ``wait``: a real backend's work object keeps a
+    send's buffer alive until the transfer completes (gloo's send work holds the tensor, NCCL
+    stashes it for the caching allocator), whereas the ``fake`` backend's work holds nothing. A
+    caller may drop its own reference to a tensor it sent before waiting (the ring backward's
+    travelling dK/dV accumulators); without this hold the simulation would free that memory
+    earlier than any real run does.
     """
 
     def __init__(self, group) -> None:
@@ -218,22 +225,25 @@ class RingComm:
             self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
             self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self._reqs: list = []
+        self._in_flight: list[torch.Tensor] = []  # the tensors being sent, held until wait()
 
     def exchange(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Send ``tensors`` to the next rank; return buffers that will hold the previous rank's."""
         if self._reqs:
             raise RuntimeError("RingComm.exchange called again before wait()")
         recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        sends = [t.contiguous() for t in tensors]
         ops = []
-        for send_t, recv_t in zip(tensors, recv, strict=False):
-            ops.append(dist.P2POp(dist.isend, send_t.contiguous(), self.next, self.group))
+        for send_t, recv_t in zip(sends, recv, strict=True):
+            ops.append(dist.P2POp(dist.isend, send_t, self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, recv_t, self.prev, self.group))
         self._reqs = dist.batch_isend_irecv(ops)
+        self._in_flight = sends
         return recv
 
     def wait(self) -> None:
         for req in self._reqs:
             req.wait()
-        self._reqs = []
+        self._reqs, self._in_flight = [], []
         if ringsync.enabled() and self.size > 1:  # the paper's ring code synchronises every step
             ringsync.barrier(self.group)

@@ -12,10 +12,11 @@ import methods
 from bench.measure import run as trial_mod
 from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated, real_rank, run_trial
-from bench.measure.simulate import fake_process_group
+from bench.measure.simulate import fake_process_group, fake_tensors, track_peak
 from bench.measure.trial import Trial
 from bench.stackmodel.hardware import LINKS, CommCounter, get_device
 from bench.training.config import StepConfig
+from methods.core import comm
 
 CANDIDATES = ("ulysses", "upipe", "ring")
 COMPARED = sorted(set(methods.available()) & set(CANDIDATES))
@@ -43,6 +44,34 @@ def test_simulated_peak_matches_real_within_5_percent(pool, method, ws, dtype, s
         assert sim.peak_by_category[cat] == results[0].peak_by_category[cat], cat
     assert sim.comm_bytes == results[0].comm_bytes
 
+
+
+def send_then_drop_peak(group, n: int) -> int:
+    """Peak bytes of: post a send of ``n`` fp32 values around the ring, drop the sender's own
+    reference, allocate as much again, then wait (module level: the ranks run it)."""
+
+    def step():
+        ring = comm.RingComm(group)
+        sent = torch.ones(n)
+        received = ring.exchange([sent])
+        del sent  # the ring backward drops its dK/dV accumulators this way before the wait
+        scratch = torch.ones(n)
+        ring.wait()
+        del scratch, received
+
+    return track_peak(step).total
+
+
+def test_a_sent_tensor_lives_until_the_wait_in_both_modes(pool):
+    """A real backend keeps a send's buffer until the transfer completes, whatever the sender does
+    with its reference; the simulation (fake process group) holds it as long: three buffers of
+    n values (sent, received, scratch) at the peak, in both modes."""
+    n = 4096
+    real = pool.run(send_then_drop_peak, n, world_size=2)
+    with fake_process_group(2) as group, fake_tensors(torch.float32, meta_host=False):
+        simulated = send_then_drop_peak(group, n)
+    assert real == [3 * n * 4] * 2
+    assert simulated == real[0]
 
 def test_emulated_row_adds_modelled_communication_to_measured_compute():
     row = run_trial(Trial.make("upipe", "tiny-mha", 512, 4, mode="emulated", device="cpu", iters=1, smoke=True,
