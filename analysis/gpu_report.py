@@ -20,8 +20,10 @@ GiB = 2**30
 
 
 def trial_key(row: dict) -> tuple:
-    return row["method"], row["seq_len"], row["world_size"], tuple(opt_args(row)), model_arg(row), \
+    key = row["method"], row["seq_len"], row["world_size"], tuple(opt_args(row)), model_arg(row), \
         tuple(lever_args(row))
+    docs = tuple(docs_args(row))
+    return (*key, docs) if docs else key
 
 
 def opt_args(row: dict) -> list[str]:
@@ -30,6 +32,16 @@ def opt_args(row: dict) -> list[str]:
     for i, a in enumerate(argv[:-1]):
         if a == "--opt":
             out += ["--opt", argv[i + 1]]
+    return out
+
+
+def docs_args(row: dict) -> list[str]:
+    """The real run's packed documents (``--docs NAME[:SEED]`` or ``--docs-lengths``), to pass on to its
+    simulation; empty for one sequence."""
+    argv, out = row["env"]["argv"], []
+    for i, a in enumerate(argv[:-1]):
+        if a in ("--docs", "--docs-lengths"):
+            out += [a, argv[i + 1]]
     return out
 
 
@@ -133,7 +145,7 @@ def compare_markdown(folder: Path, real_rows: list[dict], by_trial: dict[tuple, 
         model_s = modelled_step_s(first, compute_only=emu, attention=not skipped(rows[0]))
         rr, ra = real["peak_reserved_bytes"], real["peak_bytes"]
         model_name = Path(model_arg(rows[0])).stem
-        opts = " ".join(key[3][1::2])
+        opts = " ".join([*key[3][1::2], *(f"docs {d}" for d in docs_args(rows[0])[1::2])])
         if skipped(rows[0]):
             what = "attention skipped" + (", RoPE table" if rows[0]["levers"].get("rope_table") == "checkpointed"
                                           else "")

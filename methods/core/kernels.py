@@ -68,6 +68,7 @@ document, then ``offset_blocks`` within it). With documents:
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -239,6 +240,21 @@ def varlen_layout(blocks: Blocks, sq: int, sk: int) -> tuple[list[int], list[int
     return cu_q, cu_k, kinds.pop()
 
 
+@functools.lru_cache(maxsize=256)
+def document_call(
+    sq: int, sk: int, causal: bool, q_offset: int, docs: Documents, k_start: int
+) -> tuple[Blocks, tuple[list[int], list[int], bool] | None]:
+    """``mask_blocks`` of one call with documents and its ``varlen_layout`` (None: blockwise).
+
+    Cached: a step makes the same call in every layer, in the forward, its recomputation and the
+    backward (and per stage for a staged method), and the rule is pure Python over every document,
+    so computing it once keeps the host ahead of the GPU. The blocks are shared between calls and
+    must not be changed.
+    """
+    blocks = mask_blocks(sq, sk, causal, q_offset, docs, k_start)
+    return blocks, varlen_layout(blocks, sq, sk)
+
+
 def visible(
     sq: int, sk: int, causal: bool, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
     device=None,
@@ -350,8 +366,8 @@ class TorchKernel:
         docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor]:
         if docs is not None:
-            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
-            layout = varlen_layout(blocks, q.shape[1], k.shape[1]) if q.device.type != "cpu" else None
+            blocks, layout = document_call(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
+            layout = layout if q.device.type != "cpu" else None
             if layout is not None:
                 return self._varlen_forward(q, k, v, *layout, scale)
             return blockwise_forward(self._forward, q, k, v, scale, q_offset, blocks)
@@ -364,8 +380,8 @@ class TorchKernel:
         causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if docs is not None:
-            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
-            layout = varlen_layout(blocks, q.shape[1], k.shape[1]) if q.device.type != "cpu" else None
+            blocks, layout = document_call(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
+            layout = layout if q.device.type != "cpu" else None
             if layout is not None:
                 return self._varlen_backward(dout, q, k, v, out, lse, *layout, scale)
             return blockwise_backward(self._backward, dout, q, k, v, out, lse, scale, q_offset, blocks)
@@ -537,8 +553,7 @@ class FlashAttnKernel:
         docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor]:
         if docs is not None:
-            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
-            layout = varlen_layout(blocks, q.shape[1], k.shape[1])
+            blocks, layout = document_call(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
             if layout is not None:
                 return self._varlen_forward(q, k, v, *layout, scale)
             return blockwise_forward(self._forward, q, k, v, scale, q_offset, blocks)
@@ -551,8 +566,7 @@ class FlashAttnKernel:
         causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         if docs is not None:
-            blocks = mask_blocks(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
-            layout = varlen_layout(blocks, q.shape[1], k.shape[1])
+            blocks, layout = document_call(q.shape[1], k.shape[1], causal, q_offset, docs, k_start)
             if layout is not None:
                 return self._varlen_backward(dout, q, k, v, out, lse, *layout, scale)
             return blockwise_backward(self._backward, dout, q, k, v, out, lse, scale, q_offset, blocks)

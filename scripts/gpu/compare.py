@@ -33,18 +33,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from analysis.gpu_report import lever_args, model_arg, opt_args, trial_key, write_gpu_report  # noqa: E402
+from analysis.gpu_report import docs_args, lever_args, model_arg, opt_args, trial_key, write_gpu_report  # noqa: E402
 
 POOLS = ("shared", "per-stream")
 
 
 def simulate(row: dict, pools: str) -> dict:
     """The simulated twin of a real or emulated row (same method, options, model, world size,
-    length, levers, device preset)."""
+    length, levers, documents, device preset)."""
     cmd = [sys.executable, "-m", "bench", "run", "--mode", "simulated", "--device", row["device"],
            "--world-size", str(row["world_size"]), "--model", model_arg(row), "--method", row["method"],
            "--seq-len", str(row["seq_len"]), *opt_args(row), *lever_args(row),
-           "--stack", "lean", "--allocator-model", "expandable", "--allocator-pools", pools,
+           *docs_args(row), "--stack", "lean", "--allocator-model", "expandable", "--allocator-pools", pools,
            "--kernel-workspace", "fa2", "--no-save", "--json"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
 #   bash scripts/gpu/validate.sh OUT_DIR PHASE...
-# PHASE: env | kernels | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip | emurope
+# PHASE: env | kernels | varlen | docs64 | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip | emurope
 # (any order, several at once). $DEVICE: the device preset the rows name (default h100-80g; h200-141g on an H200).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
@@ -47,6 +47,13 @@ for phase in "$@"; do
         | tee -a "$out/log.txt" ;;
     kernels)
       timeout 240 $py scripts/gpu/kernels.py --out "$out/kernels.ndjson" 2>&1 | tee -a "$out/log.txt" ;;
+    varlen)  # the attention kernel's variable-length path under documents: checked, then timed by document length
+      timeout 240 $py scripts/gpu/varlen.py --out "$out/varlen.ndjson" 2>&1 | tee -a "$out/log.txt" ;;
+    docs64)  # packed documents (a prolong64k draw) against one sequence, Ulysses and UPipe: memory and
+      # step time, 5 timed steps after 1 untimed
+      for m in ulysses upipe; do for docs in "" "--docs prolong64k"; do
+        trial 150 --method $m --seq-len 64K --warmup 1 --iters 5 $docs
+      done; done ;;
     mem128)  # memory: one steady-state step after the first (reset_peak_memory_stats in between)
       for m in ulysses upipe; do trial 200 --method $m --seq-len 128K --warmup 1 --iters 1 --smoke; done ;;
     time64)  # step time with spread: 5 timed steps after 2 untimed
@@ -119,6 +126,6 @@ for phase in "$@"; do
       emu_trial 8 "$model" "yc-usp 3M ws8 4l rope" 90 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
         --seq-len 3M $rope
       emu_trial 8 "$model" "upipe 3M ws8 4l rope" 90 --method upipe --seq-len 3M $rope ;;
-    *) echo "unknown phase $phase (env kernels mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope)"; exit 2 ;;
+    *) echo "unknown phase $phase (env kernels varlen docs64 mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope)"; exit 2 ;;
   esac
 done
