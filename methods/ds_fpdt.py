@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .core.base import MethodOptions, head_rows
 from .core.hostmem import simulated
@@ -99,9 +98,8 @@ class DeepSpeedFPDT(FPDT):
         self._fpdt_cls = FPDT_Attention
 
     def offload_for(self, x: torch.Tensor) -> bool:
-        # simulation (fake tensors, on either fake device): see the module docstring, the
-        # non-offloading path is what is simulated
-        if simulated() is not None or is_fake(x):
+        # simulation (the module docstring): the non-offloading path is what is simulated
+        if simulated() is not None:
             if self.options.offload:
                 raise ValueError(
                     "ds-fpdt: offload=True cannot be simulated: DeepSpeed's offloading path runs on "
