@@ -35,11 +35,18 @@ methods, included) and every device; the KV-head ratio is not a separate axis (m
 8/2 and 32/8 query/KV heads; a call's KV heads are not read); non-causal varlen calls take the causal
 table.
 
-Not covered: a call with documents that does not tile into one varlen call (a ring step's blocks,
-``methods.core.kernels.blockwise_forward``: one dense call per document block) stays at the dense
-rate, each block counted at its own FLOPs. The step-time model has no per-kernel-launch term (its
-``latency_s`` is per collective call; the memory-bound kernels' calls are counted but only their
-bytes are timed), so the fixed cost of those many small dense calls is not modelled either.
+Not covered: a call of mixed lengths is modelled as its documents each at its own length's rate,
+which the same file's three published draws (rows ``prolong64k:0``, ``pile:0``,
+``magiattention-cp:0``) show too fast, the most at one head per call (``results/gpu/README.md``,
+"The step under documents"; a likely cause: the op's grid is sized by the call's longest document,
+so short documents leave row tiles idle and the longest ones' last tiles finish alone). A dense call
+shorter than the dense length is charged the model's dense rate (the table measures documents within
+one call of the dense length, not short dense calls). And a call with documents that does not tile
+into one varlen call (a ring step's blocks, ``methods.core.kernels.blockwise_forward``: one dense
+call per document block) stays at the dense rate, each block counted at its own FLOPs. The step-time
+model has no per-kernel-launch term (its ``latency_s`` is per collective call; the memory-bound
+kernels' calls are counted but only their bytes are timed), so the fixed cost of those many small
+dense calls is not modelled either.
 """
 from __future__ import annotations
 
