@@ -10,7 +10,9 @@ step-time model (``bench.stackmodel.steptime``) and NCCL's buffers
 Rows store the counts flat, in ``figures.step_time_model["counts"]``, and the planner's
 simulation cache in ``step_counts`` (``bench.search.plan.SimCache``), with string keys:
 
-* ``flops.matmul``, ``flops.attention``, ``flops.other``
+* ``flops.matmul``, ``flops.attention``, ``flops.other``; ``flops.attention_varlen_excess`` only where
+  it is not 0 (the dense-rate FLOPs the flash op's varlen calls cost beyond their counted ones,
+  ``bench.stackmodel.varlenrate``: a step with documents), so counts without it keep their form
 * ``host.<method|offload>.<d2h|h2d>_bytes`` and ``..._calls``
 * ``bytes.memory_bound`` and ``bytes.memory_bound_calls`` (absent from counts of version 2)
 * ``comm.<op>.<group size>.<members in the rank's node>.bytes`` and ``.calls``; the same under
@@ -31,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 KERNEL_CLASSES = ("matmul", "attention", "other")
+VARLEN_EXCESS = "attention_varlen_excess"  # flops.<this>: the varlen calls' excess (module docstring)
 ISSUERS = ("method", "offload")
 DIRECTIONS = ("d2h", "h2d")
 _COMM_PREFIXES = {"comm": False, "comm_attn": True}  # flat prefix -> Collective.attention
@@ -85,6 +88,9 @@ class StepCounts:
     flops_matmul: float = 0  # FLOPs of the GEMMs (mm, addmm, bmm, ...), recompute included
     flops_attention: float = 0  # FLOPs of the attention kernels, causal masking counted
     flops_other: float = 0  # FLOPs of the other ops torch's counter has a formula for
+    # dense-rate FLOPs the flash op's varlen calls cost beyond flops_attention (short documents, few heads per
+    # call run below the dense rate: bench.stackmodel.varlenrate); timed with the attention; 0 without documents
+    flops_attention_varlen_excess: float = 0.0
     host_copies: dict[HostCopy, Traffic] = field(default_factory=dict)  # accelerator <-> host copies, bytes moved
     memory_bound: Traffic | None = None  # the memory-bound kernels' calls and HBM bytes; None: counts of version 2
     events: dict[str, float] = field(default_factory=dict)  # events the methods noted, by name (count)
@@ -114,6 +120,7 @@ class StepCounts:
             flops_matmul=fn(*(p.flops_matmul for p in parts)),
             flops_attention=fn(*(p.flops_attention for p in parts)),
             flops_other=fn(*(p.flops_other for p in parts)),
+            flops_attention_varlen_excess=fn(*(p.flops_attention_varlen_excess for p in parts)),
             host_copies=entries(lambda p: p.host_copies),
             memory_bound=None if all(b is None for b in bound) else Traffic(
                 fn(*((b or Traffic()).calls for b in bound)), fn(*((b or Traffic()).bytes for b in bound))),
@@ -135,8 +142,11 @@ class StepCounts:
                 raise ValueError(f"step count {key!r} must be a number, got {value!r}")
             head, _, rest = key.partition(".")
             if head == "flops":
-                if rest not in KERNEL_CLASSES:
-                    raise ValueError(f"step count {key!r}: the FLOPs classes are {', '.join(KERNEL_CLASSES)}")
+                if rest not in (*KERNEL_CLASSES, VARLEN_EXCESS):
+                    raise ValueError(f"step count {key!r}: the FLOPs classes are {', '.join(KERNEL_CLASSES)} "
+                                     f"(and {VARLEN_EXCESS})")
+                if rest == VARLEN_EXCESS and value == 0:
+                    raise ValueError(f"step count {key!r} is 0: the flat form leaves it out when it is 0")
                 flops[rest] = value
             elif head == "host":
                 issuer, _, what = rest.partition(".")
@@ -175,6 +185,7 @@ class StepCounts:
                                  f"{'calls' if have == 'bytes' else 'bytes'}: each comes with the other")
         traffic = {entry: Traffic(pair["calls"], pair["bytes"]) for entry, pair in pairs.items()}
         return cls(flops_matmul=flops["matmul"], flops_attention=flops["attention"], flops_other=flops["other"],
+                   flops_attention_varlen_excess=flops.get(VARLEN_EXCESS, 0.0),
                    host_copies={k: v for k, v in traffic.items() if isinstance(k, HostCopy)},
                    memory_bound=traffic.get("memory_bound"), events=events,
                    collectives={k: v for k, v in traffic.items() if isinstance(k, Collective)})
@@ -183,6 +194,8 @@ class StepCounts:
         """The flat form (module docstring), keys sorted as rows store them."""
         out: dict[str, float] = {"flops.matmul": self.flops_matmul, "flops.attention": self.flops_attention,
                                  "flops.other": self.flops_other}
+        if self.flops_attention_varlen_excess:
+            out[f"flops.{VARLEN_EXCESS}"] = self.flops_attention_varlen_excess
         for copy, t in self.host_copies.items():
             out[f"host.{copy.issuer}.{copy.direction}_bytes"] = t.bytes
             out[f"host.{copy.issuer}.{copy.direction}_calls"] = t.calls

@@ -27,6 +27,12 @@ for the attention kernels the suite calls that count **causal masking**:
   bottom-right (row i sees keys up to sk - sq + i, flash-attn README "2.1: change behavior of
   causal flag"). Tiles straddling the diagonal are computed whole by the kernels; at a tile
   of 128 that adds ~128/S of the causal work (< 0.2% at 64K per kernel call), not counted.
+* the flash op's variable-length form (``aten._flash_attention_forward/backward`` with cumulative
+  lengths: a call with documents, ``bench.stackmodel.varlencount``): each sequence at its own
+  length and mask. Its short sequences run below the dense rate (``bench.stackmodel.varlenrate``):
+  the dense-rate FLOPs a call costs beyond its counted ones are summed beside the FLOPs
+  (``LocalFlopCounter.varlen_excess``; a formula returns plain FLOPs) into
+  ``StepCounts.flops_attention_varlen_excess``.
 
 Host copies: every ``aten._to_copy``/``aten.copy_`` between the simulated accelerator and the
 host device (``cpu`` on the GPU code path, ``meta`` on the CPU code path) with its bytes and
@@ -282,6 +288,8 @@ class _LocalOpsMode(_FlopCounterMode):
         if weight != 1 and packet in self.counter.flop_registry:
             extra = self.counter.flop_registry[packet](*args, **kwargs, out_val=out)
             self.counter.flop_counts["Global"][packet] += (weight - 1) * extra
+        if packet in self.counter.flop_registry:  # a varlen call's cost beyond its FLOPs (varlencount)
+            self.counter.varlen_excess += weight * varlencount.excess_flops(packet, args, kwargs)
         return self.counter._count_flops(packet, out, args, kwargs)
 
 
@@ -329,14 +337,17 @@ class _GlobalOnly:
 
 class LocalFlopCounter(FlopCounterMode):
     """``FlopCounterMode`` counting the local ops under DTensor (``_LocalOpsMode``), per step only
-    (no per-module breakdown: ``_GlobalOnly``)."""
+    (no per-module breakdown: ``_GlobalOnly``), and the varlen calls' excess (``varlen_excess``:
+    ``varlencount.excess_flops``, weighed by the tiles a call stands for as its FLOPs are)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.mod_tracker = _GlobalOnly()
+        self.varlen_excess = 0.0  # dense-rate attention FLOPs the varlen calls cost beyond their own
 
     def __enter__(self):
         self.flop_counts.clear()
+        self.varlen_excess = 0.0
         self.mod_tracker.__enter__()
         self.mode = _LocalOpsMode(self)
         self.mode.__enter__()
@@ -445,12 +456,13 @@ class StepCounter:
             yield self
 
     def counts(self) -> StepCounts:
-        """The FLOPs by kernel class, the host copies, the memory-bound kernels' traffic and the
-        methods' noted events (``methods.core.events``: ``pipeline.chunk_passes``); no collectives
-        (``bench.stackmodel.steptime.comm_counts`` counts those)."""
+        """The FLOPs by kernel class (and the varlen calls' excess attention FLOPs), the host copies, the
+        memory-bound kernels' traffic and the methods' noted events (``methods.core.events``:
+        ``pipeline.chunk_passes``); no collectives (``bench.stackmodel.steptime.comm_counts`` counts those)."""
         flops = dict.fromkeys(KERNEL_CLASSES, 0)
         for op, n in self.flops.get_flop_counts().get("Global", {}).items():
             flops[kernel_class(op)] += n
         return StepCounts(flops_matmul=flops["matmul"], flops_attention=flops["attention"],
-                          flops_other=flops["other"], host_copies=dict(self.copies.counts),
+                          flops_other=flops["other"], flops_attention_varlen_excess=self.flops.varlen_excess,
+                          host_copies=dict(self.copies.counts),
                           memory_bound=Traffic(self.traffic.calls, self.traffic.bytes), events=dict(self.events))

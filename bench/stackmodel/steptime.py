@@ -14,7 +14,10 @@ a measurement). The terms, each a named mechanism:
   kernel, which is FlashAttention 2's code (what Native PyTorch = ``torch-cp`` ran; the same
   split as the paper stack's ``kernel_scratch`` term, ``bench.stackmodel.stack.scratch_model``;
   the FA3 paper, Shah et al. 2024, reports FA3 1.5-2x FA2 on H100); ``other`` (none counted
-  today) at ``eff_matmul``.
+  today) at ``eff_matmul``. Under documents the attention's FLOPs are joined by
+  ``flops.attention_varlen_excess``: the dense-rate FLOPs the flash op's varlen calls cost beyond
+  their own, short documents and few heads per call running below the dense rate (the fall-off
+  measured on an H200, ``bench.stackmodel.varlenrate``; 0 without documents).
 * **memory-bound kernels** = ``bytes.memory_bound / hbm_Bps``: every other kernel on the device
   (norms, RoPE, SwiGLU, residual adds, casts, the loss's vocabulary-sized softmax, softmax merges,
   the optimizer's updates) moves at least its inputs and outputs through HBM
@@ -301,7 +304,7 @@ def step_time(counts: StepCounts, device: DevicePreset, link: LinkModel,
     peak = device.peak_bf16_flops
     mm = (counts.flops_matmul + counts.flops_other) / (constants.eff_matmul * peak)
     eff_attn = constants.eff_attention if kernel == "fa3" else constants.eff_attention_fa2
-    attn = counts.flops_attention / (eff_attn * peak)
+    attn = (counts.flops_attention + counts.flops_attention_varlen_excess) / (eff_attn * peak)
     memory = memory_bound_seconds(counts, device)
     compute = mm + attn + memory
     comm = _comm_terms(counts, link, constants.latency_s, constants.barrier_s)
@@ -329,16 +332,23 @@ def step_time(counts: StepCounts, device: DevicePreset, link: LinkModel,
 def slowest_rank_counts(counts: StepCounts, simulated_pairs: int, slowest_pairs: int) -> StepCounts:
     """``counts`` of the simulated rank with its attention FLOPs carried to the slowest rank's: under packed
     documents the ranks' attention differs (``bench.stackmodel.docwork``), and the step waits for the
-    slowest; the simulated rank's counted FLOPs (each document's own causal area) are scaled by the
-    ratio of the two ranks' counted (query, key) pairs. Everything else is the simulated rank's."""
+    slowest; the simulated rank's counted FLOPs (each document's own causal area) and their varlen excess
+    (``flops_attention_varlen_excess``) are scaled by the ratio of the two ranks' counted (query, key)
+    pairs. Everything else is the simulated rank's."""
     if simulated_pairs <= 0 or slowest_pairs == simulated_pairs:
         return counts
-    return replace(counts, flops_attention=counts.flops_attention * slowest_pairs / simulated_pairs)
+    ratio = slowest_pairs / simulated_pairs
+    return replace(counts, flops_attention=counts.flops_attention * ratio,
+                   flops_attention_varlen_excess=counts.flops_attention_varlen_excess * ratio)
 
 
 def attention_rate(device: DevicePreset, constants: StepTimeConstants = FITTED, kernel: str = "fa3") -> float | None:
-    """The attention kernel's modelled rate (FLOP/s) on ``device``: its efficiency times the bf16 peak. The
-    dense rate serves every document length: no published varlen rate by document length is used."""
+    """The attention kernel's modelled dense rate (FLOP/s) on ``device``: its efficiency times the bf16 peak.
+    A step with documents is timed at this rate on its attention FLOPs plus the dense-rate FLOPs its
+    varlen calls cost beyond them (``StepCounts.flops_attention_varlen_excess``: short documents and few
+    heads per call run below the dense rate, ``bench.stackmodel.varlenrate``), so each varlen call runs
+    at its measured relative rate; blockwise calls (a ring step's document blocks) stay at this rate. A
+    rank's idle time under imbalanced documents (``bench.stackmodel.docwork``) is priced at it."""
     if not device.peak_bf16_flops:
         return None
     eff = constants.eff_attention if kernel == "fa3" else constants.eff_attention_fa2
@@ -348,7 +358,11 @@ def attention_rate(device: DevicePreset, constants: StepTimeConstants = FITTED, 
 def scale_counts(counts: StepCounts, from_len: int, to_len: int) -> StepCounts:
     """Counts at ``from_len`` carried to ``to_len`` by their leading power in the length: attention
     FLOPs ∝ S², the other FLOPs, collective, host and memory-bound bytes and the events ∝ S, call
-    counts constant. Exact up to the lower-order terms (attention's S·d diagonal, per-call fixed sizes)."""
+    counts constant. Exact up to the lower-order terms (attention's S·d diagonal, per-call fixed sizes)
+    for one sequence. The varlen excess (``flops_attention_varlen_excess``) scales with the attention
+    FLOPs, S², which keeps its share of them, as for documents whose lengths grow with S. Not exact for
+    documents of fixed lengths (a draw from a distribution of document lengths): there the attention
+    FLOPs and the excess grow ∝ S (more documents, each as long) and the excess's share stays."""
     r = to_len / from_len
 
     def bytes_scaled(entries: dict) -> dict:
@@ -356,6 +370,7 @@ def scale_counts(counts: StepCounts, from_len: int, to_len: int) -> StepCounts:
 
     bound = counts.memory_bound
     return StepCounts(flops_matmul=counts.flops_matmul * r, flops_attention=counts.flops_attention * r * r,
+                      flops_attention_varlen_excess=counts.flops_attention_varlen_excess * r * r,
                       flops_other=counts.flops_other * r, host_copies=bytes_scaled(counts.host_copies),
                       memory_bound=None if bound is None else Traffic(bound.calls, bound.bytes * r),
                       events={k: v * r for k, v in counts.events.items()},

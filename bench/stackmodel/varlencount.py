@@ -16,6 +16,11 @@ flash kernel computes it: ``4·sq·sk·d`` forward and ``10·sq·sk·d`` backwar
 sequence's unmasked share (causal: bottom-right aligned, as flash-attn's varlen kernels; the suite
 makes causal varlen calls on square blocks only, where alignment does not matter). A tensor whose
 values were not seen falls back to torch's formula.
+
+The op runs short sequences, and calls with few heads, below its dense rate (``varlenrate``): beside
+the FLOPs, ``excess_flops`` gives the dense-rate FLOPs a call costs beyond them, which the counter
+carries to ``StepCounts.flops_attention_varlen_excess`` and the step-time model times with the
+attention.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
+
+from . import varlenrate
 
 aten = torch.ops.aten
 MAX_TRACKED = 1 << 16  # integer tensors up to this many elements are remembered (cu_seqlens are small)
@@ -91,19 +98,26 @@ def _share(sq: int, sk: int, causal: bool) -> float:
     return pairs / (sq * sk)
 
 
-def _per_sequence(q, k, v, cu_q, cu_k, causal: bool, backward: bool, dout=None) -> int | None:
+def _per_sequence(q, k, v, cu_q, cu_k, causal: bool, backward: bool) -> tuple[int, float] | None:
+    """(FLOPs, excess) of a varlen call: each sequence counted at its own length and mask, and the dense-rate
+    FLOPs the call costs beyond them (``varlenrate.relative_rate`` of the sequence's length and the call's
+    query heads); None when the lengths were not seen."""
     lq, lk = lengths(cu_q), lengths(cu_k)
     if lq is None or lk is None or len(lq) != len(lk):
         return None
     _, h_q, d_q = q.shape
     _, h_k, d_k = k.shape
     _, h_v, d_v = v.shape
-    total = 0.0
+    pass_ = "bwd" if backward else "fwd"
+    total = excess = 0.0
     for sq, sk in zip(lq, lk, strict=True):
         qs, ks, vs = (1, h_q, sq, d_q), (1, h_k, sk, d_k), (1, h_v, sk, d_v)
         dense = sdpa_backward_flop_count((1, h_q, sq, d_v), qs, ks, vs) if backward else sdpa_flop_count(qs, ks, vs)
-        total += dense * _share(sq, sk, causal)
-    return int(total)
+        flops = dense * _share(sq, sk, causal)
+        total += flops
+        if flops:  # the measured calls are square: a sequence's rate goes by its query length
+            excess += flops * (1.0 / varlenrate.relative_rate(sq, h_q, pass_) - 1.0)
+    return int(total), excess
 
 
 def _varlen_fwd(query, key, value, cum_seq_q=None, cum_seq_k=None, max_q=0, max_k=0, dropout_p=0.0,
@@ -111,7 +125,7 @@ def _varlen_fwd(query, key, value, cum_seq_q=None, cum_seq_k=None, max_q=0, max_
     if cum_seq_q is not None:
         counted = _per_sequence(query, key, value, cum_seq_q, cum_seq_k, bool(is_causal), False)
         if counted is not None:
-            return counted
+            return counted[0]
     from torch.utils.flop_counter import _flash_attention_forward_flop
     return _flash_attention_forward_flop(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                                          *args, out_val=out_val, **kwargs)
@@ -122,10 +136,24 @@ def _varlen_bwd(grad_out, query, key, value, out, logsumexp, cum_seq_q=None, cum
     if cum_seq_q is not None:
         counted = _per_sequence(query, key, value, cum_seq_q, cum_seq_k, bool(is_causal), True)
         if counted is not None:
-            return counted
+            return counted[0]
     from torch.utils.flop_counter import _flash_attention_backward_flop
     return _flash_attention_backward_flop(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
                                           max_k, dropout_p, is_causal, *args, out_val=out_val, **kwargs)
+
+
+def _excess_fwd(query, key, value, cum_seq_q=None, cum_seq_k=None, max_q=0, max_k=0, dropout_p=0.0,
+                is_causal=False, *args, **kwargs) -> float:
+    counted = None if cum_seq_q is None else _per_sequence(query, key, value, cum_seq_q, cum_seq_k,
+                                                           bool(is_causal), False)
+    return counted[1] if counted is not None else 0.0
+
+
+def _excess_bwd(grad_out, query, key, value, out, logsumexp, cum_seq_q=None, cum_seq_k=None, max_q=0, max_k=0,
+                dropout_p=0.0, is_causal=False, *args, **kwargs) -> float:
+    counted = None if cum_seq_q is None else _per_sequence(query, key, value, cum_seq_q, cum_seq_k,
+                                                           bool(is_causal), True)
+    return counted[1] if counted is not None else 0.0
 
 
 _varlen_fwd._get_raw = True
@@ -136,3 +164,15 @@ def varlen_formulas() -> dict:
     """Op -> formula for ``FlopCounterMode(custom_mapping=...)``: the flash op's forward and backward, each
     sequence of a variable-length call counted at its own length and mask (module docstring)."""
     return {aten._flash_attention_forward: _varlen_fwd, aten._flash_attention_backward: _varlen_bwd}
+
+
+def excess_flops(packet, args: tuple, kwargs: dict) -> float:
+    """The dense-rate FLOPs a call of ``packet`` (an op's overload packet) costs beyond the FLOPs its formula
+    counts: for the flash op's variable-length form, ``sum flops_seq * (1 / relative_rate - 1)`` over its
+    sequences (``bench.stackmodel.varlenrate``); 0 for any other op, a dense call, or lengths not seen. Read
+    by ``bench.stackmodel.stepcount``'s counter beside the formula, which must return plain FLOPs."""
+    fn = _EXCESS.get(packet)
+    return fn(*args, **kwargs) if fn is not None else 0.0
+
+
+_EXCESS = {aten._flash_attention_forward: _excess_fwd, aten._flash_attention_backward: _excess_bwd}
