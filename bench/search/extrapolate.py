@@ -185,6 +185,36 @@ def extrapolate(r3: Measurement, r4: Measurement, layers: int, low: int = LOW) -
     return out
 
 
+def unit_increments(r3: Measurement, r4: Measurement) -> dict:
+    """Per-unit (layer or group) increments of everything ``extrapolate`` carries, from the two simulations
+    of one length: with ``with_increments`` they stand in for the larger simulation at another length
+    (the planner's approximation, which its search re-checks exactly at its answer)."""
+    cat3, cat4 = r3.peak_by_category or {}, r4.peak_by_category or {}
+    out = {k: (getattr(r4, k) or 0) - (getattr(r3, k) or 0) for k in LINEAR}
+    out["peak_by_category"] = {c: cat4.get(c, 0) - cat3.get(c, 0) for c in dict.fromkeys([*cat3, *cat4])}
+    if r3.step_counts is not None or r4.step_counts is not None:
+        out["step_counts"] = StepCounts.combine([r3.step_counts or StepCounts(), r4.step_counts or StepCounts()],
+                                                lambda a, b: b - a)
+    if r4.peak_reserved_bytes is not None:
+        out["reserved_slack"] = r4.peak_reserved_bytes - r4.peak_bytes
+    return out
+
+
+def with_increments(r3: Measurement, slope: dict) -> Measurement:
+    """The larger simulation's result (4 layers, or ``g + 1`` groups) from the smaller one and
+    increments measured at another length."""
+    r4 = dataclasses.replace(r3, **{k: getattr(r3, k) + slope.get(k, 0) for k in LINEAR if getattr(r3, k) is not None})
+    cat3 = r3.peak_by_category or {}
+    r4.peak_by_category = {c: cat3.get(c, 0) + d for c, d in slope.get("peak_by_category", {}).items()}
+    if r3.step_counts is not None or "step_counts" in slope:
+        r4.step_counts = StepCounts.combine([r3.step_counts or StepCounts(), slope.get("step_counts", StepCounts())],
+                                            lambda a, d: a + d)
+    if r3.peak_reserved_bytes is not None:
+        r4.peak_reserved_bytes = r4.peak_bytes + slope.get(
+            "reserved_slack", r3.peak_reserved_bytes - r3.peak_bytes)
+    return r4
+
+
 def under_pressure(high: Measurement, out: Measurement) -> Measurement:
     """``out`` (the model extrapolated from ``high``, the larger simulation, run with
     ``keep_trace``) with its reserved peak replayed rather than added: ``high``'s allocation

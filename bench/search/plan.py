@@ -114,7 +114,7 @@ from ..stackmodel.steptime import (
 )
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
-from .extrapolate import LINEAR, Scheme, extrapolate, layer_variant, scheme, simulated_pair
+from .extrapolate import Scheme, extrapolate, layer_variant, scheme, simulated_pair, unit_increments, with_increments
 from .maxctx import bracket, secant_on_load
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
@@ -266,34 +266,6 @@ def fresh_counts(trial, workdir: str) -> StepCounts | None:
     return extrapolate(results[0], results[1], how.units, how.low).step_counts
 
 
-def _slope(r3: Measurement, r4: Measurement) -> dict:
-    """Per-unit (layer or group) increments of everything ``bench.search.extrapolate.extrapolate`` carries."""
-    cat3, cat4 = r3.peak_by_category or {}, r4.peak_by_category or {}
-    out = {k: (getattr(r4, k) or 0) - (getattr(r3, k) or 0) for k in LINEAR}
-    out["peak_by_category"] = {c: cat4.get(c, 0) - cat3.get(c, 0) for c in dict.fromkeys([*cat3, *cat4])}
-    if r3.step_counts is not None or r4.step_counts is not None:
-        out["step_counts"] = StepCounts.combine([r3.step_counts or StepCounts(), r4.step_counts or StepCounts()],
-                                                lambda a, b: b - a)
-    if r4.peak_reserved_bytes is not None:
-        out["reserved_slack"] = r4.peak_reserved_bytes - r4.peak_bytes
-    return out
-
-
-def _estimated_r4(r3: Measurement, slope: dict) -> Measurement:
-    """The larger simulation's result (4 layers, or ``g + 1`` groups) from the smaller one and
-    increments measured at another length."""
-    r4 = dataclasses.replace(r3, **{k: getattr(r3, k) + slope.get(k, 0) for k in LINEAR if getattr(r3, k) is not None})
-    cat3 = r3.peak_by_category or {}
-    r4.peak_by_category = {c: cat3.get(c, 0) + d for c, d in slope.get("peak_by_category", {}).items()}
-    if r3.step_counts is not None or "step_counts" in slope:
-        r4.step_counts = StepCounts.combine([r3.step_counts or StepCounts(), slope.get("step_counts", StepCounts())],
-                                            lambda a, d: a + d)
-    if r3.peak_reserved_bytes is not None:
-        r4.peak_reserved_bytes = r4.peak_bytes + slope.get(
-            "reserved_slack", r3.peak_reserved_bytes - r3.peak_bytes)
-    return r4
-
-
 def sim_scheme(trial) -> Scheme:
     """How ``trial``'s model is simulated (``bench.search.extrapolate.scheme``): over layers,
     over two-level checkpoint groups, or whole."""
@@ -320,10 +292,10 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         r3 = _sim(trial, low, workdir, cache)
         if slope is None or (trial.seq_len, high) in cache:
             r4 = _sim(trial, high, workdir, cache)
-            slope = _slope(r3, r4) if r4.status == "ok" else {}
+            slope = unit_increments(r3, r4) if r4.status == "ok" else {}
             rows, exact = [r3, r4], True
         else:
-            r4, rows, exact = _estimated_r4(r3, slope), [r3], False
+            r4, rows, exact = with_increments(r3, slope), [r3], False
         result = r4 if any(r.status == "error" for r in rows) else extrapolate(r3, r4, how.units, how.low)
     bad = [r for r in rows if r.status == "error"]
     if bad:
