@@ -94,7 +94,7 @@ from typing import Any
 
 import torch
 
-from records import GiB, human, read_rows, requested_options
+from records import GiB, Row, human, read_rows, requested_options
 
 from ..measure.result import Measurement
 from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
@@ -564,18 +564,25 @@ def _resolve_u(entry: Entry, seq_len: int, workdir: str) -> int | None:
 # --------------------------------------------------------------------------- step time
 
 
-def measured_time(trial: Trial) -> float | None:
-    """A measured step time from results/ (real mode, same method/options/model/size/length), or None."""
+def real_rows() -> list[Row]:
+    """The rows under results/ that can give a step time: real-mode model-scope trials that ran
+    (``measured_time``'s candidates; a plan reads them once, not once per configuration)."""
+    return [r for path in sorted(RESULTS_DIR.rglob("*.jsonl")) for r in read_rows(path, on_error="skip")
+            if r.kind == "trial" and r.mode == "real" and r.status == "ok" and r.scope == "model"
+            and r.figures.step_time_s]
+
+
+def measured_time(trial: Trial, rows: list[Row] | None = None) -> float | None:
+    """A measured step time from results/ (real mode, same method/options/model/size/length), or None.
+    ``rows``: ``real_rows()`` read once by the caller (read here when not given)."""
     best = None
     want = trial.requested_opts()
     name = trial.config().name
-    for path in sorted(RESULTS_DIR.rglob("*.jsonl")):
-        for r in read_rows(path, on_error="skip"):
-            if (r.kind == "trial" and r.mode == "real" and r.status == "ok" and r.method == trial.method
-                    and r.model == name and r.world_size == trial.world_size and r.device == trial.device
-                    and r.seq_len == trial.seq_len and r.scope == "model" and r.figures.step_time_s
-                    and {k: v for k, v in requested_options(r.options).items() if v is not None} == want):
-                best = r.figures.step_time_s if best is None else min(best, r.figures.step_time_s)
+    for r in real_rows() if rows is None else rows:
+        if (r.method == trial.method and r.model == name and r.world_size == trial.world_size
+                and r.device == trial.device and r.seq_len == trial.seq_len
+                and {k: v for k, v in requested_options(r.options).items() if v is not None} == want):
+            best = r.figures.step_time_s if best is None else min(best, r.figures.step_time_s)
     return best
 
 
@@ -690,8 +697,9 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         finally:
             if pool:
                 pool.shutdown()
+    measured_rows = real_rows() if ok else []
     for e in ok:
-        measured = measured_time(e.trial.with_seq_len(common))
+        measured = measured_time(e.trial.with_seq_len(common), measured_rows)
         if measured is not None:
             e.step_time_s, e.time_source = measured, "measured"
         else:

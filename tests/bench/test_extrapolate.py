@@ -66,8 +66,10 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
                                 "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "ffn_dim": 14336}))
     step = StepConfig(stack="paper", allocator_pools="per-stream", mlp_tiles=4, loss_chunk=16384)
 
-    def trial(device: str) -> Trial:
-        return Trial.make("upipe", str(path), 32 << 10, 2, mode="simulated", device=device, step=step)
+    def trial(device: str) -> Trial:  # UPipe in 2 head stages of 16 (U = C = 2 would be 16 stages): the
+        # allocator under pressure is the point, and each stage is one more pass of ops to simulate
+        return Trial.make("upipe", str(path), 32 << 10, 2, {"chunk_heads": 16}, mode="simulated", device=device,
+                          step=step)
 
     free = guarded(measure_simulated, trial("h100-80g"))
     allocated, reserved = free.peak_bytes, free.peak_reserved_bytes

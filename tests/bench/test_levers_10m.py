@@ -11,6 +11,8 @@ single-device step (loss and every gradient), and its memory effect under simula
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.measure.result import Measurement
@@ -140,17 +142,21 @@ def test_fused_attn_norm_removes_the_saved_normed_input():
     assert plain.peak_bytes - fused.peak_bytes == pytest.approx(hidden, rel=0.01)
 
 
-def test_fused_attn_norm_removes_fpdts_saved_normed_input():
+def test_fused_attn_norm_removes_fpdts_saved_normed_input(tmp_path):
     """fpdt saves the block input and norms each chunk as it projects it: the full-length normed
     input, which the attention would save, is gone from the peak (under the paper stack, the
-    default of simulated runs, the peak is in a block's attention backward, where it was saved)."""
+    default of simulated runs, the peak is in a block's attention backward, where it was saved).
+    tiny-llama with two blocks: the saving is one block's, and each block is another chunk pipeline
+    to simulate."""
     from bench.model.config import get_config
 
     seq = NORM_SEQ
     hidden = seq // 2 * get_config("tiny-llama").dim * 2
+    model = tmp_path / "tiny-llama-2l.json"
+    model.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 2}))
 
     def fpdt(**levers):
-        trial = Trial.make("fpdt", "tiny-llama", seq, 2, mode="simulated", device="h100-80g",
+        trial = Trial.make("fpdt", str(model), seq, 2, mode="simulated", device="h100-80g",
                            options={"num_chunks": 8}, step=StepConfig(stack="paper", **levers))
         return measure_simulated(trial).peak_bytes
 

@@ -10,13 +10,16 @@ import pytest
 from bench import cli
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
+from bench.search import plan as plan_mod
 from bench.search.extrapolate import scheme
 from bench.search.plan import (
     Entry,
     SimCache,
     entries,
     extrapolated,
+    measured_time,
     pareto_front,
+    real_rows,
     recommend,
     runs,
     search_max,
@@ -122,12 +125,18 @@ def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
     assert measure_simulated(trial.with_seq_len(found + step)).peak_bytes > trial.preset().usable()
 
 
-def test_plan_on_a_config_file(tiny_file, tmp_path):
+def test_plan_on_a_config_file(tiny_file, tmp_path, capsys, monkeypatch):
+    """The whole plan of a model file: once end to end through ``python -m bench plan`` (its search
+    processes, its table, its figures); then, in this process through the same entry point with one
+    search process, the same plan over its own cache (no new simulation, the same recommendation),
+    and over a cache where one configuration's simulations predate the step-time counts of v3
+    (exactly those simulated anew, the same answers)."""
     cache = tmp_path / "sims.ndjson"
-    argv = [sys.executable, "-m", "bench", "plan", "--model", tiny_file, "--gpus", "4", "--device", "h100-80g",
+    argv = ["plan", "--model", tiny_file, "--gpus", "4", "--device", "h100-80g",
             "--max-seq-len", "1M", "--granularity", "256K", "--stack", "lean", "--cache", str(cache),
             "--out-dir", str(tmp_path / "figs")]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "bench", *argv], capture_output=True, text=True, timeout=900,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "longest context:" in text and "recommendation: " in text and "lean stack" in text
@@ -139,25 +148,57 @@ def test_plan_on_a_config_file(tiny_file, tmp_path):
     assert (tmp_path / "figs" / "plan_tiny6_4xh100-80g.png").exists()
     simulated = len(cache.read_text().splitlines())
     assert simulated > 0 and f"{simulated} new simulations" in text
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert ": 0 new simulations" in again.stdout and len(cache.read_text().splitlines()) == simulated
-    assert [ln for ln in again.stdout.splitlines() if ln.startswith("recommendation")] == \
-        [ln for ln in text.splitlines() if ln.startswith("recommendation")]
     assert "on counts of v3" in text
-    # a cache made before the step-time counts of v3 (no memory-bound bytes): the searches answer from
-    # it, and each configuration's counts at its answer are simulated anew (no mix of model versions)
-    lines = [json.loads(line) for line in cache.read_text().splitlines()]
-    for d in lines:  # counts of v2 have neither the memory-bound bytes nor their calls
-        d["result"].get("step_counts", {}).pop("bytes.memory_bound", None)
-        d["result"].get("step_counts", {}).pop("bytes.memory_bound_calls", None)
-    cache.write_text("".join(json.dumps(d) + "\n" for d in lines))
-    old = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert old.returncode == 0, old.stderr
-    assert "on counts of v3" in old.stdout and ": 0 new simulations" not in old.stdout
-    assert [ln for ln in old.stdout.splitlines() if ln.startswith("longest context")] == \
-        [ln for ln in text.splitlines() if ln.startswith("longest context")]
+
+    def plan_here() -> str:  # the same plan in this process (one search process: no spawned workers)
+        assert cli.main([*argv, "--jobs", "1"]) == 0
+        return capsys.readouterr().out
+
+    def lines(text: str, start: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.startswith(start)]
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan_mod, "_CACHE", None)  # plan() sets it; restored after the test
+    again = plan_here()
+    assert ": 0 new simulations" in again and len(cache.read_text().splitlines()) == simulated
+    assert lines(again, "recommendation") == lines(text, "recommendation")
+    # simulations made before the step-time counts of v3 (no memory-bound bytes), here those of ring (the
+    # recommended configuration): the searches answer from the cache, and the counts at ring's answer
+    # are simulated anew (no mix of model versions), nothing else
+    entries_ = [json.loads(line) for line in cache.read_text().splitlines()]
+    stale = [d for d in entries_ if json.loads(d["key"])["method"] == "ring"]
+    for d in stale:  # counts of v2 have neither the memory-bound bytes nor their calls
+        d["result"]["step_counts"].pop("bytes.memory_bound")
+        d["result"]["step_counts"].pop("bytes.memory_bound_calls", None)
+    cache.write_text("".join(json.dumps(d) + "\n" for d in entries_))
+    assert stale and lines(text, "recommendation: ring:")
+    old = plan_here()
+    assert "on counts of v3" in old and f": {len(stale)} new simulations" in old
+    assert lines(old, "longest context") == lines(text, "longest context")
+    assert lines(old, "recommendation") == lines(text, "recommendation")
     assert not (tmp_path / "results").exists()  # a user's plan writes no committed data
+
+
+def test_measured_time_is_the_fastest_real_row_of_the_trial(tmp_path, monkeypatch):
+    """A plan's measured step time: the fastest real, model-scope row that ran with the trial's method,
+    options, model, world size, device and length; rows read once (``real_rows``) answer the same."""
+    from tests.rowfactory import make_row, write
+
+    def row(tps, **kw):
+        return make_row(**{"method": "ulysses", "model": "tiny-llama", "seq_len": 4096, "world_size": 2,
+                           "device": "cpu", "tps": tps, **kw})
+
+    write(tmp_path / "a" / "rows.jsonl", [row(100.0), row(400.0, mode="simulated"), row(500.0, scope="attention"),
+                                         row(600.0, seq_len=8192), row(700.0, options={"kernel": "math"})])
+    write(tmp_path / "b.jsonl", [row(200.0), row(900.0, status="error")])
+    monkeypatch.setattr(plan_mod, "RESULTS_DIR", tmp_path)
+    trial = Trial.make("ulysses", "tiny-llama", 4096, 2, device="cpu")
+    assert measured_time(trial) == pytest.approx(2048 / 200.0)
+    assert measured_time(trial, real_rows()) == measured_time(trial)
+    assert measured_time(trial.with_seq_len(8192)) == pytest.approx(4096 / 600.0)
+    assert measured_time(Trial.make("ulysses", "tiny-llama", 4096, 2, {"kernel": "math"}, device="cpu")) == \
+        pytest.approx(2048 / 700.0)
+    assert measured_time(Trial.make("ulysses", "tiny-llama", 4096, 4, device="cpu")) is None
 
 
 def _entry(label, max_context, step_time):

@@ -9,12 +9,14 @@ yunchang's own ``RingComm.wait`` is back once the scope ends.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 import pytest
 
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
+from bench.model.config import get_config
 from bench.stackmodel import stack
 from bench.training.config import StepConfig
 from methods.core import ringsync
@@ -86,23 +88,26 @@ def test_ring_steps_end_with_a_barrier_and_the_numerics_stay(pool, method, optio
                 assert barriers == ring_steps_of_one_pass(ring_degree), barriers
 
 
-def _barrier_calls(method: str, options: dict, **step) -> float:
-    trial = Trial.make(method, "tiny-llama", 8192, 4, options, mode="simulated", device="h100-80g",
+def _barrier_calls(model: str, method: str, options: dict, **step) -> float:
+    trial = Trial.make(method, model, 8192, 4, options, mode="simulated", device="h100-80g",
                        step=StepConfig(**step))
     r = guarded(measure_simulated, trial)
     assert r.status == "ok", r.message
     return sum(t.calls for kind, t in r.step_counts.collectives.items() if kind.op == "barrier" and not kind.attention)
 
 
-def test_the_paper_stack_synchronises_the_papers_ring_code_only(fresh_yunchang):
-    layers = 4  # tiny-llama
+def test_the_paper_stack_synchronises_the_papers_ring_code_only(fresh_yunchang, tmp_path):
+    layers = 2  # tiny-llama with two blocks (fewer to simulate)
+    model = tmp_path / "tiny-llama-2l.json"
+    model.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": layers}))
+    model = str(model)
     per_layer = ring_steps_of_one_pass(4) + 3  # the checkpointed block's forward runs again: R-1 more
-    assert _barrier_calls("ring", {}, stack="paper") == 0  # ours: no barrier unless asked
-    assert _barrier_calls("ring", {}, ring_barrier=True) == layers * per_layer
+    assert _barrier_calls(model, "ring", {}, stack="paper") == 0  # ours: no barrier unless asked
+    assert _barrier_calls(model, "ring", {}, ring_barrier=True) == layers * per_layer
     if HAS_YUNCHANG:
         yc = {"ulysses_degree": 1, "attn_type": "fa3"}
-        assert _barrier_calls("yc-usp", yc, stack="lean") == 0
-        assert _barrier_calls("yc-usp", yc, stack="paper") == layers * per_layer
+        assert _barrier_calls(model, "yc-usp", yc, stack="lean") == 0
+        assert _barrier_calls(model, "yc-usp", yc, stack="paper") == layers * per_layer
     step, notes = stack.apply(StepConfig(stack="paper"), "usp-upipe")
     assert step.ring_barrier and any("ring_step_barrier" in n for n in notes)
     assert not stack.apply(StepConfig(stack="paper"), "upipe")[0].ring_barrier

@@ -123,19 +123,29 @@ def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
         assert skipped.to_flat()[key] == pytest.approx(every.to_flat()[key], rel=1e-9), key
 
 
+def _tiny_llama_layers(tmp_path, n_layers: int) -> str:
+    """``tiny-llama`` with ``n_layers`` blocks, as a model file (fewer blocks to simulate)."""
+    path = tmp_path / f"tiny-llama-{n_layers}l.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": n_layers}))
+    return str(path)
+
+
 @pytest.mark.parametrize("stack", ["lean", "paper"])
-def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch):
+def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch, tmp_path):
     """Under simulation FPDT runs the first, one middle and the last chunk pairs of each segment's loop
     (``methods.core.tiling.repeated``, compressing under ``compressing_repeats``); every figure must equal
     a simulation that runs them all (the simulation without that policy): device, reserved and host
-    peaks, the categories, and every count (FLOPs, memory traffic, host copies, collectives, chunk passes)."""
+    peaks, the categories, and every count (FLOPs, memory traffic, host copies, collectives, chunk passes).
+    Three blocks: the first and last keep their checkpoints on the device, the middle one offloads."""
     import contextlib
 
     from bench.measure import simulate as simulate_module
     from methods.core import tiling
 
+    model = _tiny_llama_layers(tmp_path, 3)
+
     def simulate():
-        trial = Trial.make("fpdt", "tiny-llama", 8192, 2, options={"num_chunks": 8}, mode="simulated",
+        trial = Trial.make("fpdt", model, 8192, 2, options={"num_chunks": 8}, mode="simulated",
                            device="h100-80g", step=StepConfig(stack=stack))
         r = guarded(measure_simulated, trial)
         assert r.status == "ok", r.message
@@ -226,20 +236,24 @@ def test_the_model_refuses_bad_input():
         step_time(StepCounts(), get_device("h100-80g"), get_link("nvlink-h100"), FITTED, kernel="fa1")
 
 
-def test_fpdt_chunk_passes_are_counted_forward_recompute_and_backward():
+def test_fpdt_chunk_passes_are_counted_forward_recompute_and_backward(tmp_path):
     """One ``pipeline.chunk_passes`` per chunk in each forward (the checkpoint recompute included,
-    which autograd runs on its device thread) and in the backward; K follows ``chunk_tokens``."""
+    which autograd runs on its device thread) and in the backward, in every block (two here); K
+    follows ``chunk_tokens``."""
+    layers = 2
+    model = _tiny_llama_layers(tmp_path, layers)
+
     def passes(seq_len, **options):
-        trial = Trial.make("fpdt", "tiny-llama", seq_len, 2, options, mode="simulated", device="h100-80g",
+        trial = Trial.make("fpdt", model, seq_len, 2, options, mode="simulated", device="h100-80g",
                            step=StepConfig(**{**NO_LEVERS, "ac": True}))
         r = guarded(measure_simulated, trial)
         assert r.status == "ok", r.message
         return r.step_counts.events["pipeline.chunk_passes"]
 
-    layers = get_config("tiny-llama").n_layers
     assert passes(4096, num_chunks=4) == 3 * 4 * layers
-    assert passes(4096, chunk_tokens=512) == 3 * 8 * layers  # K = 4096 / 512
-    assert passes(8192, chunk_tokens=512) == 2 * passes(4096, chunk_tokens=512)
+    eight = passes(4096, chunk_tokens=512)  # K = 4096 / 512
+    assert eight == 3 * 8 * layers
+    assert passes(2048, chunk_tokens=512) * 2 == eight  # K = 4: half the length, half the chunks
 
 
 def test_ds_fpdt_sync_is_paid_per_chunk_pass_only_for_deepspeeds_fpdt():
