@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from records import GiB, MiB
@@ -242,6 +241,15 @@ def _group(args) -> tuple[int, tuple[int, ...]]:
     return 1, ()
 
 
+def _any_dtensor(types) -> bool:
+    """Whether a dispatched op has DTensor arguments. ``torch.distributed.tensor`` is looked up, not
+    imported: it is a quarter of this package's import time, and until something has imported it
+    (FSDP2 does) no tensor can be a DTensor, so processes that never shard (a sweep's runner, its
+    job wrappers, a method's numerics) need not load it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(issubclass(t, module.DTensor) for t in types)
+
+
 class CommCounter(TorchDispatchMode):
     """Records every c10d collective issued while active: ``(op, bytes per rank, group size)``.
 
@@ -264,7 +272,7 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
+        if _any_dtensor(types):
             return NotImplemented  # let DTensor run its local ops (and their collectives) through this mode
         if func.namespace == "_c10d_functional":
             op = _FUNCTIONAL_OPS.get(func._schema.name.split("::", 1)[-1])

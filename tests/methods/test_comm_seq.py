@@ -121,3 +121,17 @@ def test_simulation_counts_both_collectives():
     nbytes = 8 * k.numel() * 2
     assert counter.calls == [("all_gather", nbytes, 8), ("reduce_scatter", nbytes, 8), ("reduce_scatter", nbytes, 8)]
     assert counter.by_op() == {"all_gather": nbytes, "reduce_scatter": 2 * nbytes}
+
+
+def test_the_counter_hands_dtensor_ops_back_to_dtensor():
+    """``CommCounter`` returns ``NotImplemented`` for ops with DTensor arguments (DTensor then runs its
+    local ops, collectives included, through the counter); it finds the DTensor type without
+    importing its module (``hardware._any_dtensor``), which FSDP2 has loaded wherever one exists."""
+    from torch.distributed.tensor import DTensor
+
+    from bench.stackmodel import hardware
+
+    assert hardware._any_dtensor((torch.Tensor, DTensor)) and not hardware._any_dtensor((torch.Tensor,))
+    with fake_process_group(8), fake_tensors(torch.bfloat16):
+        x = torch.empty(4, 16)
+        assert CommCounter().__torch_dispatch__(torch.ops.aten.add.Tensor, (DTensor,), (x, x)) is NotImplemented

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from records import read_rows
+from sweeps.__main__ import main as sweeps_main
 from sweeps.runner import run_sweep, status_counts
 from sweeps.spec import load_spec
 
@@ -34,18 +35,25 @@ def sweep_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_run_resume_and_status(tmp_path):
+def sweep_main(capsys, *args: str) -> tuple[int, str]:
+    """``python -m sweeps`` in this process (the CLI's wiring is checked by a subprocess run in
+    each test): its exit status and what it printed to stdout."""
+    code = sweeps_main(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_run_resume_and_status(tmp_path, capsys):
     path = write_spec(tmp_path, methods=["ulysses", "upipe"])
     first = sweep_cli("run", str(path), "--executor", "local", "--max-parallel", "2")
     assert first.returncode == 0, first.stderr
     rows = read_rows(tmp_path / "rows.jsonl", on_error="raise")
     assert sorted(r.method for r in rows) == ["ulysses", "upipe"]
     assert all(r.status == "ok" and r.mode == "simulated" and r.seq_len == 4096 for r in rows)
-    second = sweep_cli("run", str(path), "--executor", "local")
-    assert second.returncode == 0 and "0 run" in second.stdout and "2 skipped" in second.stdout
+    code, out = sweep_main(capsys, "run", str(path), "--executor", "local")
+    assert code == 0 and "0 run" in out and "2 skipped" in out
     assert len(read_rows(tmp_path / "rows.jsonl")) == 2
-    status = sweep_cli("status", str(path))
-    assert "done 2" in status.stdout and "pending 0" in status.stdout
+    code, out = sweep_main(capsys, "status", str(path))
+    assert code == 0 and "done 2" in out and "pending 0" in out
 
 
 def test_dry_run_prints_bench_commands_and_submits_nothing(tmp_path):
@@ -82,7 +90,7 @@ def test_bad_spec_is_a_clear_error_not_a_traceback(tmp_path):
 
 
 def test_sigkill_midway_then_rerun_gives_exactly_one_row_per_trial(tmp_path):
-    path = write_spec(tmp_path, seq_lens=["2K", "4K", "8K"], methods=["ulysses", "upipe"])
+    path = write_spec(tmp_path, seq_lens=["2K", "4K"], methods=["ulysses", "upipe"])
     rows_path = tmp_path / "rows.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "sweeps", "run", str(path), "--executor", "local"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -92,12 +100,12 @@ def test_sigkill_midway_then_rerun_gives_exactly_one_row_per_trial(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the runner and every job it started, mid-sweep
     proc.wait()
     done_before = len(read_rows(rows_path, on_error="raise"))
-    assert 2 <= done_before < 6, done_before
+    assert 2 <= done_before < 4, done_before
     summary = run_sweep(load_spec(path), "local")
     assert summary.skipped == done_before and summary.failed == 0
     rows = read_rows(rows_path, on_error="raise")  # raises on any corrupt line
     keys = sorted((r.method, r.seq_len) for r in rows)
-    assert keys == sorted((m, s) for m in ("ulysses", "upipe") for s in (2048, 4096, 8192)), keys
+    assert keys == sorted((m, s) for m in ("ulysses", "upipe") for s in (2048, 4096)), keys
 
 
 def test_local_real_trial_spawns_its_own_gloo_ranks(tmp_path):
@@ -111,7 +119,7 @@ def test_local_real_trial_spawns_its_own_gloo_ranks(tmp_path):
     assert (row.status, row.mode, row.world_size) == ("ok", "real", 2), row.message
 
 
-def test_upipe_best_runs_through_a_sweep_and_resumes(tmp_path):
+def test_upipe_best_runs_through_a_sweep_and_resumes(tmp_path, capsys):
     """The named configuration end to end: expanded in the spec, run by bench with its levers,
     its row records the U that auto chose and why, and a rerun recognises the row as done."""
     path = write_spec(tmp_path, scope="model", seq_lens=["16K"], world_sizes=[2], methods=["upipe-best"])
@@ -122,5 +130,5 @@ def test_upipe_best_runs_through_a_sweep_and_resumes(tmp_path):
     assert row.options["chunk_heads_requested"] == "auto" and isinstance(row.options["chunk_heads"], int)
     assert row.notes and row.notes[0].startswith(f"chunk_heads=auto -> {row.options['chunk_heads']}")
     assert all(row.levers[k] for k in ("ac", "ac_offload", "tiled_mlp", "tiled_norm", "chunked_loss"))
-    second = sweep_cli("run", str(path), "--executor", "local")
-    assert second.returncode == 0 and "0 run" in second.stdout and "1 skipped" in second.stdout, second.stdout
+    code, out = sweep_main(capsys, "run", str(path), "--executor", "local")
+    assert code == 0 and "0 run" in out and "1 skipped" in out, out
