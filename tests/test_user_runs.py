@@ -146,15 +146,20 @@ def test_help_examples_exist():
             assert (REPO / word).is_file(), word
 
 
-def test_sweep_defaults_to_runs_and_status_finds_its_rows(tmp_path):
+def test_sweep_defaults_to_runs_and_status_finds_its_rows(tmp_path, capsys, monkeypatch):
     path = write_spec(tmp_path)
     run = cli("sweeps", "run", str(path), "--executor", "local", cwd=tmp_path, env={"CPAB_RUNS": ""})
     assert run.returncode == 0, run.stderr
     assert "ulysses tiny-llama 4K x2 simulated: ok" in run.stderr  # each trial reported as it ends
     rows = read_rows(tmp_path / "runs" / "sweeps" / "t.jsonl", on_error="raise")
     assert [r.method for r in rows] == ["ulysses"]
-    status = cli("sweeps", "status", str(path), cwd=tmp_path, env={"CPAB_RUNS": ""})
-    assert "done 1" in status.stdout and "pending 0" in status.stdout, status.stdout
+    from sweeps.__main__ import main as sweeps_main  # status in this process, from the same directory
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CPAB_RUNS", "")
+    assert sweeps_main(["status", str(path)]) == 0
+    status = capsys.readouterr().out
+    assert "done 1" in status and "pending 0" in status, status
     again = cli("sweeps", "run", str(path), "--executor", "local", "--rerun", cwd=tmp_path, env={"CPAB_RUNS": ""})
     assert again.returncode == 0 and "1 run" in again.stdout, again.stdout + again.stderr
     assert len(read_rows(tmp_path / "runs" / "sweeps" / "t.jsonl")) == 2  # re-measured; the newest wins

@@ -36,15 +36,18 @@ def test_run_simulated_table_and_rows(tmp_path):
     assert row.options == {"chunk_heads": 4} and row.seq_len == 4096 and row.mode == "simulated"
 
 
-def test_simulated_runs_replay_a_pool_per_stream_unless_asked(tmp_path):
+def test_simulated_runs_replay_a_pool_per_stream_unless_asked(tmp_path, capsys):
     """`bench run` in simulated mode runs the paper stack with a pool per stream (the row records
-    it); `--allocator-pools shared` and `--stack lean` are kept as asked."""
-    levers = {}
-    for name, extra in (("default", ()), ("shared", ("--allocator-pools", "shared")), ("lean", ("--stack", "lean"))):
-        p = bench("run", "--method", "ulysses", "--model", "tiny-llama", "--seq-len", "2K", "--world-size", "2",
-                  "--mode", "simulated", "--json", "--no-save", *extra)
-        assert p.returncode == 0, p.stderr
-        levers[name] = json.loads(p.stdout)["levers"]
+    it); `--allocator-pools shared` and `--stack lean` are kept as asked (those two through the
+    command's ``main`` in this process: the subprocess's wiring is the default's)."""
+    argv = ("run", "--method", "ulysses", "--model", "tiny-llama", "--seq-len", "2K", "--world-size", "2",
+            "--mode", "simulated", "--json", "--no-save")
+    p = bench(*argv)
+    assert p.returncode == 0, p.stderr
+    levers = {"default": json.loads(p.stdout)["levers"]}
+    for name, extra in (("shared", ("--allocator-pools", "shared")), ("lean", ("--stack", "lean"))):
+        assert main([*argv, *extra]) == 0
+        levers[name] = json.loads(capsys.readouterr().out)["levers"]
     assert levers["default"]["stack"] == "paper" and levers["default"]["allocator_pools"] == "per-stream"
     # schema 2 rows record every lever, defaults included (schema 1 left these out at their default)
     assert levers["shared"]["stack"] == "paper" and levers["shared"]["allocator_pools"] == "shared"

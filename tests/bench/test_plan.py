@@ -300,9 +300,11 @@ def test_bad_arguments(argv, capsys):
 
 def test_search_stops_at_the_host_memory_budget(tiny_file, tmp_path, monkeypatch):
     """With ample device memory, offloads beyond the preset's host bytes per GPU end the search:
-    the answer is the longest length whose extrapolated host peak fits, and one step more fails."""
+    the answer is the longest length whose extrapolated host peak fits, and one step more fails
+    (exactly extrapolated again, from the simulations the search cached: ``SimCache``)."""
     from bench.stackmodel import hardware
 
+    monkeypatch.setattr(plan_mod, "_CACHE", SimCache(tmp_path / "sims.ndjson"))
     trial = Trial.make("offload", tiny_file, 65536, 4)
     host = extrapolated(trial.with_seq_len(96 << 10), str(tmp_path)).host_peak_bytes
     assert host > 0
