@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import methods
 from bench.search.plan import MAX_COST
 from bench.stackmodel.steptime import constants_of, counts_version
 from records import GiB, human
@@ -18,8 +19,29 @@ from records import GiB, human
 from .plan_figure import draw_plan
 
 
+def tokens_per_s_per_gpu(e, seq_len: int) -> float | None:
+    """The entry's tokens per second per GPU at ``seq_len`` (its step time there), as a row's
+    ``tokens_per_s_per_device``: every rank holds ``seq_len / C`` tokens (all of them for a method
+    that splits no sequence)."""
+    if not e.step_time_s or not seq_len:
+        return None
+    ranks = e.trial.world_size if methods.get_info(e.method).cls.splits_sequence else 1
+    return seq_len // ranks / e.step_time_s
+
+
+def docs_line(res: dict[str, Any]) -> str:
+    """The header line of a plan under documents: what they are and how the columns they add were had."""
+    return (f"documents: {res['docs'].label} (records.workloads), each probed length packed with its own draw; "
+            f"step time with the slowest rank's attention, carried to {human(res['common']) if res['common'] else '-'} "
+            f"by the ranks' counted (query, key) pairs there (bench.stackmodel.docwork), varlen calls at their "
+            f"measured rate (bench.stackmodel.varlenrate); tok/s/GPU = {human(res['common']) if res['common'] else '-'}"
+            f" / GPUs / step s; imbal = the slowest rank's attention work / the mean at that length")
+
+
 def render(res: dict[str, Any]) -> str:
-    """The plan as the table ``python -m bench plan`` prints (and its Markdown holds)."""
+    """The plan as the table ``python -m bench plan`` prints (and its Markdown holds); with documents
+    (``res["docs"]``) a line saying what they are and the tok/s/GPU and imbalance columns."""
+    docs = res.get("docs") is not None
     counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
     version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
     consts = constants_of(version)
@@ -46,18 +68,20 @@ def render(res: dict[str, Any]) -> str:
         f"paper's ring code), host copies over PCIe 5 x16"
         + (", memory-bound kernels at the HBM bandwidth)" if version >= 3 else
            "; counts made before v3: the constants fitted on such counts, bench.stackmodel.steptime.FITTED_V2)"),
+        *([docs_line(res)] if docs else []),
         "",
         f"simulations: {res['cache']}; rel = step time / {res['baseline'].label if res['baseline'] else '-'}'s "
         f"(UPipe's paper setup); P = on the Pareto front of max context vs step time",
         "",
         f"{'configuration':44} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
-        f"{'source':8} note",
+        + (f"{'tok/s/GPU':>9} {'imbal':>6} " if docs else "") + f"{'source':8} note",
     ]
     fastest = res["baseline"] or res["fastest_common"]
     front = {id(e) for e in res["pareto"]}
     for e in res["entries"]:
         if e.skipped:
-            lines.append(f"{e.label:44} {'-':>8} {'-':>9} {'-':>9} {'-':>8} {'-':>6} {'':8} skipped: {e.skipped}")
+            lines.append(f"{e.label:44} {'-':>8} {'-':>9} {'-':>9} {'-':>8} {'-':>6} "
+                         + (f"{'-':>9} {'-':>6} " if docs else "") + f"{'':8} skipped: {e.skipped}")
             continue
         limit = ">=" if e.max_context >= res["max_seq_len"] - res["granularity"] + 1 and e.max_context else ""
         rel = e.step_time_s / fastest.step_time_s if fastest and e.step_time_s else None
@@ -75,10 +99,16 @@ def render(res: dict[str, Any]) -> str:
         peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
         host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
         label = ("P " if id(e) in front else "  ") + e.label
+        workload = ""
+        if docs:
+            tps = tokens_per_s_per_gpu(e, res["common"])
+            imbalance = e.work.imbalance if getattr(e, "work", None) is not None else None
+            workload = (f"{(f'{tps:9.0f}' if tps else f'{chr(45):>9}')} "
+                        f"{(f'{imbalance:6.3f}' if imbalance else f'{chr(45):>6}')} ")
         lines.append(
             f"{label:44} {limit + (human(e.max_context) if e.max_context else '0'):>8} {peak} {host} "
             f"{(f'{e.step_time_s:8.2f}' if e.step_time_s else f'{chr(45):>8}')} "
-            f"{(f'{rel:6.2f}' if rel else f'{chr(45):>6}')} {e.time_source:8} {'; '.join(note)}")
+            f"{(f'{rel:6.2f}' if rel else f'{chr(45):>6}')} {workload}{e.time_source:8} {'; '.join(note)}")
     fl = res["fastest_longest"]
     if fl is None:
         lines.append("recommendation: nothing fits (even one step of the search)")
@@ -101,13 +131,18 @@ def render(res: dict[str, Any]) -> str:
 
 
 def write_plan(res: dict[str, Any], out_dir: Path) -> list[str]:
-    """The plan as ``plan_<model>_<gpus>x<device>.md`` and its figure (drawn by ``analysis``)."""
+    """The plan as ``plan_<model>_<gpus>x<device>.md`` and its figure (drawn by ``analysis``); a plan
+    under documents adds ``_docs-<distribution>-<seed>`` to the name and its documents to the title."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"plan_{res['model'].replace('/', '_')}_{res['gpus']}x{res['device']}"
+    docs = res.get("docs")
+    stem = f"plan_{res['model'].replace('/', '_')}_{res['gpus']}x{res['device']}" + (
+        f"_docs-{docs.label.replace(':', '-')}" if docs is not None else "")
+    title = f"{res['model']} on {res['gpus']} x {res['device']}" + (
+        f", documents {docs.label}" if docs is not None else "")
     md = out_dir / f"{stem}.md"
-    md.write_text(f"# Plan: {res['model']} on {res['gpus']} x {res['device']}\n\n"
+    md.write_text(f"# Plan: {title}\n\n"
                   f"Generated by `python -m bench plan` (bench/search/plan.py).\n\n```\n{render(res)}\n```\n")
     png = out_dir / f"{stem}.png"
     shown = [(e.label, e.max_context) for e in res["entries"] if not e.skipped]
-    draw_plan(shown, f"{res['model']} on {res['gpus']} x {res['device']}: max context per method", png)
+    draw_plan(shown, f"{title}: max context per method", png)
     return [str(md), str(png)]

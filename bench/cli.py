@@ -5,7 +5,7 @@
         [--dtype bf16] [--docs NAME[:SEED] | --docs-lengths LENGTHS|FILE] [--out FILE] [--json]
     python -m bench max-context ... [--granularity 128K] [--max-seq-len 16M] [--start 128K]
     python -m bench list            # methods, models, devices, links
-    python -m bench plan --model llama3-8b --gpus 8 --device h100-80g
+    python -m bench plan --model llama3-8b --gpus 8 --device h100-80g [--docs NAME[:SEED]]
     python -m bench trial '<Trial JSON>' --out FILE [--extrapolate-layers]   # what a sweep's job runs
     python -m bench fidelity [--only memory|boundaries|all] [--anchors NAME...] [--quick] [--jobs N] \\
         [--out DIR] [--figs-dir DIR]   # the simulation against the paper's numbers (bench.stackmodel.fidelity)
@@ -106,15 +106,15 @@ def parse_docs_lengths(text: str) -> DocsSpec:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_docs_flags(p: argparse.ArgumentParser) -> None:
+def add_docs_flags(p: argparse.ArgumentParser, lengths_help: str = "packed documents of these lengths, summing to "
+                   "--seq-len: comma-separated (4K,4K,8K) or a file of them (one per line, or a JSON list)") -> None:
     """``--docs`` and ``--docs-lengths`` (one of them; neither: one sequence), both into ``args.docs``."""
     group = p.add_mutually_exclusive_group()
     group.add_argument("--docs", type=parse_docs, default=None, metavar="NAME[:SEED]",
                        help="packed documents drawn from a document-length distribution with a seed (default 0): "
                        f"{', '.join(distribution_names())} (records/workloads/data/README.md); default: one sequence")
     group.add_argument("--docs-lengths", dest="docs", type=parse_docs_lengths, metavar="LENGTHS|FILE",
-                       help="packed documents of these lengths, summing to --seq-len: comma-separated "
-                       "(4K,4K,8K) or a file of them (one per line, or a JSON list)")
+                       help=lengths_help)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -229,6 +229,8 @@ def build_parser() -> Parser:
     pl.add_argument("--no-cache", action="store_true", help="simulate everything, read and write no cache")
     pl.add_argument("--jobs", type=positive_int, default=None,
                     help="searches run at once, one process each (default: one per core, at most one per search)")
+    add_docs_flags(pl, "parsed as bench run's, then refused: explicit lengths fix the sequence length, which the "
+                   "plan varies (use --docs)")
     fi = sub.add_parser("fidelity", help="the paper's memory anchors and fits/OOM boundaries, simulated under the "
                         "paper and lean stacks (bench.stackmodel.fidelity)")
     fi.add_argument("--only", choices=["memory", "boundaries", "all"], default="all")
@@ -480,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                     check_file(cache, "--cache")
                 res = plan(args.model, args.gpus, args.device, args.nodes, args.max_seq_len, args.granularity,
                            stack=args.stack, beyond=not args.paper_only, cache=cache,
-                           workers=args.jobs, use_cache=not args.no_cache, pools=args.allocator_pools)
+                           workers=args.jobs, use_cache=not args.no_cache, pools=args.allocator_pools,
+                           docs=args.docs)
             except ValueError as err:
                 raise UsageError(f"python -m bench plan: error: {err}") from None
             from analysis import plan_report  # the one writer of tables and figures

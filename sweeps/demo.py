@@ -4,10 +4,15 @@
    gloo ranks, tiny model, the paper's training levers) and a simulated paper-scale max-context
    search for each method ``demo-maxctx-llama3-8b`` lists (Llama3-8B on 8 x H100-80GB), both
    through submitit's local executor; every trial and every search probe is reported as it ends.
+   Then one workload, packed documents: ring, Ulysses and UPipe at 1M tokens of documents drawn
+   from ``prolong64k`` (``DOCS_SETUP``), each the search's 1M probe with the documents added, simulated
+   in this process from 3- and 4-layer simulations extrapolated over the layers
+   (``bench.search.extrapolate.layer_extrapolated_runner``).
 2. ``analysis`` draws every table and figure from the committed rows and the demo's (labelled
    ``yours``) into ``runs/demo/figs/``.
 3. A summary in a fixed order: our figures beside the paper's, each saying how it was obtained
-   and, where it differs from the paper, what differs.
+   and, where it differs from the paper, what differs; the documents' modelled tokens/s and
+   imbalance beside the same methods' one-sequence figure at that length (the search's probe).
 
 Everything is written under ``runs/demo/`` (gitignored; ``$CPAB_RUNS`` replaces ``runs/``):
 the committed ``results/`` and ``paper_figs/`` are never touched. Finished trials are skipped,
@@ -16,16 +21,21 @@ so a second ``make demo`` only redraws the figures.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
 
+import bench  # noqa: F401  # first: the simulated CUDA device loads before torch (the documents' simulations run here)
 import methods
 from analysis.report import make_all
-from records import human, read_rows
+from bench.measure.trial import Trial
+from bench.search.extrapolate import layer_extrapolated_runner
+from records import append_rows, human, read_rows, trial_key
 from records.facts import TABLE3_COLUMNS
 from records.outputs import runs_dir
+from records.workloads import DocsSpec
 
 from .runner import run_sweep
 from .spec import load_spec
@@ -35,6 +45,10 @@ SPECS = ("table3-llama3-8b-cpu", "demo-maxctx-llama3-8b")
 OUT = runs_dir() / "demo"  # relative to the repository: main() works from there
 # the paper's setup of the max-context summary (results/paper/max_context.csv)
 PAPER_SETUP = ("llama3-8b", 8)
+# the packed-documents workload: (distribution, length, methods), each method's trial the max-context
+# search's probe at that length (SPECS[1]) with the documents added
+DOCS_SETUP = ("prolong64k", 1 << 20, ("ring", "ulysses", "upipe"))
+DOCS_ROWS = "demo-docs-llama3-8b.jsonl"
 
 
 def column_order(method: str) -> tuple[int, str]:
@@ -78,6 +92,62 @@ def _human(n: int | None) -> str:
     return human(n) if n else "—"
 
 
+def docs_trials() -> list[Trial]:
+    """The documents workload's trials (``DOCS_SETUP``): the search's probe at that length, documents added."""
+    distribution, seq_len, chosen = DOCS_SETUP
+    searches = {t.method: t for t in load_spec(REPO / "sweeps" / "configs" / f"{SPECS[1]}.yaml").trials()}
+    return [dataclasses.replace(searches[m].probe(seq_len), docs=DocsSpec(distribution)) for m in chosen]
+
+
+def run_docs(path: Path) -> int:
+    """The documents workload's trials without a row in ``path``, simulated here over 3 and 4 layers
+    and extrapolated (each appended as it ends); how many failed."""
+    have = {trial_key(r) for r in read_rows(path, on_error="warn")} if path.exists() else set()
+    todo = [t for t in docs_trials() if t.key() not in have]
+    print(f"documents: {len(DOCS_SETUP[2])} trials, {len(DOCS_SETUP[2]) - len(todo)} already have rows in {path}, "
+          f"{len(todo)} to run (in this process)", flush=True)
+    runner = layer_extrapolated_runner()
+    failed = 0
+    for trial in todo:
+        trial.validate()
+        t0 = time.time()
+        row = runner(trial)
+        append_rows(path, [row])
+        failed += row.status == "error"
+        print(f"  {trial.label}: {row.status} ({time.time() - t0:.0f}s)", flush=True)
+    return failed
+
+
+def docs_summary() -> None:
+    """The documents workload beside the same methods' one sequence of that length (the search's probe):
+    modelled tokens/s per GPU, and the imbalance of the ranks' attention work (``figures.doc_work``)."""
+    distribution, seq_len, chosen = DOCS_SETUP
+    docs_path, search_path = OUT / DOCS_ROWS, OUT / f"{SPECS[1]}.jsonl"
+    docs = {r.method: r for r in read_rows(docs_path, on_error="warn")
+            if r.seq_len == seq_len and r.docs is not None} if docs_path.exists() else {}
+    single = {r.method: r for r in read_rows(search_path, on_error="warn")
+              if r.kind == "trial" and r.seq_len == seq_len and r.docs is None} if search_path.exists() else {}
+    print(f"[simulated, Llama3-8B, 8 x h100-80g, paper's levers] {human(seq_len)} tokens of "
+          f"{DocsSpec(distribution).label} documents: modelled tokens/s per GPU (one sequence of {human(seq_len)}: "
+          f"the search's probe), imbalance = the slowest rank's attention work / the mean")
+    cells = []
+    for m in chosen:
+        r, one = docs.get(m), single.get(m)
+        imbalance = (r.figures.doc_work or {}).get("imbalance") if r is not None else None
+        cells.append(f"{m} {_rate(r)} ({_rate(one)})" + (f", imbalance {imbalance:.2f}" if imbalance else ""))
+    print("  " + "   ".join(cells))
+
+
+def _rate(row) -> str:
+    """A row's modelled tokens/s per GPU, or why there is none."""
+    if row is None:
+        return "—"
+    if row.status != "ok":
+        return row.status
+    tps = row.figures.tokens_per_s_per_device
+    return f"{tps:.0f}" if tps else "—"
+
+
 def summary() -> None:
     print("\n=== summary ===")
     rows = read_rows(OUT / "table3-llama3-8b-cpu.jsonl", on_error="warn")
@@ -110,6 +180,7 @@ def summary() -> None:
             print(f"           stops at {_human(stop.seq_len)}: {_one_line(stop.message)}")
         if r.method in WHY_DIFFERENT:
             print(f"           {WHY_DIFFERENT[r.method]}")
+    docs_summary()
 
 
 def _first_failure(failed: list, method: str, found: int):
@@ -134,6 +205,9 @@ def main() -> int:
         spec = load_spec(REPO / "sweeps" / "configs" / f"{name}.yaml", overrides)
         print(f"\n=== [{i}/{len(SPECS)}] sweep {name} ({spec.mode}) ===", flush=True)
         failed += run_sweep(spec, "local", max_parallel=1 if spec.mode == "real" else 2).failed
+    print(f"\n=== [documents] {DOCS_SETUP[0]} at {human(DOCS_SETUP[1])}: {', '.join(DOCS_SETUP[2])} (simulated) ===",
+          flush=True)
+    failed += run_docs(OUT / DOCS_ROWS)
     figs = OUT / "figs"
     print(f"\n=== [figures] committed rows + yours ({OUT}) -> {figs} ===", flush=True)
     make_all(REPO / "results", figs, verbose=False, user_dirs=(OUT,))

@@ -73,6 +73,18 @@ collectives, host copies; extrapolated over layers like the peaks), carried to t
 ``steptime.scale_counts`` (attention FLOPs ∝ S², the rest ∝ S, calls constant). The source is
 printed for every row.
 
+Documents (``--docs NAME[:SEED]``, ``plan(docs=...)``): every simulated trial carries them
+(``Trial.docs``), so each probe packs its own draw of the distribution at its length
+(``records.workloads.DocsSpec.lengths_for``) and the simulations, their cache keys (the trial's
+JSON holds the documents) and the step-time counts are those of the workload; the memory search
+is the one above (documents leave a head-parallel method's memory as it is; a padding layout's
+extra tokens are simulated). A configuration whose method refuses documents is reported skipped
+with its reason. The ring family's sequence layouts (a method whose options have ``layout``:
+``DOC_LAYOUTS``) are each a configuration. The step time takes the slowest rank's attention
+(``documents_counts``) and each row reports the imbalance of the ranks' attention work
+(``bench.stackmodel.docwork``) at the common length. Explicit lengths fix the sequence length,
+which the plan varies: they are refused.
+
 ``chunk_heads=auto`` resolves to the largest U that fits (``bench.search.autochunk``); at the
 maximum context of U = C no larger U fits, so the auto row reports U = C's length and the U
 it resolves to at the common comparison length.
@@ -94,7 +106,10 @@ from typing import Any
 
 import torch
 
+import methods
 from records import GiB, Row, human, read_rows, requested_options
+from records.workloads import DocsSpec
+from records.workloads.spec import identity as docs_identity
 
 from ..measure.result import Measurement
 from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
@@ -103,6 +118,7 @@ from ..model.config import get_config
 from ..resolve import Request, resolve
 from ..stackmodel import stack as paper_stack
 from ..stackmodel.counts import StepCounts
+from ..stackmodel.docwork import RankWork, trial_work
 from ..stackmodel.hardware import get_device
 from ..stackmodel.steptime import (
     COUNTS_VERSION,
@@ -416,6 +432,7 @@ class Entry:
     resolved_u: int | None = None
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    work: RankWork | None = None  # documents: each rank's attention work at the common length (docwork)
 
     @property
     def method(self) -> str:
@@ -441,6 +458,9 @@ LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 MAX_COST = 2.0  # a configuration slower than this x UPipe's paper setup is reported, not recommended
 SEQUENCE_CHUNKED = "fpdt"  # the method whose sequence chunks the last beyond-the-paper entry uses
+# with documents, each a configuration of a method with a layout option (methods.core.seqlayout):
+# the global head-tail layout, and the per-document one (balanced per document, padding each to 2R)
+DOC_LAYOUTS = ("zigzag", "doc-zigzag")
 
 
 def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
@@ -460,21 +480,33 @@ def ladder(accepts=None) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def has_layouts(method: str) -> bool:
+    """Whether ``method``'s sequence layout is an option (the ring family: ``methods.core.seqlayout``)."""
+    return "layout" in {f.name for f in dataclasses.fields(methods.get_info(method).cls.Options)}
+
+
 def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, stack: str = "paper",
-            beyond: bool = True, pools: str = paper_stack.PAPER_POOLS) -> list[Entry]:
-    """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.stackmodel.stack.allocator_pools``)."""
+            beyond: bool = True, pools: str = paper_stack.PAPER_POOLS, docs: DocsSpec | None = None) -> list[Entry]:
+    """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.stackmodel.stack.allocator_pools``);
+    ``docs``: the packed documents every trial carries, where the ring family's layouts (``DOC_LAYOUTS``)
+    are each a configuration."""
     def entry(label: str, method: str, options: dict, **levers) -> Entry:
         levers.update(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools))
-        request = Request(method, model, granularity, gpus, options, device=device, levers=levers)
+        request = Request(method, model, granularity, gpus, options, device=device, levers=levers, docs=docs)
         return Entry(label, resolve(request, validate=False))  # runs() and plan() validate what they keep
 
+    def laid_out(label: str, method: str, options: dict) -> list[Entry]:
+        if docs is None or not has_layouts(method):
+            return [entry(label, method, options)]
+        return [entry(f"{label} {layout}", method, {**options, "layout": layout}) for layout in DOC_LAYOUTS]
+
     out = [entry(f"upipe U={gpus}", "upipe", {}), entry("upipe U=auto", "upipe", {AUTO_OPTION: AUTO}),
-           entry("ulysses", "ulysses", {}), entry("ring", "ring", {})]
+           entry("ulysses", "ulysses", {}), *laid_out("ring", "ring", {})]
     if nodes > 1:
         u = gpus // nodes
-        out += [entry(f"usp u={u}", "usp", {"ulysses_degree": u}),
-                entry(f"usp-upipe u={u} U={u}", "usp-upipe", {"ulysses_degree": u}),
-                entry(f"usp-upipe u={u} U=auto", "usp-upipe", {"ulysses_degree": u, AUTO_OPTION: AUTO})]
+        out += [*laid_out(f"usp u={u}", "usp", {"ulysses_degree": u}),
+                *laid_out(f"usp-upipe u={u} U={u}", "usp-upipe", {"ulysses_degree": u}),
+                *laid_out(f"usp-upipe u={u} U=auto", "usp-upipe", {"ulysses_degree": u, AUTO_OPTION: AUTO})]
     out += [entry("fpdt", "fpdt", {}), entry("offload", "offload", {})]
     if beyond:  # the paper's UPipe (USP x UPipe across nodes) with the levers of LADDER added one by one
         base, opts = ("upipe", {}) if nodes == 1 else ("usp-upipe", {"ulysses_degree": gpus // nodes})
@@ -573,27 +605,63 @@ def real_rows() -> list[Row]:
 
 
 def measured_time(trial: Trial, rows: list[Row] | None = None) -> float | None:
-    """A measured step time from results/ (real mode, same method/options/model/size/length), or None.
-    ``rows``: ``real_rows()`` read once by the caller (read here when not given)."""
+    """A measured step time from results/ (real mode, same method/options/model/size/length and
+    documents), or None. ``rows``: ``real_rows()`` read once by the caller (read here when not given)."""
     best = None
     want = trial.requested_opts()
     name = trial.config().name
+    docs = trial.docs.identity() if trial.docs is not None else None
     for r in real_rows() if rows is None else rows:
         if (r.method == trial.method and r.model == name and r.world_size == trial.world_size
                 and r.device == trial.device and r.seq_len == trial.seq_len
+                and (docs_identity(r.docs) if r.docs is not None else None) == docs
                 and {k: v for k, v in requested_options(r.options).items() if v is not None} == want):
             best = r.figures.step_time_s if best is None else min(best, r.figures.step_time_s)
     return best
 
 
 def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
-    """``bench.stackmodel.steptime`` over the entry's counts at its max context, carried to ``seq_len``."""
+    """``bench.stackmodel.steptime`` over the entry's counts at its max context, carried to ``seq_len``
+    (with documents, the slowest rank's attention there: ``documents_counts``)."""
     if not entry.step_counts or not entry.max_context:
         return None
     preset = get_device(device)
     counts = scale_counts(entry.step_counts, entry.max_context, seq_len)
+    if entry.trial.docs is not None:
+        counts = documents_counts(entry, counts, seq_len)
     kernel = attention_kernel(entry.method)
     return step_time(counts, preset, entry.trial.link_model(), constants_for(counts), kernel)["step_time_s"]
+
+
+def documents_counts(entry: Entry, scaled: StepCounts, seq_len: int) -> StepCounts:
+    """``scaled`` (the entry's counts carried to ``seq_len`` by ``scale_counts``) with the attention of
+    the slowest rank at ``seq_len`` under the entry's documents. The attention of packed documents
+    grows with their causal areas, not as S² (documents of bounded length: about S), and the step waits
+    for the slowest rank: the simulated rank's counted attention FLOPs at the max context (and their
+    varlen excess, whose share of them a draw from the same distribution keeps) are carried by the
+    ratio of the slowest rank's counted (query, key) pairs at ``seq_len`` to the simulated rank's at
+    the max context (``bench.stackmodel.docwork``, each length with its own draw). At the max context
+    this is the row's own step (``bench.measure.run.build_row``: ``slowest_rank_counts``)."""
+    simulated = trial_work(entry.trial.with_seq_len(entry.max_context))
+    target = trial_work(entry.trial.with_seq_len(seq_len))
+    if simulated is None or target is None or simulated.pairs[0] <= 0:
+        return scaled
+    ratio = max(target.pairs) / simulated.pairs[0]
+    counts = entry.step_counts
+    return dataclasses.replace(scaled, flops_attention=counts.flops_attention * ratio,
+                               flops_attention_varlen_excess=counts.flops_attention_varlen_excess * ratio)
+
+
+def check_docs(docs: DocsSpec | None) -> None:
+    """The plan's documents: a distribution (each probed length packs its own draw); explicit lengths
+    fix the sequence length, which the plan varies (``ValueError``, before any work)."""
+    if docs is None:
+        return
+    if not isinstance(docs, DocsSpec):
+        raise ValueError(f"docs must be a records.workloads.DocsSpec, got {type(docs).__name__}")
+    if docs.lengths is not None:
+        raise ValueError("explicit document lengths fix the sequence length, which the plan varies; "
+                         "give a distribution (--docs NAME[:SEED]), or time those lengths with python -m bench run")
 
 
 # --------------------------------------------------------------------------- the plan
@@ -638,19 +706,21 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
          granularity: int = 1 << 20, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
          cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS,
-         committed: Path | None = None, simulate: bool = True) -> dict[str, Any]:
+         committed: Path | None = None, simulate: bool = True, docs: DocsSpec | None = None) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
     None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
     stack's allocator pools; ``committed``: the committed cache (default ``COMMITTED_CACHE``);
-    ``simulate`` off: a simulation missing from the caches is a ``LookupError`` (``SimCache.allow``)."""
+    ``simulate`` off: a simulation missing from the caches is a ``LookupError`` (``SimCache.allow``);
+    ``docs``: packed documents drawn from a distribution (``check_docs``; None: one sequence)."""
     committed = Path(committed) if committed is not None else COMMITTED_CACHE
     global _CACHE
     cfg = get_config(model)
     preset = get_device(device)
     if gpus % nodes:
         raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
+    check_docs(docs)
     t0 = time.perf_counter()
-    todo = entries(model, gpus, nodes, device, granularity, stack, beyond, pools)
+    todo = entries(model, gpus, nodes, device, granularity, stack, beyond, pools, docs)
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
     cache_args = (cache, (committed,), simulate) if use_cache else None
     _CACHE = SimCache(*cache_args) if cache_args else None
@@ -665,8 +735,9 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
                 if workers > 1 else None)
         try:
             found = []
-            print(f"[plan] {len(jobs)} searches on {workers} worker(s); a line as each finishes "
-                  "(in order)", file=progress, flush=True)
+            print(f"[plan] {len(jobs)} searches on {workers} worker(s)"
+                  + (f", documents {docs.label} drawn per length" if docs is not None else "")
+                  + "; a line as each finishes (in order)", file=progress, flush=True)
             for e in (pool.map(_search_entry, jobs) if pool else map(_search_entry, jobs)):
                 found.append(e)
                 what = e.skipped or e.error or f"max context {human(e.max_context)}"
@@ -704,6 +775,8 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
             e.step_time_s, e.time_source = measured, "measured"
         else:
             e.step_time_s, e.time_source = modelled_time(e, device, common), "model"
+        if docs is not None:
+            e.work = trial_work(e.trial.with_seq_len(common))
     pareto = pareto_front(ok)
     baseline = ok[0] if ok and ok[0] is done[0] else None  # UPipe's paper setup (the first entry)
     pick = recommend(ok, baseline)
@@ -721,6 +794,6 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
         "stack": stack, "pools": pools, "pareto": pareto, "baseline": baseline, "pick": pick,
-        "cache": cache_line if _CACHE else "no cache (--no-cache)",
+        "cache": cache_line if _CACHE else "no cache (--no-cache)", "docs": docs,
     }
     return result

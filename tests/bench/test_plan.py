@@ -13,6 +13,7 @@ from bench.measure.trial import Trial
 from bench.search import plan as plan_mod
 from bench.search.extrapolate import scheme
 from bench.search.plan import (
+    DOC_LAYOUTS,
     Entry,
     SimCache,
     entries,
@@ -26,6 +27,7 @@ from bench.search.plan import (
     sim_scheme,
 )
 from bench.training.config import StepConfig
+from records.workloads import DocsSpec
 
 TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 384,
         "vocab_size": 1024, "rope_theta": 500000.0}
@@ -315,3 +317,102 @@ def test_search_stops_at_the_host_memory_budget(tiny_file, tmp_path, monkeypatch
     assert err is None and found == 96 << 10 and best.peak_bytes < trial.preset().usable()
     over = extrapolated(trial.with_seq_len(found + step), str(tmp_path))
     assert over.status == "oom" and over.host_peak_bytes > trial.preset().host_usable()
+
+
+# --------------------------------------------------------------------------- packed documents (--docs)
+
+PROLONG = DocsSpec("prolong64k")
+
+
+def test_documents_reach_every_trial_and_the_ring_family_gets_its_layouts():
+    """With documents every configuration's trial carries them (its probes draw per length), and each
+    ring-family method (a layout option) is a configuration per layout; without, the plan is as it was."""
+    plain = entries("llama3-8b", 16, 2, "h100-80g", 1 << 20)
+    docs = entries("llama3-8b", 16, 2, "h100-80g", 1 << 20, docs=PROLONG)
+    assert all(e.trial.docs is None for e in plain) and all(e.trial.docs == PROLONG for e in docs)
+    labels = [e.label for e in docs]
+    for base in ("ring", "usp u=8", "usp-upipe u=8 U=8", "usp-upipe u=8 U=auto"):
+        assert base in [e.label for e in plain] and base not in labels
+        zigzag, per_doc = (next(e for e in docs if e.label == f"{base} {layout}") for layout in DOC_LAYOUTS)
+        assert zigzag.trial.options.layout == "zigzag" and per_doc.trial.options.layout == "doc-zigzag"
+        assert zigzag.trial == dataclasses.replace(next(e for e in plain if e.label == base).trial, docs=PROLONG)
+    assert len(docs) == len(plain) + 4
+    # each probed length packs its own draw, summing to that length
+    trial = next(e for e in docs if e.label == "ring doc-zigzag").trial
+    for n in (1 << 20, 3 << 20):
+        assert sum(trial.with_seq_len(n).documents().lengths) == n
+
+
+def test_the_cache_key_holds_the_documents():
+    """A simulation under documents is cached under its own key; one without keeps the committed key."""
+    trial = Trial.make("ring", "llama3-8b", 1 << 20, 8, step=StepConfig(stack="paper"))
+    plain = SimCache.key(trial, "llama3-8b", 3)
+    docs = SimCache.key(dataclasses.replace(trial, docs=PROLONG), "llama3-8b", 3)
+    other = SimCache.key(dataclasses.replace(trial, docs=DocsSpec("prolong64k", 1)), "llama3-8b", 3)
+    assert len({plain, docs, other}) == 3 and "docs" not in json.loads(plain)
+    assert json.loads(docs)["docs"] == {"distribution": "prolong64k", "seed": 0}
+
+
+@pytest.mark.parametrize("flags,problem", [
+    (["--docs", "nope"], "unknown document-length distribution 'nope'; choose one of ['magiattention-cp'"),
+    (["--docs", "prolong64k:x"], "the seed after ':' must be an integer, got 'x'"),
+    (["--docs-lengths", "LENGTHS"], "lengths file LENGTHS: entry 2 ('12Q') is not a positive token count"),
+    (["--docs-lengths", "4K,4K"], "explicit document lengths fix the sequence length, which the plan varies"),
+    (["--docs", "prolong64k", "--docs-lengths", "4K"], "not allowed with argument --docs"),
+])
+def test_bad_documents_are_one_line_before_any_simulation(flags, problem, tmp_path, capsys, monkeypatch):
+    from bench.search import plan as plan_mod
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("4096\n12Q\n")
+    flags = [str(lengths) if f == "LENGTHS" else f for f in flags]
+    problem = problem.replace("LENGTHS", str(lengths))
+    monkeypatch.setattr(plan_mod, "_sim", lambda *a: pytest.fail("simulated before refusing the documents"))
+    assert cli.main(["plan", "--model", "llama3-8b", "--gpus", "8", "--jobs", "1", "--no-figs", "--no-cache",
+                     *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and problem in err, err
+
+
+def test_plan_with_documents_reaches_the_rows(tmp_path, capsys, monkeypatch):
+    """``bench plan --docs`` on a 2-layer model (simulated whole; lean stack, the paper's configurations,
+    each fitting at the search limit of 32K: one simulation each; a few documents per sequence, as
+    every document is a call): every simulation is keyed with the documents, the table adds tok/s/GPU
+    and the imbalance, a method that refuses documents is skipped with its reason (not an error), and
+    each configuration's modelled step at its max context is its simulated row's (the slowest rank's
+    attention under the documents, ``build_row``)."""
+    import methods
+    from bench.search import plan as plan_mod
+    from bench.search.plan import modelled_time
+
+    path = tmp_path / "tiny2.json"
+    path.write_text(json.dumps({**TINY, "n_layers": 2}))
+    monkeypatch.setattr(methods.get_info("offload").cls, "honours_documents", False)
+    results = []
+    monkeypatch.setattr(cli, "plan", lambda *a, **k: results.append(plan_mod.plan(*a, **k)) or results[-1])
+    cache = tmp_path / "sims.ndjson"
+    assert cli.main(["plan", "--model", str(path), "--gpus", "4", "--stack", "lean", "--paper-only",
+                     "--granularity", "16K", "--max-seq-len", "32K", "--jobs", "1", "--cache", str(cache),
+                     "--out-dir", str(tmp_path / "figs"), "--docs", "uniform-1K-16K:1"]) == 0
+    out = capsys.readouterr().out
+    res = results[0]
+    assert res["docs"] == DocsSpec("uniform-1K-16K", 1) and "documents: uniform-1K-16K:1 (records.workloads)" in out
+    header = next(line for line in out.splitlines() if line.startswith("configuration"))
+    assert "tok/s/GPU" in header and "imbal" in header
+    assert "skipped: method 'offload' refuses packed documents (docs=): not yet" in out
+    keys = [json.loads(json.loads(line)["key"]) for line in cache.read_text().splitlines()]
+    assert keys and all(k["docs"] == {"distribution": "uniform-1K-16K", "seed": 1} for k in keys)
+    assert (tmp_path / "figs" / "plan_tiny2_4xh100-80g_docs-uniform-1K-16K-1.md").exists()
+    rows = {e.label: e for e in res["entries"] if not e.skipped}
+    assert set(rows) == {"upipe U=4", "upipe U=auto", "ulysses", "ring zigzag", "ring doc-zigzag", "fpdt"}
+    assert rows["ulysses"].work.imbalance == 1.0  # head-parallel: every rank the whole sequence's area
+    assert rows["ring zigzag"].work.imbalance > rows["ring doc-zigzag"].work.imbalance >= 1.0
+    for label, e in rows.items():
+        line = next(ln for ln in out.splitlines() if ln[2:].startswith(label + " "))
+        assert f"{e.work.imbalance:6.3f}" in line, line
+        if e.auto:
+            continue
+        row = extrapolated(e.trial.with_seq_len(e.max_context), str(tmp_path)).row  # from the plan's cache
+        assert row.figures.doc_work["imbalance"] == pytest.approx(
+            plan_mod.trial_work(e.trial.with_seq_len(e.max_context)).imbalance, abs=1e-6)
+        assert modelled_time(e, "h100-80g", e.max_context) == pytest.approx(row.figures.step_time_s, rel=1e-9)

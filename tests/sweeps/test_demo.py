@@ -1,7 +1,11 @@
 """make demo's closing summary (sweeps.demo.summary) reads the demo's rows and says what they show."""
 from __future__ import annotations
 
-from records import Figures, append_rows
+import dataclasses
+
+import pytest
+
+from records import Figures, Row, append_rows, cpu_name, environment
 from sweeps import demo
 from tests.rowfactory import make_row
 
@@ -33,3 +37,54 @@ def test_summary(tmp_path, monkeypatch, capsys):
     assert "upipe        6M  (5M)" in out
     assert f"stops at 7M: {host}" in out  # the shortest failing probe above the answer says why
     assert "offload     <1M  (not in paper)" in out  # nothing fits at the first step: below it, not "none"
+
+
+def _row(trial, **figures):
+    """A row of ``trial`` with these figures, as its run would write it (the figures made up)."""
+    return Row(**trial.row_fields(), status="ok", message="", figures=Figures(**figures),
+               env=environment(trial.kernel_name(), cpu_name()), model_arch=trial.config().to_dict())
+
+
+def test_docs_trials_are_the_search_probes_with_documents():
+    """The documents line's trials are the demo search's probes at that length, prolong64k added."""
+    from records.workloads import DocsSpec
+    from sweeps.spec import load_spec
+
+    distribution, seq_len, chosen = demo.DOCS_SETUP
+    searches = {t.method: t for t in load_spec(demo.REPO / "sweeps" / "configs" / f"{demo.SPECS[1]}.yaml").trials()}
+    trials = demo.docs_trials()
+    assert [t.method for t in trials] == ["ring", "ulysses", "upipe"] == list(chosen)
+    for t in trials:
+        assert t.docs == DocsSpec("prolong64k") and t.seq_len == seq_len == 1 << 20 and t.world_size == 8
+        assert dataclasses.replace(t, docs=None).key() == searches[t.method].probe(seq_len).key()
+        assert t.key() != searches[t.method].probe(seq_len).key()  # the documents are part of the identity
+
+
+def test_docs_line_beside_the_one_sequence_probe(tmp_path, monkeypatch, capsys):
+    """The summary's documents line: each method's modelled tokens/s per GPU under the documents, its
+    one-sequence probe's in brackets, and the imbalance its row's doc_work records."""
+    monkeypatch.setattr(demo, "OUT", tmp_path)
+    trials = {t.method: t for t in demo.docs_trials()}
+    append_rows(tmp_path / demo.DOCS_ROWS, [
+        _row(trials["ring"], tokens_per_s_per_device=900.0, doc_work={"imbalance": 1.2345}),
+        _row(trials["upipe"], tokens_per_s_per_device=1100.0, doc_work={"imbalance": 1.0}),
+    ])
+    append_rows(tmp_path / f"{demo.SPECS[1]}.jsonl", [
+        _row(dataclasses.replace(trials["ring"], docs=None), tokens_per_s_per_device=1000.0),
+        _row(dataclasses.replace(trials["ulysses"], docs=None), tokens_per_s_per_device=1200.0),
+    ])
+    demo.docs_summary()
+    out = capsys.readouterr().out
+    assert "1M tokens of prolong64k:0 documents" in out
+    assert "ring 900 (1000), imbalance 1.23   ulysses — (1200)   upipe 1100 (—), imbalance 1.00" in out
+
+
+def test_run_docs_skips_trials_that_have_rows(tmp_path, monkeypatch, capsys):
+    from sweeps.results import error_row_for
+
+    path = tmp_path / demo.DOCS_ROWS
+    for t in demo.docs_trials():
+        error_row_for(t, "demo", path, "earlier", "log")
+    monkeypatch.setattr(demo, "layer_extrapolated_runner", lambda: lambda t: pytest.fail(f"ran {t.label}"))
+    assert demo.run_docs(path) == 0
+    assert "3 already have rows" in capsys.readouterr().out
