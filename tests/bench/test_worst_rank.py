@@ -1,0 +1,131 @@
+"""A simulation decides on the worst rank (``bench.measure.run.measure_worst_rank``).
+
+A ring trial's row reports the worst of its simulated ranks: each rank is simulated here on its own
+(``measure_simulated(rank=r)``) and the row's ``worst_rank``, ``rank_peaks`` and figures must be what
+those say. A method whose ranks are symmetric (``rank_symmetric_reason``) is simulated once, and its
+row says why. The layer-extrapolated runner extrapolates each rank and takes the worst. The choice of
+the worst on hand-made measurements, and the rows: the new figures are omitted when absent (an old
+row re-serialises as it was) and checked when present.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import methods
+from bench.measure import run as run_mod
+from bench.measure.result import AllocatorReplay, Measurement
+from bench.measure.run import judged_peak, measure_simulated, run_trial, worst_of
+from bench.measure.trial import Trial
+from bench.model.config import get_config
+from bench.search import extrapolate as extrapolate_mod
+from bench.search.extrapolate import layer_extrapolated_runner
+from bench.training.config import StepConfig
+from records import RowError, validate_row
+
+WORLD = 4
+
+
+def _ring(model: str = "tiny-llama", seq_len: int = 8192) -> Trial:
+    return Trial.make("ring", model, seq_len, WORLD, mode="simulated", device="h100-80g",
+                      step=StepConfig(stack="paper"))
+
+
+def test_a_ring_row_reports_its_worst_rank():
+    trial = _ring()
+    trial.validate()
+    each = {r: measure_simulated(trial, rank=r) for r in range(WORLD)}
+    expected = [[r, judged_peak(trial, m)] for r, m in each.items()]
+    worst = max(range(WORLD), key=lambda r: (expected[r][1], each[r].host_peak_bytes or 0, -r))
+    row = run_trial(trial)
+    assert row.status == "ok", row.message
+    assert row.figures.rank_peaks == expected
+    assert row.figures.worst_rank == worst
+    assert max(max(m.peak_reserved_bytes, m.peak_bytes) for m in each.values()) \
+        == max(row.figures.peak_reserved_bytes, row.figures.peak_bytes)
+    assert row.figures.peak_bytes == each[worst].peak_bytes
+    assert row.figures.peak_reserved_bytes == each[worst].peak_reserved_bytes
+    assert any(f"the worst rank's, rank {worst}" in n for n in row.notes)
+    validate_row(row)
+
+
+def test_a_symmetric_method_is_simulated_once(monkeypatch):
+    ranks: list[int] = []
+
+    def counted(trial, keep_trace=False, rank=0):
+        ranks.append(rank)
+        return measure_simulated(trial, keep_trace, rank)
+
+    monkeypatch.setattr(run_mod, "measure_simulated", counted)
+    row = run_trial(Trial.make("ulysses", "tiny-llama", 8192, WORLD, mode="simulated", device="h100-80g"))
+    assert row.status == "ok", row.message
+    assert ranks == [0]
+    assert row.figures.worst_rank == 0 and row.figures.rank_peaks is None
+    reason = methods.get_info("ulysses").cls.rank_symmetric_reason
+    assert reason and any(f"alone (its ranks are symmetric: {reason})" in n for n in row.notes)
+    ranks.clear()
+    run_trial(_ring())
+    assert ranks == list(range(WORLD))
+
+
+def test_every_method_declares_its_deciding_ranks():
+    spec = get_config("tiny-llama").attn_spec()
+    for info in methods.all_infos():
+        ranks = info.cls.deciding_ranks(8, info.cls.Options(), spec)
+        symmetric = info.cls.rank_symmetric_reason is not None
+        assert ranks == ((0,) if symmetric else tuple(range(8))), info.name
+    assert methods.get_info("ring").cls.rank_symmetric_reason is None
+    assert methods.get_info("upipe").cls.rank_symmetric_reason is not None
+
+
+def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch):
+    path = tmp_path / "tiny6.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 6}))
+    trial = _ring(str(path))
+    per_rank = {}
+    for r in range(WORLD):  # each rank alone through the runner: its own extrapolated figures
+        with monkeypatch.context() as m:
+            m.setattr(extrapolate_mod, "deciding_ranks", lambda t, r=r: (r,))
+            per_rank[r] = layer_extrapolated_runner(str(tmp_path))(trial)
+    row = layer_extrapolated_runner(str(tmp_path))(trial)
+    assert row.status == "ok", row.message
+    judged = {r: max(x.figures.peak_reserved_bytes, x.figures.peak_bytes) for r, x in per_rank.items()}
+    assert row.figures.rank_peaks == [[r, judged[r]] for r in range(WORLD)]
+    assert max(row.figures.peak_reserved_bytes, row.figures.peak_bytes) == max(judged.values())
+    assert row.figures.peak_bytes == per_rank[row.figures.worst_rank].figures.peak_bytes
+
+
+def _m(peak: int, reserved: int | None = None, host: int = 0, status: str = "ok", oom: str | None = None):
+    alloc = None if reserved is None else AllocatorReplay("expandable", "shared", peak, 1, 0.0, 0, oom)
+    return Measurement(status=status, message=None if status == "ok" else "x", peak_bytes=peak,
+                       peak_reserved_bytes=reserved, allocator=alloc, host_peak_bytes=host)
+
+
+def test_the_worst_of_hand_made_ranks():
+    paper, lean = _ring(), Trial.make("ring", "tiny-llama", 8192, WORLD, mode="simulated", device="h100-80g",
+                                      step=StepConfig(stack="lean"))
+    ranks = {0: _m(10, 30), 1: _m(20, 25), 2: _m(15, 28)}
+    assert worst_of(paper, ranks).rank == 0  # the reserved peak decides under the paper stack
+    assert worst_of(paper, ranks).rank_peaks == [[0, 30], [1, 25], [2, 28]]
+    assert worst_of(lean, {0: _m(10), 1: _m(20), 2: _m(15)}).rank == 1  # the allocated peak under lean
+    assert worst_of(lean, {0: _m(10, host=1), 1: _m(10, host=5)}).rank == 1  # then the host peak
+    assert worst_of(lean, {0: _m(10), 1: _m(10)}).rank == 0  # a tie: the lowest rank
+    assert worst_of(paper, {0: _m(10, 30), 1: _m(10, 20, oom="out")}).rank == 1  # the allocator ran out
+    failed = worst_of(paper, {0: _m(10, 30), 1: _m(0, status="oom"), 2: _m(0, status="error")})
+    assert (failed.rank, failed.status, failed.rank_peaks) == (2, "error", None)
+    single = worst_of(paper, {0: _m(10, 30)})
+    assert (single.rank, single.rank_peaks) == (0, None)
+
+
+def test_rows_without_ranks_are_written_as_before_and_bad_ones_refused():
+    row = run_trial(Trial.make("ulysses", "tiny-llama", 2048, 2, mode="simulated", device="h100-80g"))
+    d = row.to_dict()
+    d["figures"].pop("worst_rank")
+    old = json.dumps(d, sort_keys=True)
+    back = validate_row(json.loads(old))
+    assert back.figures.worst_rank is None and json.dumps(back.to_dict(), sort_keys=True) == old
+    for bad, said in ((dict(worst_rank=2), "worst_rank = 2"), (dict(worst_rank=0, rank_peaks=[[1, 5]]), "rank_peaks"),
+                      (dict(worst_rank=0, rank_peaks=[5]), "rank_peaks")):
+        with pytest.raises(RowError, match=said):
+            validate_row({**d, "figures": {**d["figures"], **bad}})
