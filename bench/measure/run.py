@@ -12,8 +12,11 @@ Modes (recorded in every row):
   ``fake`` process group: compute and memory are real, collectives return at once, and their
   time comes from the link model (``bench.stackmodel.hardware``) over the bytes actually issued:
   ``step_time = measured compute + modelled communication`` (no overlap assumed).
-* ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
-  shape and world size with nothing allocated. For a GPU preset the step runs on fake CUDA
+* ``simulated``: FakeTensorMode + fake process group + MemTracker: one rank's peak for any
+  shape and world size with nothing allocated, for each rank that can decide the trial's memory
+  (``AttentionMethod.deciding_ranks``: every rank of the ring family, rank 0 of a method whose ranks
+  are symmetric), one after another in this process; the worst rank's figures make the row
+  (``measure_worst_rank``), with ``figures.worst_rank`` and each rank's judged peak. For a GPU preset the step runs on fake CUDA
   tensors (the GPU code path: CUDA SDPA ops, the methods' and libraries' CUDA branches,
   pinned host buffers; ``bench.stackmodel.simcuda`` says how streams and events are stood in
   for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code

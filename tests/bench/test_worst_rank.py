@@ -16,12 +16,13 @@ import pytest
 import methods
 from bench.measure import run as run_mod
 from bench.measure.result import AllocatorReplay, Measurement
-from bench.measure.run import judged_peak, measure_simulated, run_trial, worst_of
+from bench.measure.run import deciding_ranks, judged_peak, measure_simulated, run_trial, worst_of
 from bench.measure.trial import Trial
 from bench.model.config import get_config
 from bench.search import extrapolate as extrapolate_mod
 from bench.search.extrapolate import layer_extrapolated_runner
 from bench.training.config import StepConfig
+from methods.usp import USP
 from records import RowError, validate_row
 
 WORLD = 4
@@ -73,10 +74,39 @@ def test_every_method_declares_its_deciding_ranks():
     spec = get_config("tiny-llama").attn_spec()
     for info in methods.all_infos():
         ranks = info.cls.deciding_ranks(8, info.cls.Options(), spec)
-        symmetric = info.cls.rank_symmetric_reason is not None
-        assert ranks == ((0,) if symmetric else tuple(range(8))), info.name
+        if info.cls.rank_symmetric_reason is not None:
+            assert ranks == (0,), info.name
+        elif issubclass(info.cls, USP):  # one rank per ring position
+            u, _ = info.cls.degrees(spec, 8, info.cls.Options())
+            assert ranks == tuple(range(0, 8, u)), info.name
+        else:
+            assert ranks == tuple(range(8)), info.name
     assert methods.get_info("ring").cls.rank_symmetric_reason is None
     assert methods.get_info("upipe").cls.rank_symmetric_reason is not None
+    assert USP.deciding_ranks(8, USP.Options(ulysses_degree=2), spec) == (0, 2, 4, 6)
+    assert USP.deciding_ranks(8, USP.Options()) == tuple(range(8))  # the default degree needs the spec
+
+
+def _memory(m: Measurement) -> tuple:
+    return m.status, m.peak_bytes, m.peak_reserved_bytes, m.peak_by_category, m.host_peak_bytes
+
+
+@pytest.mark.parametrize("method", ["ulysses", "upipe", "fpdt", "offload", "no-cp"])
+def test_a_symmetric_method_holds_the_same_on_every_rank(method):
+    trial = Trial.make(method, "tiny-llama", 8192, WORLD, mode="simulated", device="h100-80g")
+    trial.validate()
+    first = _memory(measure_simulated(trial, rank=0))
+    assert first[0] == "ok"
+    assert all(_memory(measure_simulated(trial, rank=r)) == first for r in range(1, WORLD))
+
+
+def test_the_ranks_of_a_usp_ulysses_group_hold_the_same():
+    trial = Trial.make("usp", "tiny-llama", 8192, WORLD, {"ulysses_degree": 2}, mode="simulated",
+                       device="h100-80g")
+    trial.validate()
+    each = [_memory(measure_simulated(trial, rank=r)) for r in range(WORLD)]
+    assert each[0] == each[1] and each[2] == each[3]
+    assert deciding_ranks(trial) == (0, 2)
 
 
 def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch):
