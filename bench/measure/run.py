@@ -16,8 +16,9 @@ Modes (recorded in every row):
   shape and world size with nothing allocated, for each rank that can decide the trial's memory
   (``AttentionMethod.deciding_ranks``: every rank of the ring family, rank 0 of a method whose ranks
   are symmetric), one after another in this process; the worst rank's figures make the row
-  (``measure_worst_rank``), with ``figures.worst_rank`` and each rank's judged peak. For a GPU preset the step runs on fake CUDA
-  tensors (the GPU code path: CUDA SDPA ops, the methods' and libraries' CUDA branches,
+  (``measure_worst_rank``), with ``figures.worst_rank`` and each rank's judged peak. For a GPU
+  preset the step runs on fake CUDA tensors (the GPU code path: CUDA SDPA ops, the methods' and
+  libraries' CUDA branches,
   pinned host buffers; ``bench.stackmodel.simcuda`` says how streams and events are stood in
   for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code
   path: the accelerator is a fake CPU device and host memory the ``meta`` device (for the
