@@ -18,9 +18,8 @@ Modes (recorded in every row):
   are symmetric), one after another in this process; the worst rank's figures make the row
   (``measure_worst_rank``), with ``figures.worst_rank`` and each rank's judged peak. For a GPU
   preset the step runs on fake CUDA tensors (the GPU code path: CUDA SDPA ops, the methods' and
-  libraries' CUDA branches,
-  pinned host buffers; ``bench.stackmodel.simcuda`` says how streams and events are stood in
-  for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code
+  libraries' CUDA branches, pinned host buffers; ``bench.stackmodel.simcuda`` says how streams
+  and events are stood in for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code
   path: the accelerator is a fake CPU device and host memory the ``meta`` device (for the
   checkpoint offload here, and for the methods' own offloading through
   ``methods.core.hostmem``), so the two are still counted apart. Step time is not simulated;
