@@ -64,6 +64,8 @@ class DSFPDTOptions(MethodOptions):
                       torchtitan=False),
 )
 class DeepSpeedFPDT(FPDT):
+    rank_symmetric_reason = ("DeepSpeed's FPDT all-to-alls each chunk to the whole chunk on H/C heads on every "
+                             "rank, so every rank allocates the same shapes in the same order")
     honours_documents = False
     documents_refusal = "DeepSpeed's FPDT_Attention takes no document mask or cu_seqlens (a library limit)"
     Options = DSFPDTOptions

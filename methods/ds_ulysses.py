@@ -86,6 +86,8 @@ class _LocalAttention(nn.Module):
     facts=MethodFacts(column="ulysses", library="DeepSpeed"),
 )
 class DeepSpeedUlysses(AttentionMethod):
+    rank_symmetric_reason = ("DeepSpeed's all-to-all gives every rank the whole sequence on H/C heads, so every "
+                             "rank allocates the same shapes in the same order")
     documents_refusal = (
         "not yet: DeepSpeed's DistributedAttention hands its local attention q, k, v only, and the "
         "documents are not wired through it"

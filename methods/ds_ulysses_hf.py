@@ -90,6 +90,8 @@ class _KernelAttentionInterface:
     facts=MethodFacts(column="ulysses", library="DeepSpeed", torchtitan=False),
 )
 class DeepSpeedUlyssesHF(AttentionMethod):
+    rank_symmetric_reason = ("DeepSpeed's all-to-all gives every rank the whole sequence on H/C heads, so every "
+                             "rank allocates the same shapes in the same order")
     honours_documents = True  # through position_ids that restart at every document, as ALST takes them
 
     @classmethod

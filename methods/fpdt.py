@@ -347,6 +347,8 @@ class _FPDTFunction(torch.autograd.Function):
 class FPDT(AttentionMethod):
     Options = FPDTOptions
     honours_documents: ClassVar[bool] = True
+    rank_symmetric_reason = ("each chunk's all-to-all gives every rank that chunk of the whole sequence on H/C "
+                             "heads, chunk after chunk, so every rank allocates the same shapes in the same order")
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: FPDTOptions) -> None:

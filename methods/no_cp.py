@@ -32,6 +32,7 @@ from .core.spec import AttnSpec
 class NoCP(AttentionMethod):
     splits_sequence: ClassVar[bool] = False
     honours_documents: ClassVar[bool] = True  # the kernel's document mask over the whole sequence
+    rank_symmetric_reason = "every rank attends the whole sequence: the same work and shapes on every rank"
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         # a world of one: the group (if any) is the training step's, for FSDP, never this method's

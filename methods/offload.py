@@ -75,6 +75,8 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 @register("offload", "Ulysses with the block's saved activations offloaded to host memory (saved-tensor hooks)")
 class OffloadUlysses(Ulysses):
+    rank_symmetric_reason = ("Ulysses' all-to-all gives every rank the whole sequence on H/C heads, and every rank "
+                             "offloads the same saved tensors")
     Options = OffloadOptions
 
     @classmethod

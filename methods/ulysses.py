@@ -32,6 +32,8 @@ def replicated_kv_heads(spec: AttnSpec, replication: int) -> list[int]:
           facts=MethodFacts(column="ulysses", reference=True))
 class Ulysses(AttentionMethod):
     honours_documents: ClassVar[bool] = True
+    rank_symmetric_reason = ("its all-to-all gives every rank the whole sequence on H/C heads, so every rank "
+                             "allocates the same shapes in the same order")
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: MethodOptions) -> None:

@@ -245,6 +245,8 @@ class _UPipeFunction(torch.autograd.Function):
 class UPipe(AttentionMethod):
     Options = UPipeOptions
     honours_documents: ClassVar[bool] = True
+    rank_symmetric_reason = ("each stage's all-to-all gives every rank the whole sequence on its heads of the "
+                             "stage, so every rank allocates the same shapes in the same order")
 
     @classmethod
     def validate(cls, spec: AttnSpec, world_size: int, options: UPipeOptions) -> None:

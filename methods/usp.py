@@ -143,6 +143,19 @@ class USP(SequenceLayoutMethod):
             return None  # the default degree depends on the spec
         return cls.degrees(spec, world_size, options)[1]
 
+    @classmethod
+    def deciding_ranks(cls, world_size: int, options: USPOptions, spec: AttnSpec | None = None,
+                       docs: Documents | None = None) -> tuple[int, ...]:
+        """One rank per ring position, the first of each Ulysses group (0, u, 2u, ...): the members of a
+        Ulysses group hold equal contiguous parts of their ring rank's tokens, and after the all-to-all
+        each holds all of them on its own heads, so they allocate the same shapes in the same order;
+        ring positions differ (each meets other K/V blocks at each step). Every rank when the degree is
+        not known (the default degree without the spec)."""
+        if options.ulysses_degree is None and spec is None:
+            return tuple(range(world_size))
+        u, _ = cls.degrees(spec, world_size, options)
+        return tuple(range(0, world_size, u))
+
     # ------------------------------------------------------------------ layout and forward
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
         super().__init__(spec, group, **options)

@@ -114,6 +114,8 @@ def compute_dtype(who: str, x: torch.Tensor, ring: bool) -> torch.dtype:
     facts=MethodFacts(column="ulysses", library="yunchang", library_kernels=True),
 )
 class YunchangUlysses(AttentionMethod):
+    rank_symmetric_reason = ("yunchang's all-to-all gives every rank the whole sequence on H/C heads, so every "
+                             "rank allocates the same shapes in the same order")
     documents_refusal = "yunchang's UlyssesAttention calls flash_attn_func, which takes no cu_seqlens (a library limit)"
     Options = YunchangOptions
     calls_suite_kernel = False  # yunchang calls flash-attn itself

@@ -85,6 +85,14 @@ class Figures:
     # packed documents: each rank's attention work and the imbalance (bench.stackmodel.docwork.RankWork.to_dict);
     # absent from a row of one sequence
     doc_work: dict | None = None
+    # simulated: the rank whose figures these are (the worst of those simulated: bench.measure.run.worst_of),
+    # and, where several were simulated, each one's judged peak as [rank, bytes]; absent from rows before ranks
+    worst_rank: int | None = None
+    rank_peaks: list | None = None
+
+
+# figures written only when measured, so that a row without them is written as it was before they existed
+OMITTED_WHEN_NONE = ("doc_work", "worst_rank", "rank_peaks")
 
 
 @dataclass
@@ -138,12 +146,14 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         """The row as JSON-ready data; ``docs`` and ``figures.doc_work`` only when the row has documents,
-        so that a row of one sequence is written as it was before documents existed."""
+        so that a row of one sequence is written as it was before documents existed, and the figures of
+        ``OMITTED_WHEN_NONE`` only when measured."""
         d = dataclasses.asdict(self)
         if d["docs"] is None:
             del d["docs"]
-        if d["figures"].get("doc_work") is None:
-            d["figures"].pop("doc_work", None)
+        for late in OMITTED_WHEN_NONE:
+            if d["figures"].get(late) is None:
+                d["figures"].pop(late, None)
         return d
 
 
@@ -231,6 +241,21 @@ def _check_spread(f: Figures) -> None:
                        f"{f.step_time_max_s}) are not the median/min/max of step_times_s {times}")
 
 
+def _check_ranks(f: Figures, world_size: int) -> None:
+    """``worst_rank`` is a rank of the job, and ``rank_peaks`` (``[rank, bytes]`` pairs, one per rank
+    simulated) holds it."""
+    if f.worst_rank is not None and not 0 <= f.worst_rank < world_size:
+        raise RowError(f"row.figures.worst_rank = {f.worst_rank} is not a rank of world size {world_size}")
+    if f.rank_peaks is None:
+        return
+    pairs = f.rank_peaks
+    if not pairs or not all(isinstance(p, list) and len(p) == 2 and all(_type_ok(v, int) for v in p) for p in pairs):
+        raise RowError(f"row.figures.rank_peaks = {pairs!r} must be a non-empty list of [rank, bytes] pairs")
+    if f.worst_rank not in [p[0] for p in pairs]:
+        raise RowError(f"row.figures.rank_peaks = {pairs!r} must hold worst_rank ({f.worst_rank}), the rank "
+                       "whose figures the row has")
+
+
 def validate_row(row: Row | dict) -> Row:
     """Return ``row`` as a ``Row`` if it follows the schema, else raise ``RowError``
     naming the field."""
@@ -279,6 +304,7 @@ def validate_row(row: Row | dict) -> Row:
             said = str(err)
             raise RowError(f"row.{said}" if said.startswith("docs") else f"row.docs: {said}") from None
     _check_spread(r.figures)
+    _check_ranks(r.figures, r.world_size)
     _json_safe(data, "row")
     return r
 

@@ -12,11 +12,14 @@ Modes (recorded in every row):
   ``fake`` process group: compute and memory are real, collectives return at once, and their
   time comes from the link model (``bench.stackmodel.hardware``) over the bytes actually issued:
   ``step_time = measured compute + modelled communication`` (no overlap assumed).
-* ``simulated``: FakeTensorMode + fake process group + MemTracker: rank 0's peak for any
-  shape and world size with nothing allocated. For a GPU preset the step runs on fake CUDA
-  tensors (the GPU code path: CUDA SDPA ops, the methods' and libraries' CUDA branches,
-  pinned host buffers; ``bench.stackmodel.simcuda`` says how streams and events are stood in
-  for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code
+* ``simulated``: FakeTensorMode + fake process group + MemTracker: one rank's peak for any
+  shape and world size with nothing allocated, for each rank that can decide the trial's memory
+  (``AttentionMethod.deciding_ranks``: every rank of the ring family, rank 0 of a method whose ranks
+  are symmetric), one after another in this process; the worst rank's figures make the row
+  (``measure_worst_rank``), with ``figures.worst_rank`` and each rank's judged peak. For a GPU
+  preset the step runs on fake CUDA tensors (the GPU code path: CUDA SDPA ops, the methods' and
+  libraries' CUDA branches, pinned host buffers; ``bench.stackmodel.simcuda`` says how streams
+  and events are stood in for) and host memory is the fake CPU device. ``sim_device="cpu"`` selects the CPU code
   path: the accelerator is a fake CPU device and host memory the ``meta`` device (for the
   checkpoint offload here, and for the methods' own offloading through
   ``methods.core.hostmem``), so the two are still counted apart. Step time is not simulated;
@@ -170,8 +173,8 @@ def replay_with_reserve(result: Measurement, reserve: int) -> tuple[int, Allocat
     return _replayed(kept.trial, kept.trace, kept.device_key, result.step_counts, reserve)
 
 
-def measure_simulated(trial: Trial, keep_trace: bool = False) -> Measurement:
-    """Rank 0's peak under FakeTensorMode with a fake process group (nothing allocated).
+def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> Measurement:
+    """Rank ``rank``'s peak under FakeTensorMode with a fake process group (nothing allocated).
 
     Where no flash-attn is installed, ``fake_flash_attn`` supplies one (installed before the
     method is built, so that the libraries it wraps import it) whose kernels allocate what
@@ -191,7 +194,7 @@ def measure_simulated(trial: Trial, keep_trace: bool = False) -> Measurement:
     host = "cpu" if on_gpu_path else ("meta" if accelerator else "cpu")
     runtime = simcuda.runtime() if on_gpu_path else contextlib.nullcontext()
     needs = fake_flash_attn.needs_it(methods.get_info(trial.method).requires)
-    with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size) as group, \
+    with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size, rank) as group, \
             runtime, fake_tensors(torch.float32, meta_host=accelerator and not on_gpu_path), no_param_init():
         built, batch = _build(trial, group, device, host=host, fake=True)
         if trial.step.scope == "model":
@@ -239,6 +242,71 @@ def measure_simulated(trial: Trial, keep_trace: bool = False) -> Measurement:
         if keep_trace:
             out.trace = KeptTrace(trace, device_key, trial)  # the trial as the stack ran it
     return out
+
+
+def deciding_ranks(trial: Trial) -> tuple[int, ...]:
+    """The ranks a simulation of ``trial`` measures: its method's ``deciding_ranks`` (every rank of
+    the ring family, rank 0 of a method whose ranks are symmetric)."""
+    cls = trial.method_cls()
+    ranks = cls.deciding_ranks(trial.world_size, trial.options, trial.config().attn_spec(), trial.documents())
+    if not ranks or any(not 0 <= r < trial.world_size for r in ranks):
+        raise ValueError(f"method {trial.method!r} names deciding ranks {ranks} at world size {trial.world_size}: "
+                         f"fix its deciding_ranks to return ranks in 0..{trial.world_size - 1}")
+    return tuple(ranks)
+
+
+def judged_peak(trial: Trial, result: Measurement) -> int:
+    """The device peak a simulation's fit is judged on (``budgeted_peak``'s, from a measurement): the
+    modelled allocator's reserved peak under the paper stack (never below the allocated one), else the
+    allocated peak."""
+    allocated = result.peak_bytes or 0
+    if stack.reserved(trial.step.stack) and result.peak_reserved_bytes is not None:
+        return max(result.peak_reserved_bytes, allocated)
+    return allocated
+
+
+def worst_of(trial: Trial, by_rank: dict[int, Measurement]) -> Measurement:
+    """The worst of one trial's per-rank simulations, with ``rank`` (the worst) and, where there are
+    several, ``rank_peaks`` (each rank's judged peak): a failed rank first (an error before an OOM), then
+    a rank whose modelled allocator ran out, then the largest judged device peak, then the largest host
+    peak; a tie goes to the lowest rank. The worst rank's whole measurement stands for the trial (its
+    counts, communication and notes too)."""
+    severity = {"error": 2, "oom": 1}
+
+    def key(rank: int) -> tuple:
+        r = by_rank[rank]
+        if r.status != "ok":
+            return (severity.get(r.status, 2), 0, 0, 0, -rank)
+        return (0, int(r.allocator is not None and r.allocator.oom is not None), judged_peak(trial, r),
+                r.host_peak_bytes or 0, -rank)
+
+    worst = max(by_rank, key=key)
+    out = dataclasses.replace(by_rank[worst], rank=worst)
+    if len(by_rank) > 1 and all(r.status == "ok" for r in by_rank.values()):
+        out.rank_peaks = [[rank, judged_peak(trial, by_rank[rank])] for rank in sorted(by_rank)]
+    return out
+
+
+def measure_worst_rank(trial: Trial, keep_trace: bool = False,
+                       measure: Callable[..., Measurement] | None = None) -> Measurement:
+    """Every deciding rank (``deciding_ranks``) simulated in turn, each in a fresh fake process group
+    in this process (``fake_process_group`` tears its group down on exit), and the worst of them
+    (``worst_of``). ``measure(trial, keep_trace, rank)`` simulates one rank (default
+    ``measure_simulated``, guarded: a failing rank is a failed measurement); ``keep_trace``: only
+    the worst rank's trace is kept. A failed rank stops the loop (the trial fails whatever the others
+    hold)."""
+    measure = measure or (lambda t, keep, rank: guarded(measure_simulated, t, keep, rank))
+    by_rank: dict[int, Measurement] = {}
+    for rank in deciding_ranks(trial):
+        by_rank[rank] = measure(trial, keep_trace, rank)
+        if by_rank[rank].status != "ok":
+            break
+        if keep_trace and len(by_rank) > 1:  # only the worst so far keeps its trace
+            best = worst_of(trial, by_rank).rank
+            for other, r in by_rank.items():
+                if other != best:
+                    r.trace = None
+    return worst_of(trial, by_rank)
 
 
 def measure_on_device(trial: Trial, group, device: torch.device,
@@ -386,6 +454,20 @@ def _load_figures(f: Figures, result: Measurement) -> list[str]:
     return notes
 
 
+def _ranks_said(trial: Trial, result: Measurement) -> str:
+    """Which rank a simulated row's figures are, as its notes say it: rank 0 (and why it stands for
+    every rank, where the method says so), or the worst of the ranks simulated."""
+    if result.rank_peaks:
+        ranks = [r for r, _ in result.rank_peaks]
+        which = (f"ranks 0-{ranks[-1]}" if ranks == list(range(len(ranks))) else
+                 "ranks " + ", ".join(map(str, ranks)))
+        return (f"on each of {which}, in turn; the figures are the worst rank's, rank {result.rank} "
+                "(figures.worst_rank; each rank's judged peak in figures.rank_peaks)")
+    reason = trial.method_cls().rank_symmetric_reason
+    rank = result.rank or 0
+    return f"on rank {rank}" + (f" alone (its ranks are symmetric: {reason})" if reason and rank == 0 else "")
+
+
 # how the message of an OOM on the host budget alone starts (bench.stackmodel.fidelity reads it)
 HOST_OOM = "host memory:"
 
@@ -431,6 +513,7 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
     f.tokens_per_device = trial.step.batch * trial.seq_len // seq_ranks
     f.flops_per_device = flops_per_device(cfg, trial.seq_len, seq_ranks, trial.step.batch, trial.step.scope)
     f.wall_s = round(wall_s, 3)
+    f.worst_rank, f.rank_peaks = result.rank, result.rank_peaks
     link = trial.link_model()
     work = docwork.trial_work(trial)  # packed documents: each rank's attention work (None: one sequence)
     if work is not None:
@@ -510,18 +593,19 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
             notes.append(f"the modelled allocator ran out of the device's memory (the reserved peak is up to "
                          f"that point; under the lean stack the allocated peak decides the status): {allocator.oom}")
     notes.extend(result.stack_notes or [])
+    on_ranks = _ranks_said(trial, result)
     if trial.mode == "simulated" and trial.step.stack == "paper":
         notes.append("simulated, paper stack (bench.stackmodel.stack): FakeTensorMode + fake process group "
                      "+ MemTracker "
-                     f"on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
+                     f"{on_ranks}; the fit compares the modelled allocator's reserved peak with the capacity less "
                      f"{outside}; Liger's loss not modelled")
     elif trial.mode == "simulated" and trial.step.stack == "hf":
         notes.append("simulated, hf stack (bench.stackmodel.hfstack): FakeTensorMode + fake process group + MemTracker "
-                     f"on rank 0; the fit compares the modelled allocator's reserved peak with the capacity less "
+                     f"{on_ranks}; the fit compares the modelled allocator's reserved peak with the capacity less "
                      f"{outside}; the step time with the measured SDPA flash rate (bench.stackmodel.steptime)")
     elif trial.mode == "simulated":
         unmodelled = "workspaces" if allocator else "workspaces and allocator fragmentation"
-        notes.append("simulated: FakeTensorMode + fake process group + MemTracker on rank 0; CUDA context, "
+        notes.append(f"simulated: FakeTensorMode + fake process group + MemTracker {on_ranks}; CUDA context, "
                      f"NCCL buffers, {unmodelled} not modelled (see usable_bytes)")
     if trial.mode == "emulated":
         notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
@@ -560,7 +644,7 @@ def run_trial(trial: Trial) -> Row:
     trial.validate()
     t0 = time.perf_counter()
     if trial.mode == "simulated":
-        result = guarded(measure_simulated, trial)
+        result = guarded(measure_worst_rank, trial)
     elif trial.mode == "emulated":
         result = guarded(_emulated, trial)
     else:

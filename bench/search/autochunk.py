@@ -8,7 +8,7 @@ resolves; the methods themselves only accept an int. Resolution:
   u = C for upipe, dividing H, compatible with the GQA schedule), largest first (fewest
   stages, fastest);
 * for each, the trial's own configuration (model, sequence length, world size, levers,
-  device preset) is simulated (FakeTensorMode, rank 0's peak) and compared with the
+  device preset) is simulated (FakeTensorMode, the worst deciding rank's peak) and compared with the
   preset's usable bytes;
 * the first (largest) U that fits is chosen; if none fits, the smallest U, with the reason
   ``no U fits`` (the trial then runs and reports its own ``oom``).

@@ -20,6 +20,13 @@ taken from the 4-layer simulation and added to the extrapolated peak,
 (``tests/bench/test_extrapolate.py`` checks it against a full simulation). A row made this way
 says so in its notes.
 
+Ranks. A method whose ranks differ (``AttentionMethod.deciding_ranks``: the ring family) is
+extrapolated rank by rank, each from its own 3- and 4-layer simulations (and replayed under
+pressure from its own trace), and the worst extrapolated rank decides (``bench.measure.run.worst_of``),
+as a full simulation of every rank would: what a layer adds is each rank's own sharded state, but
+the allocator's slack and the moment of the peak are per rank, so extrapolating one rank (the worst
+of the shallow simulations) could pick a rank that is not the worst at the full depth.
+
 That rule ignores what the allocator does at its capacity. The real one, when an allocation
 does not fit, releases its cached blocks (with expandable segments: unmaps every free page of
 every stream's segment) and tries again (``malloc`` in ``c10/cuda/CUDACachingAllocator.cpp``;
@@ -86,7 +93,15 @@ from pathlib import Path
 from records import GiB, Row
 
 from ..measure.result import Measurement
-from ..measure.run import build_row, guarded, measure_simulated, replay_with_reserve
+from ..measure.run import (
+    build_row,
+    deciding_ranks,
+    guarded,
+    measure_simulated,
+    measure_worst_rank,
+    replay_with_reserve,
+    worst_of,
+)
 from ..measure.trial import Trial
 from ..stackmodel.counts import StepCounts
 
@@ -236,13 +251,14 @@ def under_pressure(high: Measurement, out: Measurement) -> Measurement:
         out.allocator, reserve_bytes=reserve, cache_releases=alloc.cache_releases))
 
 
-def simulated_pair(trial: Trial, how: Scheme, directory: str) -> tuple[list[Measurement], Measurement | None]:
-    """The two shallow simulations ``how`` names (the larger one keeping its trace) and the model
-    extrapolated from them and replayed under pressure (``under_pressure``); ``None`` for the
-    latter if either simulation failed with an error."""
+def simulated_pair(trial: Trial, how: Scheme, directory: str,
+                   rank: int = 0) -> tuple[list[Measurement], Measurement | None]:
+    """The two shallow simulations ``how`` names, of rank ``rank`` (the larger one keeping its trace),
+    and the model extrapolated from them and replayed under pressure (``under_pressure``); ``None``
+    for the latter if either simulation failed with an error."""
     cfg = trial.config()
     shallow = [dataclasses.replace(trial, model=layer_variant(cfg, n, directory)) for n in how.layers]
-    results = [guarded(measure_simulated, t, i == 1) for i, t in enumerate(shallow)]
+    results = [guarded(measure_simulated, t, i == 1, rank) for i, t in enumerate(shallow)]
     out = None
     if not any(r.status == "error" for r in results):
         out = under_pressure(results[1], extrapolate(results[0], results[1], how.units, how.low))
@@ -263,15 +279,20 @@ def layer_extrapolated_runner(workdir: str | None = None) -> Callable[[Trial], R
         t0 = time.perf_counter()
         how = scheme(cfg.n_layers, trial.step.ac_group, trial.step.offload_keep)
         if how.whole:
-            result = guarded(measure_simulated, trial)
+            result = guarded(measure_worst_rank, trial)
             if how.size > 1 and result.status != "error":
                 result.stack_notes = list(result.stack_notes or []) + [how.describe()]
             return build_row(trial, result, time.perf_counter() - t0)
-        results, extrapolated = simulated_pair(trial, how, directory)
-        failed = next((r for r in results if r.status == "error"), None)
-        result = failed or extrapolated
-        if not failed:
-            result.status = "ok"  # the budget is judged on the extrapolated figures (build_row)
+        by_rank: dict[int, Measurement] = {}
+        for rank in deciding_ranks(trial):  # each rank extrapolated on its own, then the worst (module docstring)
+            results, extrapolated = simulated_pair(trial, how, directory, rank)
+            failed = next((r for r in results if r.status == "error"), None)
+            by_rank[rank] = failed or extrapolated
+            if failed:
+                break
+            extrapolated.status = "ok"  # the budget is judged on the extrapolated figures (build_row)
+        result = worst_of(trial, by_rank)
+        if result.status == "ok":
             rule = (f"figure({cfg.n_layers}) = figure(3) + (figure(4) - figure(3)) x {cfg.n_layers - LOW}, "
                     "from 3- and 4-layer simulations" if how.size == 1 else how.describe())
             result.stack_notes = list(result.stack_notes or []) + [

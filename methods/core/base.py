@@ -184,6 +184,10 @@ class AttentionMethod(AttentionParams):
     # document; otherwise ``documents_refusal`` says why not in one line (``check_documents``)
     honours_documents: ClassVar[bool] = False
     documents_refusal: ClassVar[str] = "not yet: its attention does not mask documents"
+    # why every rank of this method allocates the same shapes in the same order (so simulating rank 0
+    # measures every rank: ``deciding_ranks``); None: its ranks differ (the ring family: each rank holds
+    # other chunks of the sequence and meets other K/V blocks at each step), or that is not known
+    rank_symmetric_reason: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         """A subclass that overrides ``forward`` without a ``docs`` parameter cannot pass documents on,
@@ -279,6 +283,20 @@ class AttentionMethod(AttentionParams):
         """What a result row of this method should say about how it ran with these options (a
         wrapped library patched for the run, say); none by default."""
         return []
+
+    @classmethod
+    def deciding_ranks(cls, world_size: int, options: MethodOptions, spec: AttnSpec | None = None,
+                       docs: Documents | None = None) -> tuple[int, ...]:
+        """The ranks whose memory can be the job's largest: the ranks a simulation must measure
+        (``bench.measure.run.measure_worst_rank``), the worst of them deciding whether a trial fits.
+
+        Every rank by default: a rank's shapes and their order may depend on which part of the
+        sequence it holds (the ring family's layouts, its per-step K/V pairs, packed documents cut
+        differently on each rank), and what the caching allocator reserves depends on that order.
+        Rank 0 alone where ``rank_symmetric_reason`` says why every rank allocates the same."""
+        if cls.rank_symmetric_reason is not None:
+            return (0,)
+        return tuple(range(world_size))
 
     @classmethod
     def seq_multiple(cls, world_size: int, options: MethodOptions) -> int:

@@ -117,7 +117,7 @@ def test_simulated_oom_is_a_row_with_the_budget_in_the_message():
 def test_a_failing_trial_is_an_error_row_and_the_next_trial_runs(monkeypatch):
     calls = []
 
-    def boom(trial):
+    def boom(trial, *args):
         calls.append(trial)
         with fake_process_group(trial.world_size):
             raise RuntimeError("kernel exploded")

@@ -1,0 +1,175 @@
+"""A simulation decides on the worst rank (``bench.measure.run.measure_worst_rank``).
+
+A ring trial's row reports the worst of its simulated ranks: each rank is simulated here on its own
+(``measure_simulated(rank=r)``) and the row's ``worst_rank``, ``rank_peaks`` and figures must be what
+those say. A method whose ranks are symmetric (``rank_symmetric_reason``) is simulated once, and its
+row says why. The layer-extrapolated runner extrapolates each rank and takes the worst. The choice of
+the worst on hand-made measurements, and the rows: the new figures are omitted when absent (an old
+row re-serialises as it was) and checked when present.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import methods
+from bench.measure import run as run_mod
+from bench.measure.result import AllocatorReplay, Measurement
+from bench.measure.run import deciding_ranks, judged_peak, measure_simulated, run_trial, worst_of
+from bench.measure.trial import Trial
+from bench.model.config import get_config
+from bench.search import extrapolate as extrapolate_mod
+from bench.search.extrapolate import layer_extrapolated_runner
+from bench.training.config import StepConfig
+from methods.usp import USP
+from records import RowError, validate_row
+
+WORLD = 4
+SEQ = 4096
+
+
+def _ring(model: str = "tiny-llama", seq_len: int = SEQ, method: str = "torch-cp") -> Trial:
+    """A ring-family trial whose ranks differ: torch-cp's last rank holds more than its first at this size."""
+    return Trial.make(method, model, seq_len, WORLD, mode="simulated", device="h100-80g",
+                      step=StepConfig(stack="paper"))
+
+
+def test_a_ring_row_reports_its_worst_rank():
+    trial = _ring()
+    trial.validate()
+    each = {r: measure_simulated(trial, rank=r) for r in range(WORLD)}
+    expected = [[r, judged_peak(trial, m)] for r, m in each.items()]
+    worst = max(range(WORLD), key=lambda r: (expected[r][1], each[r].host_peak_bytes or 0, -r))
+    row = run_trial(trial)
+    assert row.status == "ok", row.message
+    assert len({p for _, p in expected}) > 1, "the ranks of this case no longer differ: pick one whose ranks do"
+    assert row.figures.rank_peaks == expected
+    assert row.figures.worst_rank == worst
+    assert max(max(m.peak_reserved_bytes, m.peak_bytes) for m in each.values()) \
+        == max(row.figures.peak_reserved_bytes, row.figures.peak_bytes)
+    assert row.figures.peak_bytes == each[worst].peak_bytes
+    assert row.figures.peak_reserved_bytes == each[worst].peak_reserved_bytes
+    assert any(f"the worst rank's, rank {worst}" in n for n in row.notes)
+    validate_row(row)
+
+
+def test_a_symmetric_method_is_simulated_once(monkeypatch):
+    ranks: list[int] = []
+
+    def counted(trial, keep_trace=False, rank=0):
+        ranks.append(rank)
+        return measure_simulated(trial, keep_trace, rank)
+
+    monkeypatch.setattr(run_mod, "measure_simulated", counted)
+    row = run_trial(Trial.make("ulysses", "tiny-llama", SEQ, WORLD, mode="simulated", device="h100-80g"))
+    assert row.status == "ok", row.message
+    assert ranks == [0]
+    assert row.figures.worst_rank == 0 and row.figures.rank_peaks is None
+    reason = methods.get_info("ulysses").cls.rank_symmetric_reason
+    assert reason and any(f"alone (its ranks are symmetric: {reason})" in n for n in row.notes)
+
+
+def test_every_method_declares_its_deciding_ranks():
+    spec = get_config("tiny-llama").attn_spec()
+    for info in methods.all_infos():
+        ranks = info.cls.deciding_ranks(8, info.cls.Options(), spec)
+        if info.cls.rank_symmetric_reason is not None:
+            assert ranks == (0,), info.name
+        elif issubclass(info.cls, USP):  # one rank per ring position
+            u, _ = info.cls.degrees(spec, 8, info.cls.Options())
+            assert ranks == tuple(range(0, 8, u)), info.name
+        else:
+            assert ranks == tuple(range(8)), info.name
+    assert methods.get_info("ring").cls.rank_symmetric_reason is None
+    assert methods.get_info("upipe").cls.rank_symmetric_reason is not None
+    assert USP.deciding_ranks(8, USP.Options(ulysses_degree=2), spec) == (0, 2, 4, 6)
+    assert USP.deciding_ranks(8, USP.Options()) == tuple(range(8))  # the default degree needs the spec
+
+
+def _memory(m: Measurement) -> tuple:
+    return m.status, m.peak_bytes, m.peak_reserved_bytes, m.peak_by_category, m.host_peak_bytes
+
+
+@pytest.mark.parametrize("method", ["ulysses", "upipe", "fpdt", "offload", "no-cp"])
+def test_a_symmetric_method_holds_the_same_on_every_rank(method):
+    trial = Trial.make(method, "tiny-llama", SEQ, WORLD, mode="simulated", device="h100-80g")
+    trial.validate()
+    first = _memory(measure_simulated(trial, rank=0))
+    assert first[0] == "ok"
+    assert _memory(measure_simulated(trial, rank=WORLD - 1)) == first
+
+
+def test_the_ranks_of_a_usp_ulysses_group_hold_the_same():
+    trial = Trial.make("usp", "tiny-llama", SEQ, WORLD, {"ulysses_degree": 2}, mode="simulated",
+                       device="h100-80g")
+    trial.validate()
+    each = [_memory(measure_simulated(trial, rank=r)) for r in range(WORLD)]
+    assert each[0] == each[1] and each[2] == each[3]
+    assert deciding_ranks(trial) == (0, 2)
+
+
+def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch):
+    path = tmp_path / "tiny6.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 6}))
+    trial = _ring(str(path))
+    per_rank, pair = {}, extrapolate_mod.simulated_pair
+
+    def recorded(trial, how, directory, rank=0):  # each rank's own 3- and 4-layer simulations, extrapolated
+        shallow, out = pair(trial, how, directory, rank)
+        per_rank[rank] = (shallow, out)
+        return shallow, out
+
+    simulated: list[int] = []
+
+    def spied(trial, keep_trace=False, rank=0):
+        simulated.append(rank)
+        return measure_simulated(trial, keep_trace, rank)
+
+    monkeypatch.setattr(extrapolate_mod, "simulated_pair", recorded)
+    monkeypatch.setattr(extrapolate_mod, "measure_simulated", spied)
+    row = layer_extrapolated_runner(str(tmp_path))(trial)
+    assert row.status == "ok", row.message
+    assert sorted(per_rank) == list(range(WORLD))
+    assert simulated == [r for r in range(WORLD) for _ in (3, 4)]  # each rank's own 3- and 4-layer simulations
+    for shallow, out in per_rank.values():  # extrapolated from them
+        assert out.peak_bytes == shallow[0].peak_bytes + (shallow[1].peak_bytes - shallow[0].peak_bytes) * 3
+    judged = {r: judged_peak(trial, out) for r, (_, out) in per_rank.items()}
+    assert row.figures.rank_peaks == [[r, judged[r]] for r in range(WORLD)]
+    assert max(row.figures.peak_reserved_bytes, row.figures.peak_bytes) == max(judged.values())
+    assert row.figures.peak_bytes == per_rank[row.figures.worst_rank][1].peak_bytes
+
+
+def _m(peak: int, reserved: int | None = None, host: int = 0, status: str = "ok", oom: str | None = None):
+    alloc = None if reserved is None else AllocatorReplay("expandable", "shared", peak, 1, 0.0, 0, oom)
+    return Measurement(status=status, message=None if status == "ok" else "x", peak_bytes=peak,
+                       peak_reserved_bytes=reserved, allocator=alloc, host_peak_bytes=host)
+
+
+def test_the_worst_of_hand_made_ranks():
+    paper, lean = _ring(), Trial.make("ring", "tiny-llama", 8192, WORLD, mode="simulated", device="h100-80g",
+                                      step=StepConfig(stack="lean"))
+    ranks = {0: _m(10, 30), 1: _m(20, 25), 2: _m(15, 28)}
+    assert worst_of(paper, ranks).rank == 0  # the reserved peak decides under the paper stack
+    assert worst_of(paper, ranks).rank_peaks == [[0, 30], [1, 25], [2, 28]]
+    assert worst_of(lean, {0: _m(10), 1: _m(20), 2: _m(15)}).rank == 1  # the allocated peak under lean
+    assert worst_of(lean, {0: _m(10, host=1), 1: _m(10, host=5)}).rank == 1  # then the host peak
+    assert worst_of(lean, {0: _m(10), 1: _m(10)}).rank == 0  # a tie: the lowest rank
+    assert worst_of(paper, {0: _m(10, 30), 1: _m(10, 20, oom="out")}).rank == 1  # the allocator ran out
+    failed = worst_of(paper, {0: _m(10, 30), 1: _m(0, status="oom"), 2: _m(0, status="error")})
+    assert (failed.rank, failed.status, failed.rank_peaks) == (2, "error", None)
+    single = worst_of(paper, {0: _m(10, 30)})
+    assert (single.rank, single.rank_peaks) == (0, None)
+
+
+def test_rows_without_ranks_are_written_as_before_and_bad_ones_refused():
+    row = run_trial(Trial.make("ulysses", "tiny-llama", 2048, 2, mode="simulated", device="h100-80g"))
+    d = row.to_dict()
+    d["figures"].pop("worst_rank")
+    old = json.dumps(d, sort_keys=True)
+    back = validate_row(json.loads(old))
+    assert back.figures.worst_rank is None and json.dumps(back.to_dict(), sort_keys=True) == old
+    for bad, said in ((dict(worst_rank=2), "worst_rank = 2"), (dict(worst_rank=0, rank_peaks=[[1, 5]]), "rank_peaks"),
+                      (dict(worst_rank=0, rank_peaks=[5]), "rank_peaks")):
+        with pytest.raises(RowError, match=said):
+            validate_row({**d, "figures": {**d["figures"], **bad}})
