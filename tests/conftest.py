@@ -9,6 +9,7 @@ imports the test modules) makes them usable here; the rank pools install it on e
 ``bench`` is imported first, before anything imports torch, so that simulated trials in this
 process run on the GPU code path (``bench.stackmodel.simcuda`` must be loaded before torch).
 """
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,13 @@ SLOW_MODULES = {
     "tests/analysis/test_notebooks.py", "tests/analysis/test_adding_a_method.py", "tests/analysis/test_figs_cli.py",
     "tests/test_user_runs.py",
 }
+
+
+# The suite simulates rank 0 alone (bench.measure.run.SIM_RANKS_ENV), as every test did before
+# simulations took the worst rank: an asymmetric method at C ranks would cost C simulations in every
+# test that simulates one. tests/bench/test_worst_rank.py sets it back to "deciding" and checks the
+# worst-rank path itself. Subprocesses inherit it.
+os.environ.setdefault("CPAB_SIM_RANKS", "0")
 
 
 def pytest_configure(config):

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import socket
 import time
 import traceback
@@ -244,9 +245,19 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
     return out
 
 
+SIM_RANKS_ENV = "CPAB_SIM_RANKS"  # "deciding" (default) or "0": simulate rank 0 alone, C times faster for a ring
+
+
 def deciding_ranks(trial: Trial) -> tuple[int, ...]:
     """The ranks a simulation of ``trial`` measures: its method's ``deciding_ranks`` (every rank of
-    the ring family, rank 0 of a method whose ranks are symmetric)."""
+    the ring family, rank 0 of a method whose ranks are symmetric); rank 0 alone where
+    ``$CPAB_SIM_RANKS`` is ``0`` (an asymmetric method's row then says its figures are rank 0's)."""
+    choice = os.environ.get(SIM_RANKS_ENV, "deciding")
+    if choice not in ("deciding", "0"):
+        raise ValueError(f"{SIM_RANKS_ENV}={choice!r}: use 'deciding' (every rank that can decide memory) "
+                         "or '0' (rank 0 alone)")
+    if choice == "0":
+        return (0,)
     cls = trial.method_cls()
     ranks = cls.deciding_ranks(trial.world_size, trial.options, trial.config().attn_spec(), trial.documents())
     if not ranks or any(not 0 <= r < trial.world_size for r in ranks):

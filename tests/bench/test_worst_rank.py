@@ -35,6 +35,12 @@ def _ring(model: str = "tiny-llama", seq_len: int = SEQ, method: str = "torch-cp
                       step=StepConfig(stack="paper"))
 
 
+@pytest.fixture(autouse=True)
+def every_deciding_rank(monkeypatch):
+    """This module checks the worst-rank path, which the rest of the suite turns off (tests/conftest.py)."""
+    monkeypatch.setenv("CPAB_SIM_RANKS", "deciding")
+
+
 def test_a_ring_row_reports_its_worst_rank():
     trial = _ring()
     trial.validate()
