@@ -347,7 +347,7 @@ def _fit_bar_texts(axes, lo: float, hi: float) -> None:
             ax.set_xlim(lo, hi)
 
 
-def max_context_plot(rows=None) -> Plot:
+def max_context_plot(rows=None, docs: str | None = None) -> Plot:
     """Max context per method: paper (hatched) vs ours (solid), log2 axis. Panels: Table 3's
     two setups and Fig. 5's Llama3-8B on 16 GPUs (8×2), then any other setup of ours.
 
@@ -355,10 +355,11 @@ def max_context_plot(rows=None) -> Plot:
     its search's (the finest of several) or, without a search, its longest run. The search
     step says how exact an answer is ("6.125M" is exact to 128K), so the panel title states it
     (each bar does when a panel's searches differ), and a search that fit nothing says
-    "< step" rather than drawing a zero."""
+    "< step" rather than drawing a zero. ``docs``: which of our rows, by their packed documents
+    (``tables.max_context_table``'s; None, the default, one sequence)."""
     import matplotlib.pyplot as plt
 
-    rows = _rows(rows)
+    rows = _rows(rows, docs)
     paper = load_paper("max_context")
     fig5 = load_paper("fig5_multinode")
     claims = fig5[fig5["kind"] == "max_context_claim"]
@@ -430,7 +431,7 @@ def max_context_plot(rows=None) -> Plot:
                     f"sweeps/configs/{prefix}.yaml", transform=ax.transAxes, ha="center", va="center",
                     fontsize=7.5, color="#555555")
     ours_text = "ours (solid)" + (f": {modes[0]}" if len(modes) == 1 else f": {shared[:-2]}" if shared else "")
-    fig.suptitle("Maximum context per method (≥: lower bound)")
+    fig.suptitle("Maximum context per method (≥: lower bound)" + (f"; ours with documents {docs}" if docs else ""))
     layout_with_legends(fig, [("source", [Patch(**paper_bar_style("black"), label="paper (hatched)"),
                                           Patch(**ours_bar_style("grey"), label=ours_text)])])
     _fit_bar_texts(fig.axes, lo, hi)

@@ -7,7 +7,10 @@ the one row schema; a corrupt line is reported (printed and listed in
 trial key, one per figure (``peak_bytes``, ``step_time_s``, ``tokens_per_s_per_device``,
 ``max_context``...), derived GiB columns, ``status``/``message``, the environment as
 ``env.*``, the method's options as ``opt.*``, the step's levers as ``lever.*``, the model's
-shape as ``arch.*`` and the file each row came from as ``source_file``.
+shape as ``arch.*`` and the file each row came from as ``source_file``. Packed documents: ``docs``
+is their label (``prolong64k:0``, ``lengths[3]``; None for one sequence), ``docs.*`` their
+identity and summary (``docs.count``, ``docs.max``...), and the scalars of ``figures.doc_work``
+are ``doc_work.*`` (``doc_work.imbalance``, ``doc_work.layout``...).
 
 When several rows share a ``trial_key`` (the same trial run twice, e.g. a rerun after a
 fix, or one trial in two sweeps), only the newest (``env.time``) is kept, its
@@ -31,6 +34,7 @@ import pandas as pd
 
 from records import BadLine, Figures, GiB, Row, human, read_rows, trial_key
 from records.facts import facts_of
+from records.workloads import DocsSpec
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
@@ -144,6 +148,12 @@ def _row_record(row: Row, source: str) -> dict[str, Any]:
         rec[f"lever.{k}"] = v
     for k, v in (row.model_arch or {}).items():
         rec[f"arch.{k}"] = v
+    rec["docs"] = DocsSpec.from_fields(row.docs).label if row.docs else None
+    for k, v in (row.docs or {}).items():
+        rec[f"docs.{k}"] = v
+    for k, v in (figs.doc_work or {}).items():
+        if not isinstance(v, (list, dict)):
+            rec[f"doc_work.{k}"] = v
     rec["options_dict"] = dict(row.options or {})
     rec["peak_by_category"] = dict(figs.peak_by_category) if figs.peak_by_category else None
     rec["notes"] = " | ".join(row.notes)
@@ -208,7 +218,7 @@ def load_rows(results_dir: str | Path = RESULTS, keep: str = "newest", quiet: bo
 
 def _empty_frame() -> pd.DataFrame:
     cols = KEY_COLUMNS + ["status", "message"] + list(Figures.__dataclass_fields__) + \
-        [f"env.{n}" for n in _ENV_FIELDS] + ["options_dict", "notes", "trial_key", "source_file", "origin"]
+        [f"env.{n}" for n in _ENV_FIELDS] + ["docs", "options_dict", "notes", "trial_key", "source_file", "origin"]
     return pd.DataFrame({c: pd.Series(dtype=object) for c in cols})
 
 
@@ -243,10 +253,12 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
 
 def _search_probes(df: pd.DataFrame) -> list[bool]:
     """Trial rows that a max-context search wrote on its way (same file, same trial but for the
-    length as a ``max_context`` row): real rows, but their lengths are the search's, not a grid's."""
+    length as a ``max_context`` row, the same documents): real rows, but their lengths are the search's,
+    not a grid's."""
     if not len(df):
         return []
-    cols = ["source_file", "method", "options", "model", "scope", "world_size", "mode", "dtype", "device", "levers"]
+    cols = ["source_file", "method", "options", "model", "scope", "world_size", "mode", "dtype", "device", "levers",
+            "docs"]
     searches = set(map(tuple, df.loc[df["kind"] == "max_context", cols].astype(str).values.tolist()))
     sigs = map(tuple, df[cols].astype(str).values.tolist())
     return [kind == "trial" and sig in searches for kind, sig in zip(df["kind"], sigs, strict=False)]

@@ -17,7 +17,7 @@ import yaml
 
 from records.outputs import check_dir, runs_dir
 
-from . import derived, figures, tables
+from . import derived, documents, figures, tables
 from .load import REPO, describe_bad_lines, load_rows
 
 CONFIGS = REPO / "sweeps" / "configs"
@@ -32,6 +32,7 @@ class Artefact:
     kind: str  # "table" | "figure"
     cpu: str = "also"  # the sweeps' CPU-scale variants (``*-cpu``): "also" drawn, "no" not, "only"
     commands: tuple[tuple[str, str], ...] = ()  # (command, note): non-sweep commands writing rows it draws
+    docs_filter: bool = False  # build takes ``docs=`` (make_all's ``max_context_docs``: which documents' rows)
 
 
 # the paper-scale simulated rows of Fig. 1 (its ladder) and Fig. 5 are fidelity anchors (bench.stackmodel.fidelity)
@@ -96,9 +97,11 @@ ARTEFACTS: tuple[Artefact, ...] = (
     Artefact("table3_throughput", "Table 3 drawn as curves (tokens/s per GPU vs length)",
              figures.table3_plot, ("table3-llama3-8b", "table3-qwen3-32b"), "figure", "no"),
     Artefact("max_context", "Max context per method (derived from Table 3; Fig. 5's 8M vs 6M claim)",
-             tables.max_context_table, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "table"),
+             tables.max_context_table, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "table",
+             docs_filter=True),
     Artefact("max_context", "Max context per method, as bars",
-             figures.max_context_plot, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "figure"),
+             figures.max_context_plot, ("maxctx", "table3-llama3-8b", "table3-qwen3-32b"), "figure",
+             docs_filter=True),
     Artefact("memory_vs_seq", "Peak memory vs length per method "
              "(docs/paper.md, section 'Peak memory vs length'; paper: two 128K anchors)",
              tables.memory_vs_seq_table, ("table3-llama3-8b", "table3-qwen3-32b"), "table", "no"),
@@ -120,6 +123,15 @@ ARTEFACTS: tuple[Artefact, ...] = (
              tables.u_ablation_table, ("u-ablation",), "table"),
     Artefact("u_ablation", "U ablation, throughput and memory vs U",
              figures.u_ablation_plot, ("u-ablation",), "figure"),
+    Artefact("docs_llama3-8b", "none: packed documents, modelled tokens/s per GPU and per-rank imbalance by method, "
+             "layout and distribution beside the single sequence, Llama3-8B, 8×H100",
+             lambda r: documents.docs_table(r, documents.DOCS_LLAMA), ("docs-llama3-8b",), "table", "no"),
+    Artefact("docs_llama3-8b", "none: packed documents, Llama3-8B on 8 GPUs, as bars",
+             lambda r: documents.docs_plot(r, documents.DOCS_LLAMA), ("docs-llama3-8b",), "figure", "no"),
+    Artefact("docs_qwen3-32b", "none: packed documents, Qwen3-32B, 16×H100 (8×2 meshes)",
+             lambda r: documents.docs_table(r, documents.DOCS_QWEN), ("docs-qwen3-32b",), "table", "no"),
+    Artefact("docs_cpu", "none: packed documents on CPU (ours: small models, gloo ranks), measured tokens/s per rank",
+             lambda r: documents.docs_table(r, documents.DOCS_CPU), ("docs-",), "table", "only"),
     Artefact("compare_methods", "none: every method present, throughput (the 'compare my method' table)",
              tables.compare_methods, ("any",), "table"),
     Artefact("compare_methods_mem_gib", "none: every method present, peak memory",
@@ -234,11 +246,14 @@ def write_index(out_dir: Path, done: list[tuple[Artefact, object, list[Path]]], 
 
 
 def make_all(results_dir: str | Path | None = None, out_dir: str | Path | None = None,
-             verbose: bool = True, user_dirs: tuple[str | Path, ...] = (), plans: bool = False) -> list[Path]:
+             verbose: bool = True, user_dirs: tuple[str | Path, ...] = (), plans: bool = False,
+             max_context_docs: str | None = None) -> list[Path]:
     """Build every artefact from the committed rows under ``results_dir`` (and the user's under
     ``user_dirs``, labelled ``yours``) into ``out_dir``, then the outputs ``bench`` computes from
     the committed data there (``analysis.derived``: fidelity, the step-time table and, with
-    ``plans``, the plans); returns the paths written.
+    ``plans``, the plans); returns the paths written. ``max_context_docs``: the packed documents
+    whose rows the max-context table and figure draw (``select.docs_choice``: None, the default,
+    one sequence; ``prolong64k:0`` that draw).
 
     ``out_dir`` defaults to ``runs/figs`` under the working directory: the committed
     ``paper_figs/`` are rewritten only when asked (``make figs``)."""
@@ -253,7 +268,7 @@ def make_all(results_dir: str | Path | None = None, out_dir: str | Path | None =
     done = []
     written: list[Path] = []
     for art in ARTEFACTS:
-        obj = art.build(rows)
+        obj = art.build(rows, docs=max_context_docs) if art.docs_filter else art.build(rows)
         paths = obj.write(out_dir)
         if hasattr(obj, "fig"):
             plt.close(obj.fig)

@@ -148,6 +148,30 @@ def fig1_config(row: pd.Series) -> str | None:
 
 # ----------------------------------------------------------------------------- selection
 
+ONE_SEQUENCE = None  # the ``docs`` of a row without packed documents (``analysis.load``)
+
+
+def docs_choice(text: str | None) -> str | None:
+    """A packed-documents filter as given (``none``, ``NAME`` or ``NAME:SEED``) as the rows label it:
+    None for one sequence, else ``NAME:SEED`` (seed 0 when left out). ``ValueError`` (one line, the
+    allowed names) for an unknown distribution or a bad seed."""
+    if text is None or str(text).strip() in ("", "none"):
+        return ONE_SEQUENCE
+    from records.workloads import DocsSpec
+
+    return DocsSpec.parse(str(text).strip()).label
+
+
+def with_docs(df: pd.DataFrame, docs: str | None = ONE_SEQUENCE) -> pd.DataFrame:
+    """The rows of one packed-documents case, by the rows' ``docs`` label: ``None`` (the default)
+    those of one sequence, without documents; ``prolong64k:0`` those with that draw. Every table
+    and figure of the paper draws one sequence, as the paper ran; the documents' own tables
+    (``analysis.documents``) take every case."""
+    if not len(df) or "docs" not in df:
+        return df if docs is ONE_SEQUENCE else df.iloc[0:0]
+    return df[df["docs"].isna()] if docs is ONE_SEQUENCE else df[df["docs"] == docs]
+
+
 def trials(df: pd.DataFrame, **eq) -> pd.DataFrame:
     """Trial rows (not max-context searches) whose columns equal ``eq``."""
     if not len(df):

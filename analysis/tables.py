@@ -16,6 +16,7 @@ from records.facts import facts_of, implementing
 
 from .load import human_size, load_paper, load_rows, user_dirs
 from .select import (
+    ONE_SEQUENCE,
     PAPER_LENGTHS,
     PAPER_METHODS,
     TABLE3_SETUPS,
@@ -35,6 +36,7 @@ from .select import (
     ratio_cell,
     throughput_cell,
     trials,
+    with_docs,
 )
 from .style import MISSING, Table, display_name
 
@@ -42,12 +44,14 @@ PAPER_MODE = "real, {gpus}×H100-80GB (paper)"
 PAPER_MODELS = [s.model for s in TABLE3_SETUPS]  # the models the paper ran (other models: our smaller scales)
 
 
-def _rows(rows: pd.DataFrame | str | Path | None) -> pd.DataFrame:
+def _rows(rows: pd.DataFrame | str | Path | None, docs: str | None = ONE_SEQUENCE) -> pd.DataFrame:
+    """The rows a table or figure draws: loaded (None: the committed ones; a folder) or as given,
+    then those of one packed-documents case (``select.with_docs``; default one sequence)."""
     if rows is None:
-        return load_rows(quiet=True)
-    if isinstance(rows, (str, Path)):
-        return load_rows(rows, quiet=True)
-    return rows
+        rows = load_rows(quiet=True)
+    elif isinstance(rows, (str, Path)):
+        rows = load_rows(rows, quiet=True)
+    return with_docs(rows, docs)
 
 
 def _seq_cols(lengths) -> list[str]:
@@ -365,10 +369,12 @@ def max_context_rows(rows: pd.DataFrame) -> pd.DataFrame:
     return ours[keep]
 
 
-def max_context_table(rows=None) -> Table:
+def max_context_table(rows=None, docs: str | None = ONE_SEQUENCE) -> Table:
     """Max context per method: the paper's (derived from Table 3; Fig. 5's claims) vs our
-    max-context searches and the longest length our runs fit."""
-    rows = _rows(rows)
+    max-context searches and the longest length our runs fit. ``docs``: which of our rows, by
+    their packed documents (``select.with_docs``): None (the default) one sequence, as the
+    paper's; ``prolong64k:0`` the searches and runs with that draw."""
+    rows = _rows(rows, docs)
     paper = load_paper("max_context")
     fig5 = load_paper("fig5_multinode")
     claims = fig5[fig5["kind"] == "max_context_claim"]
@@ -409,12 +415,15 @@ def max_context_table(rows=None) -> Table:
              "Ours: `kind: max_context` rows (doubling then bisection on the sequence length) and, from trial "
              "rows with the paper's levers, the longest length that ran without OOM.",
              "Sizes: K = 1024 tokens, M = 1024² tokens."]
+    if docs is not ONE_SEQUENCE:
+        notes.append(f"Ours: the rows with packed documents {docs} (the paper's: one sequence).")
     used = rows[(rows["kind"] == "max_context")] if len(rows) else rows
     if len(rows):
         t = trials(rows, scope="model")
         used = pd.concat([used, t[has_paper_levers(t)]]) if len(t) else used
-    return Table("max_context", "Maximum context length per method (paper vs ours)",
-                 pd.DataFrame(out, columns=cols), notes, used)
+    title = "Maximum context length per method (paper vs ours)" + (
+        f", ours with documents {docs}" if docs is not ONE_SEQUENCE else "")
+    return Table("max_context", title, pd.DataFrame(out, columns=cols), notes, used)
 
 
 # ----------------------------------------------------------------------------- Fig. 1 table
@@ -821,15 +830,15 @@ def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: s
     and ``metric`` at each sequence length, one row per method/options and mode/device.
 
     ``rows`` None: the committed rows and the user's own (``load.user_dirs()``: ``runs/``), so a
-    method's sweep shows up beside every committed one. Filters (``model``, ``world_size``, ``scope``,
-    ``mode``) narrow the rows; ``highlight``
+    method's sweep shows up beside every committed one; rows of one sequence (with packed documents:
+    ``analysis.documents``). Filters (``model``, ``world_size``, ``scope``, ``mode``) narrow the rows; ``highlight``
     names a method whose rows are marked and listed first. ``lengths``: ``"grid"`` (the lengths
     of trial rows other than a max-context search's probes, so the bisection's lengths do not
     each get a column; all lengths if there are no others), ``"all"``, or a list of token counts.
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
-    rows = load_rows(quiet=True, user_dirs=user_dirs()) if rows is None else _rows(rows)
+    rows = _rows(load_rows(quiet=True, user_dirs=user_dirs()) if rows is None else rows)
     sel = rows
     for col, value in (("model", model), ("world_size", world_size), ("scope", scope), ("mode", mode)):
         if value is not None and len(sel):
