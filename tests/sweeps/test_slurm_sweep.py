@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from records import read_rows
+from sweeps.__main__ import main as sweeps_main
 from sweeps.jobs import HOLD_ENV, hold_path
 from sweeps.spec import load_spec
 
@@ -60,7 +61,7 @@ def sacct_state(job_id: str) -> str:
     return state
 
 
-def test_two_task_gloo_trial_through_slurm(tmp_path, cancel_after):
+def test_two_task_gloo_trial_through_slurm(tmp_path, cancel_after, capsys):
     name = f"slurm-ok-{tmp_path.name[-12:]}"
     cancel_after(name)
     path = spec_file(tmp_path, name)
@@ -72,18 +73,19 @@ def test_two_task_gloo_trial_through_slurm(tmp_path, cancel_after):
     jobs = json.loads((tmp_path / "rows.jobs.json").read_text())
     (info,) = jobs.values()
     assert info["executor"] == "slurm" and sacct_state(info["job_id"]) == "COMPLETED"
-    again = sweeps("run", str(path), "--executor", "slurm")
-    assert again.returncode == 0 and "1 skipped" in again.stdout
+    assert sweeps_main(["run", str(path), "--executor", "slurm"]) == 0  # again, in this process: nothing to submit
+    assert "1 skipped" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA: the job must fail there")
 def test_failing_trial_on_slurm_is_an_error_row(tmp_path, cancel_after):
     """A trial the spec check lets through (it cannot know the node has no CUDA) fails in its job;
     the runner records an error row with the job's log. (Invalid options are refused before
-    submitting now: tests/test_user_runs.py.)"""
+    submitting now: tests/test_user_runs.py.) A one-rank trial: a one-task job fails as a job of
+    several does, with fewer processes to start."""
     name = f"slurm-bad-{tmp_path.name[-12:]}"
     cancel_after(name)
-    path = spec_file(tmp_path, name, device="h100-80g")
+    path = spec_file(tmp_path, name, device="h100-80g", world_sizes=[1])
     out = sweeps("run", str(path), "--executor", "slurm")
     assert out.returncode == 1, out.stdout + out.stderr
     (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
@@ -110,10 +112,11 @@ def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after):
     """The user stops a sweep (SIGINT) with one trial done, one in its job and one not yet
     submitted, and cancels its jobs; the same command again submits only the two without a row.
     The 512 and 1K trials are held back ($CPAB_SWEEP_HOLD, sweeps.jobs) until the stop, so it
-    always finds them unfinished, however fast the trials run."""
+    always finds them unfinished, however fast the trials run. One-rank trials (one task per job,
+    fewer processes to start; the two-task job is test_two_task_gloo_trial_through_slurm's)."""
     name = f"slurm-cancel-{tmp_path.name[-12:]}"
     cancel_after(name)
-    path = spec_file(tmp_path, name, seq_lens=["256", "512", "1K"])
+    path = spec_file(tmp_path, name, seq_lens=["256", "512", "1K"], world_sizes=[1])
     rows_path, jobs_path = tmp_path / "rows.jsonl", tmp_path / "rows.jobs.json"
     hold = tmp_path / "hold"
     hold.mkdir()
