@@ -25,7 +25,7 @@ lint: $(STAMP)
 XDIST   := -n 2 --dist loadgroup
 
 test: lint
-	$(VPY) -m pytest -q $(XDIST) --durations=25
+	$(VPY) -m pytest -q $(XDIST) --durations=15
 
 # the inner loop: no rank pools, sweeps, notebooks or Slurm (the `slow` marker, tests/conftest.py)
 test-fast: $(STAMP)

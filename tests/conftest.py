@@ -19,6 +19,8 @@ from tests.flash_attn_standin import install_if_missing
 
 install_if_missing()
 
+pytest_plugins = ["tests.suite_profile"]  # seconds per module and per worker, at the end of a run
+
 
 # ------------------------------------------------------------------------ the `slow` marker
 # `make test-fast` (`pytest -m "not slow"`) is the inner loop; `make test` and CI run everything.

@@ -1,0 +1,39 @@
+"""Where the suite's time goes: at the end of a run, the seconds each test module took (setup, call
+and teardown summed, the slowest modules first) and each pytest-xdist worker's busy seconds.
+
+``--durations`` names single tests; the suite's time is spread over modules of many short tests
+(the correctness matrix) and uneven work per worker, which only these sums show. CI prints the tail
+of its log, so the summary is short: ``CPAB_PROFILE_MODULES`` modules (default 20).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import PurePath
+
+_modules: Counter[str] = Counter()
+_workers: Counter[str] = Counter()
+_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = PurePath(report.nodeid.split("::", 1)[0]).as_posix()
+    _modules[module] += report.duration
+    node = getattr(report, "node", None)  # pytest-xdist's worker, on the controller
+    worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
+    _workers[worker] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _modules:
+        return
+    shown = int(os.environ.get("CPAB_PROFILE_MODULES", "20"))
+    write = terminalreporter.write_line
+    terminalreporter.section("seconds per test module (setup + call + teardown)")
+    for module, seconds in _modules.most_common(shown):
+        write(f"{seconds:8.1f}  {module}")
+    rest = sum(_modules.values()) - sum(s for _, s in _modules.most_common(shown))
+    write(f"{rest:8.1f}  the other {max(len(_modules) - shown, 0)} modules")
+    busy = "  ".join(f"{w} {s:.0f} s" for w, s in sorted(_workers.items()))
+    write(f"busy per worker: {busy}; wall {time.monotonic() - _started:.0f} s")
