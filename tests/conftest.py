@@ -12,10 +12,16 @@ process run on the GPU code path (``bench.stackmodel.simcuda`` must be loaded be
 import os
 from pathlib import Path
 
-import pytest
+# One torch thread per test process and per subprocess it starts (before torch is imported): two
+# pytest-xdist workers already fill the two cores, and a second intra-op thread per process only
+# waits for a core, which slows every small op (spin-waits under oversubscription). Trials' ranks
+# set their own thread counts (bench.measure.launch), so what a test checks of threads is unchanged.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import bench  # noqa: F401, I001 - first of all: it loads the simulated CUDA device before torch
-from tests.flash_attn_standin import install_if_missing
+import pytest  # noqa: E402
+
+import bench  # noqa: F401, I001, E402 - first of all: it loads the simulated CUDA device before torch
+from tests.flash_attn_standin import install_if_missing  # noqa: E402
 
 install_if_missing()
 
