@@ -121,7 +121,7 @@ def varlen_layout(docs: Documents, world_size: int, rank: int) -> tuple[tuple[in
 )
 class RingFlashAttnZigzag(ZigzagLayoutMethod):
     honours_documents: ClassVar[bool] = True
-    simulated_documents_refusal: ClassVar[str | None] = (
+    simulated_documents_refusal = (
         "ring-flash-attn's varlen zigzag reads cu_seqlens on the host (.item()), which fake tensors do not have, "
         "and the simulated flash-attn does not model the varlen kernels")
     calls_suite_kernel = False  # ring_flash_attn calls flash-attn itself
@@ -150,7 +150,9 @@ class RingFlashAttnZigzag(ZigzagLayoutMethod):
 
     @classmethod
     def documents_plan(cls, world_size: int, docs: Documents) -> LayoutPlan:
-        """Where the tokens of ``docs`` sit (``bench.stackmodel.docwork`` counts each rank's work by it)."""
+        """Where the tokens of ``docs`` sit (``bench.stackmodel.docwork`` counts each rank's work by it). Its
+        padding is in documents of its own, as ``ring``'s: the pairs the padding makes with its document's
+        keys inside the library (fewer than 2C queries per document) are not in that count."""
         return per_document_plan(docs, world_size)
 
     def __init__(self, spec: AttnSpec, group=None, **options) -> None:
