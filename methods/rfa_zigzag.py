@@ -95,7 +95,7 @@ def per_document_plan(docs: Documents, world_size: int) -> LayoutPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def varlen_layout(docs: Documents, world_size: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_sequences(docs: Documents, world_size: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What the varlen function needs on ``rank``, for one batch row: the local lengths of its
     sequences (each document with its padding: a multiple of 2C globally, C times the local length),
     and the local indices of the padding tokens (whose outputs are zeroed; module docstring).
@@ -222,7 +222,7 @@ class RingFlashAttnZigzag(ZigzagLayoutMethod):
         """The varlen zigzag on the batch packed row after row (``[B * S/C, heads, dim]``, each row's
         sequences after the previous row's); the padding tokens' outputs zeroed."""
         b, n = q.shape[:2]
-        lengths, padding = varlen_layout(docs, self.world_size, self.rank)
+        lengths, padding = local_sequences(docs, self.world_size, self.rank)
         cu = list(itertools.accumulate(lengths * b, initial=0))
         cu_seqlens = torch.tensor(cu, dtype=torch.int32).to(q.device)  # made on the host, as index_tensor
         out = self._zigzag_varlen(
