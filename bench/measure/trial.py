@@ -285,6 +285,11 @@ class Trial:
                              "give a distribution (--docs NAME[:SEED]) or run single trials")
         methods.validate(self.method, cfg.attn_spec(), self.world_size, provided=provided,
                          docs=self.documents(), **self.opts)
+        refusal = self.method_cls().simulated_documents_refusal
+        if (simulated or skip_math) and self.docs is not None and refusal:
+            where = "simulated mode" if simulated else "an emulated run that skips the attention arithmetic"
+            raise ValueError(f"method {self.method!r} cannot run packed documents in {where}: {refusal}; "
+                             f"run it in real mode (or emulated, computing its attention), or without --docs")
         if (simulated or skip_math) and fake_flash_attn.needs_it(methods.get_info(self.method).requires):
             fake_flash_attn.check_fresh()
         if check_seq_len and self.kind == Kind.TRIAL:

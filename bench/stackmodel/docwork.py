@@ -5,7 +5,8 @@ rank is the number of such (query, key) pairs among the queries it attends for, 
 attends them for. Counted here from the documents and the method's layout, never from a simulation:
 
 * **sequence-sharded methods** (``ring``, ``usp``/``usp-upipe``'s ring, ``allgather-kv``, and the
-  wrappers with a fixed zigzag layout): ring rank ``j`` attends for the queries of its part of the
+  wrappers with a fixed zigzag layout; with documents, a wrapper's ``documents_plan`` where it has one,
+  ``rfa-zigzag``'s per-document zigzag): ring rank ``j`` attends for the queries of its part of the
   layout (``methods.core.layouts.LayoutPlan.rank_runs``, the runs of global positions the method
   itself shards by; a padding layout's padded documents included, which the kernels compute too)
   against every key of their documents, for ``H / u`` heads (``u`` the Ulysses degree; 1 for a
@@ -155,6 +156,9 @@ def _plan(cls: type[AttentionMethod], spec: AttnSpec, world_size: int, options, 
         layout = layout_of(options)
         return plan_layout(layout, docs.seq_len, ring, world_size, docs, pad_of(options), cls.method_name), ring, \
             layout
+    plan_of = getattr(cls, "documents_plan", None)  # a wrapper whose library places documents itself
+    if plan_of is not None:
+        return plan_of(world_size, docs), world_size, "doc-zigzag"
     return plan_layout("zigzag", docs.seq_len, world_size, world_size, None, True, cls.method_name), world_size, \
         "zigzag"
 

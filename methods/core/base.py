@@ -172,6 +172,9 @@ class AttentionMethod(AttentionParams):
     # path (a wrapped library that picks its device by asking torch.cuda.is_available(), which
     # the simulated CUDA device leaves False, would mix devices); the reason goes in the row
     simulated_cpu_path_reason: ClassVar[str | None] = None
+    # a method that honours documents but cannot run them in simulation (fake tensors, the simulated
+    # flash-attn): why, in one line; ``bench.measure.trial`` refuses such a trial with it before any work
+    simulated_documents_refusal: ClassVar[str | None] = None
     # a method whose kernels exist only on CUDA (no CPU path): why, for `python -m methods`
     cuda_only_reason: ClassVar[str | None] = None
     # False for a method that splits no sequence (``no-cp``): every rank holds all tokens and the

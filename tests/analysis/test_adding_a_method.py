@@ -1,6 +1,9 @@
 """docs/adding-a-method.md, run: the example method, its correctness tests, a sweep, the comparison.
 
-The method file and the sweep spec are taken verbatim from the page. Subprocesses (the test
+The method file and the sweep spec are taken verbatim from the page, and the commands of its
+sections 3 and 4 (the bash blocks marked ``<!-- run: NAME -->``) run as written, by bash, in a
+working folder of their own holding what a user's checkout has at those paths, with ``$CPAB_RUNS``
+(where every command writes its runs) outside it, so nothing is written into the repository. Subprocesses (the test
 matrix's gloo ranks, the sweep's bench jobs) cannot see a method registered in this process,
 and copying the file into methods/ would leak it into other runs in the same checkout (and
 leave it behind if the test is killed). So the module goes into a temporary folder with a
@@ -94,21 +97,56 @@ def test_correctness_matrix_picks_the_example_up(plugin):
     assert "failed" not in tail and "error" not in tail.lower(), tail
 
 
-def run_sweep(spec_path: Path, out: Path, env: dict) -> None:
-    """The page's command: ``python -m sweeps run SPEC --executor local`` (rows into ``out``)."""
-    proc = subprocess.run([sys.executable, "-m", "sweeps", "run", str(spec_path), "--executor", "local",
-                           "--set", f"out={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+def doc_commands(name: str) -> str:
+    """The fenced bash block that follows ``<!-- run: NAME -->`` in the page: commands as a user types them."""
+    m = re.search(r"<!-- run: " + re.escape(name) + r" -->\s*```bash\n(.*?)```", DOC.read_text(), re.S)
+    assert m, f"{DOC} has no commands marked {name!r}"
+    return m.group(1)
+
+
+def start_commands(name: str, cwd: Path, env: dict) -> tuple[str, subprocess.Popen]:
+    """The page's block ``name``, started in bash as written (``-e``: it stops at the first failing command),
+    in ``cwd``, with this interpreter's environment first on ``PATH`` (its ``python``, ``jupytext``, ``papermill``)."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return name, subprocess.Popen(["bash", "-e", "-c", doc_commands(name)], cwd=cwd, env=dict(env, PATH=path),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(started: tuple[str, subprocess.Popen], timeout: float = 900) -> subprocess.CompletedProcess:
+    """Wait for a block started by ``start_commands`` (killed past ``timeout``): its name, exit status and output."""
+    name, proc = started
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(name, proc.returncode, out, err)
+
+
+def succeeded(done: subprocess.CompletedProcess) -> str:
+    """The stdout of a finished block, which must have succeeded."""
+    assert done.returncode == 0, f"{done.args}: " + done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def test_sweep_rows_reach_the_comparison_table_and_notebook(plugin, tmp_path):
-    folder, env = plugin
-    spec_path = tmp_path / "my-method.yaml"
-    spec_path.write_text(doc_file("sweeps/configs/my-method.yaml"))
-    results = tmp_path / "results"
-    run_sweep(spec_path, results / "my-method.jsonl", env)
+    """Sections 3 and 4 of the page, their commands as written, in a working folder of their own that holds
+    what a user has there (the spec saved where the page says, the notebook the page converts) and with
+    ``$CPAB_RUNS`` (the runs folder every command honours) outside it: the rows land there, every
+    comparison finds them, and nothing is written into the repository."""
+    _, env = plugin
+    work, runs = tmp_path / "work", tmp_path / "runs"
+    (work / "sweeps" / "configs").mkdir(parents=True)
+    (work / "sweeps" / "configs" / "my-method.yaml").write_text(doc_file("sweeps/configs/my-method.yaml"))
+    (work / "analysis" / "notebooks").mkdir(parents=True)
+    shutil.copy(REPO / "analysis" / "notebooks" / "compare_my_method.py", work / "analysis" / "notebooks")
+    env = dict(env, CPAB_RUNS=str(runs))
+    repo_status = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
 
-    rows = load_rows(results)
+    succeeded(finish(start_commands("sweep", work, env)))
+    assert [p.relative_to(runs) for p in runs.rglob("*.jsonl")] == [Path("sweeps/my-method.jsonl")]
+    rows = load_rows(runs)
     assert len(rows) == 4 and not rows.attrs["bad_lines"]
     assert set(rows["label"]) == {"ulysses", "upipe", NAME, f"{NAME}[head_groups=1]"}
     assert (rows["status"] == "ok").all(), rows[["label", "seq", "status", "message"]]
@@ -119,21 +157,21 @@ def test_sweep_rows_reach_the_comparison_table_and_notebook(plugin, tmp_path):
     assert len(mine) == 1 and mine.iloc[0][""] == "◀" and df.iloc[0]["Method"] == NAME
     assert mine.iloc[0]["Mode, device"] == "simulated, h100-80g, paper stack"  # simulated specs default to it
     assert float(mine.iloc[0]["1M"]) > 0  # a measured peak, GiB per rank
-    assert NAME in table.to_markdown()
 
-    # the notebook of the page, on the same rows
-    nb_dir = tmp_path / "nb"
-    nb_dir.mkdir()
-    shutil.copy(REPO / "analysis" / "notebooks" / "compare_my_method.py", nb_dir)
-    bin_dir = Path(sys.executable).parent
-    conv = subprocess.run([str(bin_dir / "jupytext"), "--set-kernel", "python3", "--to", "ipynb",
-                           str(nb_dir / "compare_my_method.py")], capture_output=True, text=True, env=env, timeout=120)
-    assert conv.returncode == 0, conv.stderr
-    run = subprocess.run([str(bin_dir / "papermill"), str(nb_dir / "compare_my_method.ipynb"),
-                          str(nb_dir / "out.ipynb"),
-                          "-p", "METHOD", NAME, "-p", "RESULTS", str(results), "-p", "SCOPE", "attention",
-                          "--no-progress-bar"], capture_output=True, text=True, env=env, timeout=180)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads((nb_dir / "out.ipynb").read_text())
-    text = json.dumps(out, ensure_ascii=False)
+    # the notebook, headless, and the table without one, side by side (both only read): each reads the committed
+    # rows and the user's (from $CPAB_RUNS) by default
+    started = [start_commands("notebook", work, env), start_commands("table", work, env)]
+    _, table_out = [succeeded(done) for done in [finish(s) for s in started]]
+    text = json.dumps(json.loads((work / "runs" / "compare-out.ipynb").read_text()), ensure_ascii=False)
     assert f"2 of '{NAME}'" in text and f"◀ marks '{NAME}'" in text
+
+    # the table: the method marked and first
+    lines = [line for line in table_out.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    first = dict(zip(header, (c.strip() for c in lines[2].strip("|").split("|")), strict=True))
+    assert first["Method"] == NAME and first[""] == "◀" and float(first["1M"]) > 0, lines[:3]
+    assert first["Mode, device"].startswith("simulated, h100-80g, paper stack"), first
+
+    assert not list(work.rglob("*.jsonl")), "rows were written outside $CPAB_RUNS"
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                          text=True).stdout == repo_status, "the page's commands changed the repository"

@@ -51,6 +51,17 @@ def test_refusals_at_resolve_time_are_one_line(kw, needle):
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+def test_rfa_zigzag_with_documents_is_refused_in_simulation_only():
+    """Its library's varlen function reads cu_seqlens on the host: a simulated trial with documents is refused in
+    one line at resolve time; without documents, or in real mode, it resolves."""
+    with pytest.raises(ValueError) as err:
+        _trial(DocsSpec("pile", 0), method="rfa-zigzag", mode="simulated")
+    assert "method 'rfa-zigzag' cannot run packed documents in simulated mode: ring-flash-attn's varlen zigzag" \
+        in str(err.value) and "\n" not in str(err.value), str(err.value)
+    _trial(method="rfa-zigzag", mode="simulated")
+    resolve(Request("rfa-zigzag", "llama3-8b", S, 8, docs=DocsSpec("pile", 0), mode="real"), here=False)
+
+
 def test_a_max_context_search_takes_a_distribution():
     search = _trial(DocsSpec("pile", 1), search=Search(S, 4 * S))
     assert search.row_fields()["docs"] == {"distribution": "pile", "seed": 1}  # no summary: the length varies

@@ -47,6 +47,14 @@ def test_the_ranks_share_exactly_the_documents_area(docs, method, options):
         assert work.step_imbalance >= work.imbalance - 1e-12
 
 
+@pytest.mark.parametrize("docs", [ONE, SKEWED, MIXED], ids=["one", "skewed", "mixed"])
+def test_rfa_zigzag_with_documents_does_ring_doc_zigzag_work(docs):
+    """rfa-zigzag places documents by the per-document zigzag (its ``documents_plan``), not its global zigzag."""
+    got, want = rank_work("rfa-zigzag", SPEC, 4, docs), rank_work("ring", SPEC, 4, docs, {"layout": "doc-zigzag"})
+    assert (got.layout, got.pairs, got.steps, got.padding) == (want.layout, want.pairs, want.steps, want.padding)
+    assert got.pairs != rank_work("ring", SPEC, 4, docs).pairs or docs == ONE
+
+
 def test_runs_pairs_is_the_sum_over_query_tokens():
     runs = [(90, 30), (1000, 20)]
     want = sum(p - MIXED.starts[d] + 1 for s, n in runs for p in range(s, s + n)
