@@ -549,3 +549,26 @@ def test_a_failure_by_the_slack_rule_alone_is_simulated_exactly(monkeypatch, tmp
     found, best, _, _, err = search_max(trial, step, 16 * step, str(tmp_path), first=2 * step)
     assert err is None and found == 5 * step and (5, True) in calls
     assert (6, True) in calls or (6, False) in calls
+
+
+def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path):
+    """``make figs-plans`` (``analysis.derived.PLANS``) re-renders the committed hf plan from the committed
+    cache, simulating nothing, to the same bytes but for the cache's size in its header (which grows when
+    other plans append lines); the .md holds no wall seconds."""
+    from analysis import derived, plan_report
+
+    repo = Path(__file__).resolve().parents[2]
+    [hf] = [p for p in derived.PLANS if p.stack == "hf"]
+    assert not hf.wall_times and "--stack hf" in hf.command()
+    res = plan_mod.plan(str(repo / hf.model), hf.gpus, hf.device, hf.nodes, pools=hf.pools, cache=None,
+                        stack=hf.stack, committed=repo / "results" / "plan" / "sims.ndjson", simulate=False,
+                        workers=1, progress=io.StringIO())
+    md = Path(plan_report.write_plan(res, tmp_path, hf.wall_times)[0])
+    committed = repo / "paper_figs" / md.name
+
+    def stable(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith("simulations: ")]
+
+    assert md.name == "plan_Llama-3.1-8B_8xh100-80g_stack-hf.md" and committed.exists()
+    assert stable(md.read_text()) == stable(committed.read_text())
+    assert "[plan took" not in md.read_text() and "ALST (ds-ulysses-hf)" in md.read_text()
