@@ -32,18 +32,23 @@ class CommittedPlan:
     model: str
     gpus: int
     nodes: int = 1
-    pools: str = "per-stream"
+    pools: str | None = "per-stream"  # None: the stack's own (the hf stack refuses the option)
     device: str = "h100-80g"
+    stack: str = "paper"
+    wall_times: bool = True  # False: its .md holds no wall seconds, so a re-rendering is byte for byte the same
 
     def command(self) -> str:
         nodes = f" --nodes {self.nodes}" if self.nodes > 1 else ""
-        pools = f" --allocator-pools {self.pools}" if self.pools != "per-stream" else ""
+        pools = f" --allocator-pools {self.pools}" if self.pools not in ("per-stream", None) else ""
+        stack = f" --stack {self.stack}" if self.stack != "paper" else ""
         return (f"python -m bench plan --model {self.model} --gpus {self.gpus}{nodes} --device {self.device}"
-                f"{pools} --cache results/plan/sims.ndjson --out-dir paper_figs")
+                f"{stack}{pools} --cache results/plan/sims.ndjson --out-dir paper_figs")
 
 
 PLANS = (CommittedPlan("llama3-8b", 8), CommittedPlan("llama3-8b", 16, 2, "shared"),
-         CommittedPlan("qwen3-32b", 16, 2, "shared"))
+         CommittedPlan("qwen3-32b", 16, 2, "shared"),
+         CommittedPlan("bench/model_configs/hf/Llama-3.1-8B/config.json", 8, pools=None, stack="hf",
+                       wall_times=False))
 
 
 def fidelity(results_dir: Path, out_dir: Path) -> list[Path]:
@@ -84,14 +89,16 @@ def plans(results_dir: Path, out_dir: Path, log: Callable[[str], None] = print) 
     from .plan_report import write_plan
 
     written: list[Path] = []
+    repo = Path(__file__).resolve().parents[1]
     for p in PLANS:
+        model = str(repo / p.model) if (repo / p.model).is_file() else p.model  # a config file of the repository
         try:
-            res = plan(p.model, p.gpus, p.device, p.nodes, pools=p.pools, cache=None,
+            res = plan(model, p.gpus, p.device, p.nodes, pools=p.pools, cache=None, stack=p.stack,
                        committed=cache, simulate=False, progress=io.StringIO())  # no progress lines
         except LookupError as err:
             log(f"not regenerated: `{p.command()}`: {err}")
             continue
-        written += [Path(f) for f in write_plan(res, out_dir)]
+        written += [Path(f) for f in write_plan(res, out_dir, p.wall_times)]
     return written
 
 

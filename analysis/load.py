@@ -106,7 +106,8 @@ def mode_label(mode: str, device: str, device_name: str | None = None, stack: st
                pools: str | None = None) -> str:
     """How a row was produced, for legends and table rows: ``real, NVIDIA H100 80GB HBM3``,
     ``emulated, NVIDIA H100 (link nvlink-h100)``, ``simulated, h100-80g, paper stack``,
-    ``simulated, h100-80g, lean stack`` (``bench.stackmodel.stack``; rows without a stack are lean).
+    ``simulated, h100-80g, hf stack``, ``simulated, h100-80g, lean stack`` (``bench.stackmodel.stack``;
+    rows without a stack are lean).
     The paper stack's allocator keeps a pool per stream (``allocator_pools``, the default since it
     was checked on an H100); a paper-stack row made with one shared pool (every row made before,
     which does not record the lever) is its own series: ``simulated, h100-80g, paper stack,
@@ -114,6 +115,8 @@ def mode_label(mode: str, device: str, device_name: str | None = None, stack: st
     if mode == "simulated":
         if stack == "paper":
             return f"simulated, {device}, paper stack" + ("" if pools == "per-stream" else ", shared pool")
+        if stack == "hf":
+            return f"simulated, {device}, hf stack"
         return f"simulated, {device}, lean stack"
     name = (device_name or device or "").strip()
     if len(name) > 40:

@@ -13,7 +13,8 @@ from typing import Any
 
 import methods
 from bench.search.plan import MAX_COST
-from bench.stackmodel.steptime import constants_of, counts_version
+from bench.stackmodel import hfstack
+from bench.stackmodel.steptime import constants_of, counts_version, stack_constants
 from records import GiB, human
 
 from .plan_figure import draw_plan
@@ -38,40 +39,54 @@ def docs_line(res: dict[str, Any]) -> str:
             f" / GPUs / step s; imbal = the slowest rank's attention work / the mean at that length")
 
 
-def render(res: dict[str, Any]) -> str:
+HF_SETUP = ("hf stack (bench.stackmodel.hfstack): the methods the Hugging Face stack runs, each with that stack's "
+            "levers only: ALST's recipe (ArcticTraining run-h100-sp*-llama-8b.yml: ZeRO-3 with the optimizer on the "
+            "host, every layer's checkpoint on the host, TiledMLP, Liger's loss, FA2) for Accelerate's sp_size path "
+            "(ds-ulysses-hf, and upipe with UPipe's attention in ALST's place), Accelerate's cp_size example (FSDP2, "
+            "checkpoints on the device, TRL's chunked loss, cuDNN SDPA) for torch-cp; bf16, batch 1")
+
+
+def render(res: dict[str, Any], wall_times: bool = True) -> str:
     """The plan as the table ``python -m bench plan`` prints (and its Markdown holds); with documents
-    (``res["docs"]``) a line saying what they are and the tok/s/GPU and imbalance columns."""
+    (``res["docs"]``) a line saying what they are and the tok/s/GPU and imbalance columns.
+    ``wall_times`` off: no wall seconds (the plan's and each search's), so that a rendering from the
+    cache is the same every time."""
     docs = res.get("docs") is not None
+    hf = res["stack"] == hfstack.NAME
     counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
     version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
-    consts = constants_of(version)
+    consts = stack_constants(hfstack.NAME)[0] if hf else constants_of(version)
+    baseline_of = res.get("baseline_of", "UPipe's paper setup")
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "
         f"{res['usable_gib']:.1f} GiB usable per GPU"
-        + (" less each configuration's NCCL buffers" if res["stack"] == "paper" else "")
+        + (" less each configuration's NCCL buffers" if res["stack"] in ("paper", "hf") else "")
         + f"{res['host_note']}; "
-        f"{res['stack']} stack (bench.stackmodel.stack"
-        + (f"; allocator: {'a pool per stream' if res.get('pools') == 'per-stream' else 'one shared pool'}"
-           if res["stack"] == "paper" else "")
-        + "); paper record setup (FSDP2, AC offloaded to host, "
-        "tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)",
+        + (HF_SETUP if hf else
+           f"{res['stack']} stack (bench.stackmodel.stack"
+           + (f"; allocator: {'a pool per stream' if res.get('pools') == 'per-stream' else 'one shared pool'}"
+              if res["stack"] == "paper" else "")
+           + "); paper record setup (FSDP2, AC offloaded to host, "
+           "tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)"),
         f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
         + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
-           "; two-level checkpoints (2-level AC) by group extrapolation or whole, as the row says"
+           + ("" if hf else "; two-level checkpoints (2-level AC) by group extrapolation or whole, as the row says")
            if res["layers"] > 4 else ""),
         f"step time at the common length {human(res['common']) if res['common'] else '-'} "
         f"(longest that every method fits); source per row: measured = results/ real rows, "
         f"model = bench.stackmodel.steptime on counts of v{version} (counted FLOPs at eff {consts.eff_matmul:.2f} "
-        f"matmul / {consts.eff_attention:.2f} attention, collectives through the link model with "
-        f"{consts.latency_s * 1e6:.0f} us per call ({consts.barrier_s * 1e6:.0f} us per ring-step barrier of the "
-        f"paper's ring code), host copies over PCIe 5 x16"
+        f"matmul / {consts.eff_attention:.2f} attention"
+        + (" (the hf stack's FA2 rate, bench.stackmodel.steptime.stack_constants)" if hf else "")
+        + f", collectives through the link model with {consts.latency_s * 1e6:.0f} us per call"
+        + ("" if hf else f" ({consts.barrier_s * 1e6:.0f} us per ring-step barrier of the paper's ring code)")
+        + ", host copies over PCIe 5 x16"
         + (", memory-bound kernels at the HBM bandwidth)" if version >= 3 else
            "; counts made before v3: the constants fitted on such counts, bench.stackmodel.steptime.FITTED_V2)"),
         *([docs_line(res)] if docs else []),
         "",
         f"simulations: {res['cache']}; rel = step time / {res['baseline'].label if res['baseline'] else '-'}'s "
-        f"(UPipe's paper setup); P = on the Pareto front of max context vs step time",
+        f"({baseline_of}); P = on the Pareto front of max context vs step time",
         "",
         f"{'configuration':44} {'max ctx':>8} {'peak GiB':>9} {'host GiB':>9} {'step s':>8} {'rel':>6} "
         + (f"{'tok/s/GPU':>9} {'imbal':>6} " if docs else "") + f"{'source':8} note",
@@ -93,9 +108,10 @@ def render(res: dict[str, Any]) -> str:
         if e.extra.get("sims") and not e.auto:
             note.append(e.extra["sims"])
         if e.points and not e.auto:
-            note.append(f"{e.points} sims, {e.seconds:.0f}s")
+            note.append(f"{e.points} sims, {e.seconds:.0f}s" if wall_times else f"{e.points} sims")
         if rel and rel > MAX_COST:
-            note.append(f"over {MAX_COST:g}x the paper setup's step time: reported, not recommended")
+            setup = "the paper setup's" if baseline_of == "UPipe's paper setup" else f"{baseline_of}'s"
+            note.append(f"over {MAX_COST:g}x {setup} step time: reported, not recommended")
         peak = f"{e.peak_bytes / GiB:9.2f}" if e.peak_bytes is not None else f"{'-':>9}"
         host = f"{e.host_peak_bytes / GiB:9.2f}" if e.host_peak_bytes is not None else f"{'-':>9}"
         label = ("P " if id(e) in front else "  ") + e.label
@@ -121,27 +137,33 @@ def render(res: dict[str, Any]) -> str:
             f"{res['fastest_common'].label} ({res['fastest_common'].time_source})")
         pick, base = res["pick"], res["baseline"]
         if pick is not None:
-            cost = (f", {pick.step_time_s / base.step_time_s:.2f}x the step time of UPipe's paper setup "
+            cost = (f", {pick.step_time_s / base.step_time_s:.2f}x the step time of {baseline_of} "
                     f"({base.label}, {human(base.max_context)}) at {human(res['common'])}"
                     if base is not None and base.step_time_s else "")
             lines.append(f"recommendation: {pick.label}: {human(pick.max_context)} tokens{cost}; "
                          f"configurations over {MAX_COST:g}x are not recommended")
-    lines.append(f"[plan took {res['seconds']:.1f}s]")
+    if wall_times:
+        lines.append(f"[plan took {res['seconds']:.1f}s]")
     return "\n".join(lines)
 
 
-def write_plan(res: dict[str, Any], out_dir: Path) -> list[str]:
+def write_plan(res: dict[str, Any], out_dir: Path, wall_times: bool = True) -> list[str]:
     """The plan as ``plan_<model>_<gpus>x<device>.md`` and its figure (drawn by ``analysis``); a plan
-    under documents adds ``_docs-<distribution>-<seed>`` to the name and its documents to the title."""
+    under documents adds ``_docs-<distribution>-<seed>`` to the name and its documents to the title, one
+    under the hf stack ``_stack-hf`` and the stack. ``wall_times``: as ``render``'s."""
     out_dir.mkdir(parents=True, exist_ok=True)
     docs = res.get("docs")
+    hf = res["stack"] == hfstack.NAME
     stem = f"plan_{res['model'].replace('/', '_')}_{res['gpus']}x{res['device']}" + (
-        f"_docs-{docs.label.replace(':', '-')}" if docs is not None else "")
+        f"_docs-{docs.label.replace(':', '-')}" if docs is not None else "") + ("_stack-hf" if hf else "")
     title = f"{res['model']} on {res['gpus']} x {res['device']}" + (
-        f", documents {docs.label}" if docs is not None else "")
+        f", documents {docs.label}" if docs is not None else "") + (", hf stack" if hf else "")
     md = out_dir / f"{stem}.md"
+    stack = ("The hf stack's levers are ALST's recipe and Accelerate's cp_size example, as "
+             "[bench/stackmodel/hfstack.py](../bench/stackmodel/hfstack.py) sets them.\n\n" if hf else "")
     md.write_text(f"# Plan: {title}\n\n"
-                  f"Generated by `python -m bench plan` (bench/search/plan.py).\n\n```\n{render(res)}\n```\n")
+                  f"Generated by `python -m bench plan` (bench/search/plan.py).\n\n{stack}```\n"
+                  f"{render(res, wall_times)}\n```\n")
     png = out_dir / f"{stem}.png"
     shown = [(e.label, e.max_context) for e in res["entries"] if not e.skipped]
     draw_plan(shown, f"{title}: max context per method", png)

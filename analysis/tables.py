@@ -458,15 +458,17 @@ PAPER_FIG1 = ("llama3-8b", 3 * 2**20, 8)  # model, tokens, GPUs
 def fig1_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Our Fig. 1 bars: rows with a recognised lever configuration (``fig1_config``) at the
     paper's setup (Llama3-8B, 3M, 8 GPUs), and at the paper's GPU count on a model the paper did
-    not run (the ``fig1-memory-breakdown`` sweep's CPU-scale variant). Adds ``config`` (the bar)
-    and ``setup`` (model, tokens, ranks)."""
+    not run (the ``fig1-memory-breakdown`` sweep's CPU-scale variant), never the hf stack's. Adds
+    ``config`` (the bar) and ``setup`` (model, tokens, ranks)."""
     t = trials(rows, scope="model")
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     model, seq, ws = PAPER_FIG1
     at_point = (t["model"] == model) & (t["seq_len"] == seq) & (t["world_size"] == ws)
     other_scale = (t["world_size"] == ws) & ~t["model"].isin(PAPER_MODELS)
-    t = t[at_point | other_scale]
+    # the Hugging Face stack's rows run ALST's recipe, not a rung of the paper's ladder (results/hf/)
+    hf = t["lever.stack"].eq("hf") if "lever.stack" in t else pd.Series(False, index=t.index)
+    t = t[(at_point | other_scale) & ~hf]
     if not len(t):
         return t.assign(config=pd.Series(dtype=object), setup=pd.Series(dtype=object))
     t = t.assign(config=t.apply(fig1_config, axis=1),

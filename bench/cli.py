@@ -5,10 +5,11 @@
         [--dtype bf16] [--docs NAME[:SEED] | --docs-lengths LENGTHS|FILE] [--out FILE] [--json]
     python -m bench max-context ... [--granularity 128K] [--max-seq-len 16M] [--start 128K]
     python -m bench list            # methods, models, devices, links
-    python -m bench plan --model llama3-8b --gpus 8 --device h100-80g [--docs NAME[:SEED]]
+    python -m bench plan --model llama3-8b --gpus 8 --device h100-80g [--docs NAME[:SEED]] [--stack paper|lean|hf]
     python -m bench trial '<Trial JSON>' --out FILE [--extrapolate-layers]   # what a sweep's job runs
     python -m bench fidelity [--only memory|boundaries|all] [--anchors NAME...] [--quick] [--jobs N] \\
         [--out DIR] [--figs-dir DIR]   # the simulation against the paper's numbers (bench.stackmodel.fidelity)
+    python -m bench fidelity --hf [--anchors NAME...] [--out DIR] [--figs-dir DIR]   # ALST's (hffidelity)
 
 Sizes accept ``K``/``M``/``G`` suffixes with K = 1024 (``128K``, ``1M``, ``1.5M``).
 Every run appends its validated rows (JSON Lines, ``records``) to ``--out``, by default
@@ -215,14 +216,17 @@ def build_parser() -> Parser:
     pl.add_argument("--out-dir", default=None,
                     help="where plan_<model>_<gpus>x<device>.md/.png go (default runs/plans)")
     pl.add_argument("--no-figs", action="store_true", help="print only")
-    pl.add_argument("--stack", choices=["paper", "lean"], default="paper",
-                    help="accounting of the simulations (bench.stackmodel.stack; default paper)")
-    pl.add_argument("--allocator-pools", choices=list(choices("allocator_pools")), default=paper_stack.PAPER_POOLS,
+    pl.add_argument("--stack", choices=["paper", "lean", "hf"], default="paper",
+                    help="accounting of the simulations (bench.stackmodel.stack; default paper); hf: the methods "
+                    "the Hugging Face stack runs (ds-ulysses-hf, torch-cp, upipe) with its levers "
+                    "(bench.stackmodel.hfstack) and no ladder")
+    pl.add_argument("--allocator-pools", choices=list(choices("allocator_pools")), default=None,
                     help="the paper stack's allocator pools: per-stream (default: as CUDA's caching allocator keys "
                     "its blocks; checked on an H100, results/gpu) or shared (one pool for every stream; the "
-                    "committed 16-GPU plans)")
+                    "committed 16-GPU plans); refused under --stack hf")
     pl.add_argument("--paper-only", action="store_true",
-                    help="only the methods in the paper's setup, not the levers beyond it (+...)")
+                    help="only the methods in the paper's setup, not the levers beyond it (+...); refused under "
+                    "--stack hf")
     pl.add_argument("--cache", default=None,
                     help="simulation cache to read and append to (default runs/plan/sims.ndjson; the committed "
                     "results/plan/sims.ndjson is read too)")

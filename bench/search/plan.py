@@ -48,7 +48,9 @@ as the real one does); the cache keeps no traces, but it keeps the outcome, unde
 model's key with ``PRESSURE_KEY`` appended. Inside the search, a length
 may reuse the per-layer increments measured at another length (one 3-layer simulation); the
 longest fitting length is always simulated with both, and the shortest failing one too unless
-the increment re-measured there equals the one it used (to 0.1%). ``tests/bench/test_plan.py``
+the increment re-measured there equals the one it used (to 0.1%) and it fails by more than the
+slack rule (a length out of memory only by the borrowed slack is simulated with both: its own
+slack, or the pressure replay, may fit). ``tests/bench/test_plan.py``
 checks it against a full simulation. Models with 4 layers or fewer are simulated whole.
 
 Group extrapolation (two-level checkpoints, ``ac_group = K``; exact for identical groups): the
@@ -88,6 +90,17 @@ which the plan varies: they are refused.
 ``chunk_heads=auto`` resolves to the largest U that fits (``bench.search.autochunk``); at the
 maximum context of U = C no larger U fits, so the auto row reports U = C's length and the U
 it resolves to at the common comparison length.
+
+The Hugging Face stack (``--stack hf``, ``bench.stackmodel.hfstack``): the configurations are
+exactly the methods that stack runs (``HF_ENTRIES``): ALST (``ds-ulysses-hf``, Accelerate's
+``sp_size`` path), PyTorch's context parallel as Accelerate's ``cp_size`` path runs it
+(``torch-cp``) and UPipe in ALST's recipe (``upipe``, U = C), each with the stack's levers only
+(the resolver applies them: ``bench.resolve``); ALST is the baseline of ``rel`` and of the
+recommendation. There is no ladder and no ring, USP, FPDT or offload row, and the options that
+would have no effect there (``--allocator-pools``, ``--paper-only``, ``--nodes``) are refused
+before any simulation (``check_stack_options``). Fit is judged as on the paper stack (the
+reserved peak, with the pressure replay); the step time takes the hf stack's attention kernel and
+rate (``steptime.stack_constants``), as its simulated rows do. Cache keys hold the trial's stack.
 """
 from __future__ import annotations
 
@@ -116,16 +129,19 @@ from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
 from ..resolve import Request, resolve
+from ..stackmodel import hfstack
 from ..stackmodel import stack as paper_stack
 from ..stackmodel.counts import StepCounts
 from ..stackmodel.docwork import RankWork, trial_work
 from ..stackmodel.hardware import get_device
 from ..stackmodel.steptime import (
     COUNTS_VERSION,
+    StepTimeConstants,
     attention_kernel,
     constants_for,
     counts_version,
     scale_counts,
+    stack_constants,
     step_time,
 )
 from ..training.config import StepConfig
@@ -319,7 +335,8 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         p.load = float("inf")  # type: ignore[attr-defined]
         return p
     row = build_row(trial, dataclasses.replace(result, status="ok"), 0.0)
-    if exact and not how.whole and _past_capacity_by_slack(trial, row, result):
+    by_slack = not how.whole and _past_capacity_by_slack(trial, row, result)
+    if exact and by_slack:
         # the slack rule passes the capacity where the live bytes do not: the allocator would release
         # its cache and retry (bench.search.extrapolate.under_pressure), so replay the larger
         # simulation's trace with the further layers held. Both simulations run again (the cache
@@ -349,6 +366,8 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
               int(f.usable_bytes), row.message)
     p.load = load  # type: ignore[attr-defined]
     p.exact, p.slope = exact, slope  # type: ignore[attr-defined]
+    # out of memory by the slack rule alone on borrowed increments: only an exact point can be replayed
+    p.by_slack = by_slack and not exact  # type: ignore[attr-defined]
     p.step_counts = result.step_counts  # type: ignore[attr-defined]
     p.row = row  # type: ignore[attr-defined]
     return p
@@ -358,10 +377,11 @@ PRESSURE_KEY = " under_pressure"  # SimCache key suffix: the whole model's figur
 
 
 def _past_capacity_by_slack(trial, row, result: Measurement) -> bool:
-    """A paper-stack row out of device memory only because its reserved peak (the slack rule's)
-    passes the capacity: the allocated peak fits and the replay itself did not run out."""
+    """A row of a stack judged on the reserved peak (paper, hf: ``bench.stackmodel.stack.reserved``) out of
+    device memory only because its reserved peak (the slack rule's) passes the capacity: the allocated
+    peak fits and the replay itself did not run out."""
     f = row.figures
-    return (row.status == "oom" and trial.step.stack == "paper" and f.peak_reserved_bytes is not None
+    return (row.status == "oom" and paper_stack.reserved(trial.step.stack) and f.peak_reserved_bytes is not None
             and f.peak_bytes <= f.usable_bytes < f.peak_reserved_bytes
             and not (result.allocator is not None and result.allocator.oom))
 
@@ -401,7 +421,8 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
         used = slope
         for j in (lo, hi):
             if 1 <= j <= k_max and not points[j].exact:
-                if j == hi and lo >= 1 and points[lo].exact and _same(points[lo].slope, used):
+                if j == hi and lo >= 1 and points[lo].exact and _same(points[lo].slope, used) and not getattr(
+                        points[j], "by_slack", False):
                     continue  # the increment just re-measured at lo is the one hi used: hi is exact too
                 before = points[j].status
                 if at(j, exact=True).status != before:
@@ -485,15 +506,52 @@ def has_layouts(method: str) -> bool:
     return "layout" in {f.name for f in dataclasses.fields(methods.get_info(method).cls.Options)}
 
 
+def check_stack_options(stack: str, nodes: int = 1, beyond: bool = True, pools: str | None = None) -> None:
+    """Refuse, in one line and before any simulation, a plan option that has no effect under ``stack``:
+    under ``hf`` the configurations are the methods the Hugging Face stack runs (``HF_ENTRIES``) with
+    its own levers, so the paper stack's allocator pools, the paper-only switch (there is no ladder to
+    leave out) and ``--nodes`` (whose only use is the paper stack's USP rows; the hf stack's methods
+    take the GPUs as one sequence-parallel group) are conflicts."""
+    if stack != hfstack.NAME:
+        return
+    if pools is not None:
+        raise ValueError(f"--allocator-pools {pools} has no effect under --stack hf (its allocator is ALST's / "
+                         "Accelerate's, a pool per stream: bench.stackmodel.hfstack term 7); drop it, or use "
+                         "--stack paper")
+    if not beyond:
+        raise ValueError("--paper-only has no effect under --stack hf (its configurations are the methods the hf "
+                         "stack runs, with no ladder of levers beyond the paper); drop it, or use --stack paper")
+    if nodes > 1:
+        raise ValueError(f"--nodes {nodes} has no effect under --stack hf (the hf stack's methods take the --gpus "
+                         "as one group; --nodes only adds the paper stack's usp rows); drop it, or use --stack paper")
+
+
+# Under --stack hf: exactly the methods the Hugging Face stack runs (bench.stackmodel.hfstack.METHODS), ALST
+# first (the baseline of the table's rel column and of the recommendation), each with the stack's levers only:
+# (method, the name its row goes by; UPipe's gets U = C)
+HF_ENTRIES: tuple[tuple[str, str], ...] = (
+    ("ds-ulysses-hf", "ALST"),  # DeepSpeed's UlyssesSPAttentionHF, Accelerate's sp_size path
+    ("torch-cp", "PyTorch CP"),  # Accelerate's cp_size path
+    ("upipe", "UPipe"),  # ALST's recipe with UPipe's attention
+)
+
+
 def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, stack: str = "paper",
-            beyond: bool = True, pools: str = paper_stack.PAPER_POOLS, docs: DocsSpec | None = None) -> list[Entry]:
-    """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.stackmodel.stack.allocator_pools``);
-    ``docs``: the packed documents every trial carries, where the ring family's layouts (``DOC_LAYOUTS``)
-    are each a configuration."""
+            beyond: bool = True, pools: str | None = None, docs: DocsSpec | None = None) -> list[Entry]:
+    """The plan's trials; ``pools``: the paper stack's allocator pools (``bench.stackmodel.stack.allocator_pools``;
+    None: ``PAPER_POOLS``); ``docs``: the packed documents every trial carries, where the ring family's layouts
+    (``DOC_LAYOUTS``) are each a configuration. Under the ``hf`` stack: ``HF_ENTRIES``, each resolved with the
+    hf stack's levers (``bench.stackmodel.hfstack``; ``check_stack_options`` refuses what has no effect there)."""
+    check_stack_options(stack, nodes, beyond, pools)
+
     def entry(label: str, method: str, options: dict, **levers) -> Entry:
-        levers.update(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools))
+        levers.update(stack=stack, allocator_pools=paper_stack.allocator_pools(stack, pools or paper_stack.PAPER_POOLS))
         request = Request(method, model, granularity, gpus, options, device=device, levers=levers, docs=docs)
         return Entry(label, resolve(request, validate=False))  # runs() and plan() validate what they keep
+
+    if stack == hfstack.NAME:
+        return [entry(f"{name}{f' U={gpus}' if method == 'upipe' else ''} ({method})", method, {})
+                for method, name in HF_ENTRIES]
 
     def laid_out(label: str, method: str, options: dict) -> list[Entry]:
         if docs is None or not has_layouts(method):
@@ -629,8 +687,18 @@ def modelled_time(entry: Entry, device: str, seq_len: int) -> float | None:
     counts = scale_counts(entry.step_counts, entry.max_context, seq_len)
     if entry.trial.docs is not None:
         counts = documents_counts(entry, counts, seq_len)
-    kernel = attention_kernel(entry.method)
-    return step_time(counts, preset, entry.trial.link_model(), constants_for(counts), kernel)["step_time_s"]
+    constants, kernel = step_constants(entry.trial.step.stack, counts)
+    return step_time(counts, preset, entry.trial.link_model(), constants, kernel or attention_kernel(entry.method))[
+        "step_time_s"]
+
+
+def step_constants(stack: str, counts: StepCounts) -> tuple[StepTimeConstants, str | None]:
+    """(constants, attention kernel or None for the method's own) of the step-time model for ``counts``
+    under ``stack``: the hf stack's kernel and rate (``steptime.stack_constants``, as its simulated rows
+    take them); else the constants fitted on counts of their version (``constants_for``)."""
+    if stack == hfstack.NAME:
+        return stack_constants(stack)
+    return constants_for(counts), None
 
 
 def documents_counts(entry: Entry, scaled: StepCounts, seq_len: int) -> StepCounts:
@@ -705,11 +773,12 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 1 << 20, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
-         cache: Path | None = None, use_cache: bool = True, pools: str = paper_stack.PAPER_POOLS,
+         cache: Path | None = None, use_cache: bool = True, pools: str | None = None,
          committed: Path | None = None, simulate: bool = True, docs: DocsSpec | None = None) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
     None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
-    stack's allocator pools; ``committed``: the committed cache (default ``COMMITTED_CACHE``);
+    stack's allocator pools (None: ``PAPER_POOLS``; refused under ``hf``: ``check_stack_options``);
+    ``committed``: the committed cache (default ``COMMITTED_CACHE``);
     ``simulate`` off: a simulation missing from the caches is a ``LookupError`` (``SimCache.allow``);
     ``docs``: packed documents drawn from a distribution (``check_docs``; None: one sequence)."""
     committed = Path(committed) if committed is not None else COMMITTED_CACHE
@@ -718,6 +787,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     preset = get_device(device)
     if gpus % nodes:
         raise ValueError(f"--gpus {gpus} is not divisible by --nodes {nodes}")
+    check_stack_options(stack, nodes, beyond, pools)
     check_docs(docs)
     t0 = time.perf_counter()
     todo = entries(model, gpus, nodes, device, granularity, stack, beyond, pools, docs)
@@ -778,7 +848,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         if docs is not None:
             e.work = trial_work(e.trial.with_seq_len(common))
     pareto = pareto_front(ok)
-    baseline = ok[0] if ok and ok[0] is done[0] else None  # UPipe's paper setup (the first entry)
+    baseline = ok[0] if ok and ok[0] is done[0] else None  # UPipe's paper setup, or hf's ALST (the first entry)
     pick = recommend(ok, baseline)
     at_longest = [e for e in ok if e.max_context == longest]
     fastest_longest = min(at_longest, key=lambda e: modelled_time(e, device, longest) or math.inf, default=None)
@@ -793,7 +863,8 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "host_note": f" and {host_usable / GiB:.0f} GiB of host memory for offloads" if host_usable else "",
         "layers": cfg.n_layers, "seconds": time.perf_counter() - t0,
         "fastest_longest": fastest_longest, "fastest_common": fastest_common,
-        "stack": stack, "pools": pools, "pareto": pareto, "baseline": baseline, "pick": pick,
+        "stack": stack, "pools": pools or paper_stack.PAPER_POOLS, "pareto": pareto, "baseline": baseline,
+        "baseline_of": "ALST's recipe" if stack == hfstack.NAME else "UPipe's paper setup", "pick": pick,
         "cache": cache_line if _CACHE else "no cache (--no-cache)", "docs": docs,
     }
     return result

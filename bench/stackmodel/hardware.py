@@ -194,6 +194,26 @@ _FUNCTIONAL_OPS = {
 }
 
 
+
+
+def _deepspeed_all_to_all_group(args):
+    """The process group of DeepSpeed's ``dim_zero_all_to_all`` operator: its second argument names a group
+    that ``deepspeed.sequence.layer.register_all_to_all_group`` registered (None: DeepSpeed not loaded)."""
+    layer = sys.modules.get("deepspeed.sequence.layer")
+    return getattr(layer, "_all_to_all_groups", {}).get(args[1]) if layer is not None else None
+
+
+# collectives a library registers as its own operator (torch.library): under FakeTensorMode its fake
+# kernel runs and the c10d call inside is never dispatched, and in a real run that call runs inside
+# this mode's handler, where the mode does not see it; so the operator itself is counted.
+# name -> (op, index of the tensor sent, the process group from the arguments). DeepSpeed's ALST
+# (UlyssesSPAttentionHF, deepspeed/runtime/sequence_parallel/ulysses_sp.py) exchanges Q, K, V and the
+# output through deepspeed::dim_zero_all_to_all (deepspeed/sequence/layer.py)
+_LIBRARY_OPS = {
+    "deepspeed::dim_zero_all_to_all": ("all_to_all", 0, _deepspeed_all_to_all_group),
+}
+
+
 _METHODS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "methods")
 # code that issues a method's own collectives: the suite's methods, torch's context parallel, the
 # attention libraries the methods wrap (yunchang, ring-flash-attn, DeepSpeed's sequence parallel)
@@ -283,6 +303,13 @@ class CommCounter(TorchDispatchMode):
                 self.calls.append((op, nbytes, size))
                 self.members.append(_members(pg))
                 self.issuers.append(issuer())
+        library = _LIBRARY_OPS.get(func._schema.name)
+        if library is not None:
+            op, idx, group_of = library
+            pg = group_of(args)
+            self.calls.append((op, _nbytes(args[idx]), pg.size() if pg is not None else 1))
+            self.members.append(_members(pg) if pg is not None else ())
+            self.issuers.append(issuer())
         if func.namespace == "c10d":
             name = func._schema.name.split("::", 1)[-1]
             kind = _C10D_OPS.get(name)

@@ -111,4 +111,5 @@ def test_mode_labels_name_the_stack_and_a_shared_pool():
     assert mode_label("simulated", "h100-80g", stack="paper") == "simulated, h100-80g, paper stack, shared pool"
     assert mode_label("simulated", "h100-80g", stack="paper", pools="shared").endswith("paper stack, shared pool")
     assert mode_label("simulated", "h100-80g") == "simulated, h100-80g, lean stack"
+    assert mode_label("simulated", "h100-80g", stack="hf", pools="per-stream") == "simulated, h100-80g, hf stack"
     assert "pool" not in mode_label("real", "h100-80g", "NVIDIA H100 80GB HBM3")

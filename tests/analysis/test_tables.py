@@ -212,3 +212,16 @@ def test_a_missing_figure_is_never_zero(tmp_path):
     m = tables.memory_vs_seq_table(load_rows(tmp_path, quiet=True))
     assert _cell(m, "2M", Method="upipe", Source="ours") == "fits"
     assert "0.00" not in t.to_markdown()
+
+
+def test_fig1_leaves_out_the_hf_stacks_rows(tmp_path):
+    """A row of the hf stack (ALST's recipe, results/hf/) at Fig. 1's GPU count is no bar of the paper's
+    ladder, even on a model the paper did not run; the same row under the paper stack is one."""
+    cats = dict(parameter=2.0, gradient=2.0, optstate=11.0, activation=20.0, temp=10.0, other=1.0)
+    levers = {"fsdp": True, "ac": True, "ac_offload": True, "tiled_mlp": True, "chunked_loss": True}
+    for stack in ("hf", "paper"):
+        write(tmp_path / stack / "rows.jsonl", [make_row("upipe", "Llama-3.1-8B", 3700000, 8, mode="simulated",
+                                                         peak_gib=60.0, by_category=cats,
+                                                         levers={**levers, "stack": stack})])
+        t = tables.fig1_table(load_rows(tmp_path / stack, quiet=True))
+        assert (t.df["Setup"] == "Llama-3.1-8B, 3700000 tokens, 8 ranks").any() == (stack == "paper"), stack

@@ -1,5 +1,6 @@
 """python -m bench plan (bench.search.plan): layer extrapolation is exact; a tiny plan finishes."""
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -416,3 +417,158 @@ def test_plan_with_documents_reaches_the_rows(tmp_path, capsys, monkeypatch):
         assert row.figures.doc_work["imbalance"] == pytest.approx(
             plan_mod.trial_work(e.trial.with_seq_len(e.max_context)).imbalance, abs=1e-6)
         assert modelled_time(e, "h100-80g", e.max_context) == pytest.approx(row.figures.step_time_s, rel=1e-9)
+
+
+# --------------------------------------------------------------------------- the Hugging Face stack (--stack hf)
+
+HF_LLAMA = "bench/model_configs/hf/Llama-3.1-8B/config.json"
+
+
+def test_hf_entries_are_exactly_the_methods_the_hf_stack_runs_with_its_levers():
+    """Under ``--stack hf``: ALST first (the baseline), then torch-cp and upipe, each keyed with the hf
+    stack and resolved with its levers (``hfstack.apply``); no ladder rung, no other method."""
+    from bench.stackmodel import hfstack
+
+    hf = entries(HF_LLAMA, 8, 1, "h100-80g", 1 << 20, stack="hf")
+    assert [e.method for e in hf] == ["ds-ulysses-hf", "torch-cp", "upipe"]
+    assert set(e.method for e in hf) == set(hfstack.METHODS)
+    assert not any("+" in e.label for e in hf)
+    for e in hf:
+        assert e.trial.step.stack == "hf" and e.trial.step.allocator_pools == "per-stream"
+        ran = e.trial.resolved()
+        assert "hf-stack" in ran.presets
+        assert ran.step == hfstack.apply(e.trial.step, e.method)[0]
+        for name, value in hfstack.levers(e.method).items():
+            if name != "tiled_mlp_impl":  # ours where DeepSpeed is not installed (hfstack.apply)
+                assert getattr(ran.step, name) == value, (e.label, name)
+        assert runs(e), e.label
+    assert hf[1].trial.options.backend == "cudnn" and hf[1].trial.options.repeat_kv is False
+    assert hf[0].trial.resolved().step.ac_offload and not hf[1].trial.resolved().step.ac_offload
+    # the cache keys hold the stack: an hf trial never answers from a paper-stack line
+    paper = next(e for e in entries(HF_LLAMA, 8, 1, "h100-80g", 1 << 20) if e.method == "upipe")
+    assert json.loads(SimCache.key(hf[2].trial, "Llama-3.1-8B", 3))["step"]["stack"] == "hf"
+    assert SimCache.key(hf[2].trial, "Llama-3.1-8B", 3) != SimCache.key(paper.trial, "Llama-3.1-8B", 3)
+
+
+@pytest.mark.parametrize("flags,problem", [
+    (["--allocator-pools", "shared"], "--allocator-pools shared has no effect under --stack hf"),
+    (["--allocator-pools", "per-stream"], "--allocator-pools per-stream has no effect under --stack hf"),
+    (["--paper-only"], "--paper-only has no effect under --stack hf"),
+    (["--nodes", "2"], "--nodes 2 has no effect under --stack hf"),
+])
+def test_hf_plan_refuses_options_without_effect_before_any_simulation(flags, problem, capsys, monkeypatch):
+    monkeypatch.setattr(plan_mod, "_sim", lambda *a: pytest.fail("simulated before refusing the option"))
+    assert cli.main(["plan", "--model", HF_LLAMA, "--gpus", "8", "--stack", "hf", "--jobs", "1", "--no-figs",
+                     "--no-cache", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and problem in err and "use --stack paper" in err, err
+    with pytest.raises(ValueError, match="no effect under --stack hf"):
+        entries(HF_LLAMA, 8, 1, "h100-80g", 1 << 20, stack="hf", pools="shared")
+
+
+def test_hf_plan_through_the_cli(tmp_path, capsys, monkeypatch):
+    """``bench plan --stack hf`` on a 2-layer model (simulated whole, each configuration fitting at the
+    search limit of 32K): the table names the hf stack and its levers' sources, lists exactly its three
+    methods, compares with ALST, and each modelled step at its max context is its simulated row's (the hf
+    stack's attention rate, ``steptime.stack_constants``); the .md is named for the stack and, without wall
+    times, renders the same from the cache again."""
+    from analysis import plan_report
+    from bench.search.plan import modelled_time
+
+    path = tmp_path / "tiny2.json"
+    path.write_text(json.dumps({**TINY, "n_layers": 2}))
+    results = []
+    monkeypatch.setattr(cli, "plan", lambda *a, **k: results.append(plan_mod.plan(*a, **k)) or results[-1])
+    cache = tmp_path / "sims.ndjson"
+    argv = ["plan", "--model", str(path), "--gpus", "4", "--stack", "hf", "--granularity", "16K",
+            "--max-seq-len", "32K", "--jobs", "1", "--cache", str(cache), "--out-dir", str(tmp_path / "figs")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    res = results[0]
+    assert "hf stack (bench.stackmodel.hfstack)" in out and "ALST's recipe" in out and "paper record setup" not in out
+    assert "(ALST's recipe); P = on the Pareto front" in out
+    labels = [e.label for e in res["entries"]]
+    assert labels == [e.label for e in entries(str(path), 4, 1, "h100-80g", 16 << 10, stack="hf")]
+    assert res["baseline"] is res["entries"][0] and res["baseline"].method == "ds-ulysses-hf"
+    keys = [json.loads(json.loads(line)["key"]) for line in cache.read_text().splitlines()]
+    assert keys and {k["step"]["stack"] for k in keys} == {"hf"}
+    for e in res["entries"]:
+        assert not e.skipped and e.max_context == 32 << 10, (e.label, e.skipped, e.error)
+        row = extrapolated(e.trial.with_seq_len(e.max_context), str(tmp_path)).row
+        assert modelled_time(e, "h100-80g", e.max_context) == pytest.approx(row.figures.step_time_s, rel=1e-9)
+    md = tmp_path / "figs" / "plan_tiny2_4xh100-80g_stack-hf.md"
+    assert md.exists() and "[bench/stackmodel/hfstack.py](../bench/stackmodel/hfstack.py)" in md.read_text()
+    again = plan_mod.plan(str(path), 4, "h100-80g", max_seq_len=32 << 10, granularity=16 << 10, stack="hf",
+                          cache=None, committed=cache, simulate=False, workers=1, progress=io.StringIO())
+    first = plan_report.write_plan(again, tmp_path / "a", wall_times=False)[0]
+    for e in again["entries"]:  # other wall times: the same .md
+        e.seconds += 7.0
+    second = plan_report.write_plan({**again, "seconds": 99.0}, tmp_path / "b", wall_times=False)[0]
+    assert Path(first).read_bytes() == Path(second).read_bytes()
+    assert "plan took" not in Path(first).read_text() and "[plan took" in plan_report.render(again)
+
+
+@pytest.mark.parametrize("stack,replayed", [("paper", True), ("hf", True), ("lean", False)])
+def test_the_pressure_replay_covers_every_stack_judged_on_the_reserved_peak(stack, replayed):
+    """A length out of memory only by the slack rule's reserved peak (the allocated peak fits) is replayed
+    under pressure on the stacks that judge the reserved peak, the hf stack's included."""
+    from types import SimpleNamespace
+
+    from bench.measure.result import Measurement
+
+    trial = Trial.make("upipe", "tiny-llama", 1 << 20, 2, step=StepConfig(stack=stack))
+    figures = SimpleNamespace(peak_bytes=70, usable_bytes=75, peak_reserved_bytes=80)
+    row = SimpleNamespace(status="oom", figures=figures)
+    assert plan_mod._past_capacity_by_slack(trial, row, Measurement(status="ok")) is replayed
+    figures.peak_bytes = 76  # the live bytes themselves do not fit: no replay
+    assert plan_mod._past_capacity_by_slack(trial, row, Measurement(status="ok")) is False
+
+
+def test_a_failure_by_the_slack_rule_alone_is_simulated_exactly(monkeypatch, tmp_path):
+    """The search's shortest failing length, judged on increments borrowed from another length, is
+    taken as exact when the increment re-measured next to it is the one it used, unless it fails only by
+    the slack rule's reserved peak: then it is simulated exactly (its own slack, or the pressure replay,
+    may fit), and the search goes on from there."""
+    from bench.search.plan import Point
+
+    slope = {"peak_bytes": 1}
+    calls = []
+
+    def fake(trial, workdir, cache=None, slope_=None, **kw):  # fits up to 5 steps once replayed; 6 never
+        k, exact = trial.seq_len // step, slope_ is None
+        calls.append((k, exact))
+        fits = k <= 4 or (k == 5 and exact)
+        p = Point(trial.seq_len, "ok" if fits else "oom", k, 0, 0.0, 10)
+        p.load, p.exact, p.slope, p.step_counts = k / 5.5 if fits else 1.1, exact, slope, None
+        p.by_slack = k == 5 and not exact
+        return p
+
+    monkeypatch.setattr(plan_mod, "extrapolated", lambda t, w, c=None, s=None: fake(t, w, c, s))
+    trial = Trial.make("upipe", "tiny-llama", 1 << 20, 2)
+    step = trial.seq_multiple() * 1024
+    found, best, _, _, err = search_max(trial, step, 16 * step, str(tmp_path), first=2 * step)
+    assert err is None and found == 5 * step and (5, True) in calls
+    assert (6, True) in calls or (6, False) in calls
+
+
+def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path):
+    """``make figs-plans`` (``analysis.derived.PLANS``) re-renders the committed hf plan from the committed
+    cache, simulating nothing, to the same bytes but for the cache's size in its header (which grows when
+    other plans append lines); the .md holds no wall seconds."""
+    from analysis import derived, plan_report
+
+    repo = Path(__file__).resolve().parents[2]
+    [hf] = [p for p in derived.PLANS if p.stack == "hf"]
+    assert not hf.wall_times and "--stack hf" in hf.command()
+    res = plan_mod.plan(str(repo / hf.model), hf.gpus, hf.device, hf.nodes, pools=hf.pools, cache=None,
+                        stack=hf.stack, committed=repo / "results" / "plan" / "sims.ndjson", simulate=False,
+                        workers=1, progress=io.StringIO())
+    md = Path(plan_report.write_plan(res, tmp_path, hf.wall_times)[0])
+    committed = repo / "paper_figs" / md.name
+
+    def stable(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith("simulations: ")]
+
+    assert md.name == "plan_Llama-3.1-8B_8xh100-80g_stack-hf.md" and committed.exists()
+    assert stable(md.read_text()) == stable(committed.read_text())
+    assert "[plan took" not in md.read_text() and "ALST (ds-ulysses-hf)" in md.read_text()

@@ -37,3 +37,24 @@ def test_one_anchor_at_small_scale_fits_and_reports_its_headroom(tmp_path):
     assert "**1/1 anchors pass.**" in md and "| small | fits at 8K x2 | ok |" in md
     paths = hffidelity.write_outputs([result], tmp_path, tmp_path)
     assert [p.name for p in paths] == ["hf_fidelity.jsonl", "hf_fidelity.md"]
+
+
+def test_alsts_all_to_alls_are_counted():
+    """ALST exchanges Q, K, V and the output through DeepSpeed's registered operator
+    (``deepspeed::dim_zero_all_to_all``), whose fake kernel hides the c10d call under simulation: the
+    counter counts the operator, so the step's all-to-alls reach the step time and NCCL's buffers."""
+    from bench.stackmodel import stack
+
+    pytest.importorskip("deepspeed", reason="ds-ulysses-hf wraps DeepSpeed's ALST")
+    small = dataclasses.replace(hffidelity.load_anchors()[0], name="small", model="tiny-llama", gpus=2,
+                                seq_len=8192)
+    row = run_trial(small.trial())
+    assert row.status == "ok", row.message
+    counts = row.figures.step_time_model["counts"]
+    layers = small.trial().config().n_layers
+    # per layer Q, K, V and the output forward, again in the recomputation, and their gradients
+    assert counts["comm.all_to_all.2.2.calls"] == 12 * layers
+    assert row.figures.comm_bytes_by_op["all_to_all"] == counts["comm.all_to_all.2.2.bytes"] > 0
+    one_peer = stack.NVLINK_CHANNELS_PER_PEER * stack.NCCL_CONNECTION_BYTES  # the all-to-all's one peer
+    capacity = small.trial().preset().capacity_bytes - stack.CUDA_CONTEXT_BYTES
+    assert capacity - row.figures.usable_bytes >= one_peer
