@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.measure.attntime import NONE_SEEN, AttentionTimer, StepAttention, imbalance
+from bench.measure.attntime import NONE_SEEN, NOT_ON_CUDA, AttentionTimer, StepAttention, imbalance, timed_device
+from bench.measure.result import Measurement
 from bench.measure.run import _combine_ranks, build_row, guarded, measure_on_device, real_rank
 from bench.measure.trial import Trial
 from bench.stackmodel import docwork
@@ -127,6 +128,15 @@ def test_a_kernel_call_inside_a_timed_one_is_not_timed_again():
 def test_imbalance_is_the_slowest_over_the_mean():
     assert imbalance([1.0, 3.0]) == pytest.approx(1.5)
     assert imbalance([0.0, 0.0]) == 1.0
+
+
+def test_a_cuda_row_says_its_attention_is_not_timed():
+    assert timed_device(torch.device("cpu")) and not timed_device(torch.device("cuda", 0))
+    trial = Trial.make("ulysses", "tiny-llama", 1024, 2, mode="real", device="h100-80g", warmup=1, iters=1,
+                       smoke=True)
+    row = build_row(trial, Measurement(compute_time_s=1.0, step_times_s=[1.0]), 1.0)
+    assert NOT_ON_CUDA in row.notes and NONE_SEEN not in row.notes
+    assert row.figures.rank_attention_s is None and row.figures.attention_imbalance is None
 
 
 def test_a_row_refuses_attention_times_that_do_not_match_its_ranks():
