@@ -18,7 +18,10 @@ without documents there, marked ``‡``: a simulated one models rank 0's attenti
 Cells: tokens/s per device (simulated: the step-time model's, ``bench.stackmodel.steptime``; real:
 the measured median with its range, as ``table3_cpu``) and the attention work's imbalance, the
 slowest rank's (query, key) pairs over the mean rank's (``figures.doc_work``,
-``bench.stackmodel.docwork``; 1: balanced).
+``bench.stackmodel.docwork``; 1: balanced). The CPU table (real gloo ranks) sets that modelled
+imbalance beside the measured one: the slowest rank's wall time in attention kernel calls over the
+mean rank's (``figures.attention_imbalance``, ``bench.measure.attntime``), "—" where a row measured
+none (a library that calls its own kernels, a row from before the measurement).
 """
 from __future__ import annotations
 
@@ -141,11 +144,12 @@ def throughput(row: pd.Series | None, real: bool) -> str:
     return text + (ROW_WITHOUT_DOCS if not row["has_docs"] and text not in (MISSING, OOM, "error") else "")
 
 
-def imbalance(row: pd.Series | None) -> str:
-    """The row's attention imbalance (slowest rank over the mean), "—" where it records none."""
+def imbalance(row: pd.Series | None, column: str = "doc_work.imbalance") -> str:
+    """The row's attention imbalance (slowest rank over the mean), "—" where it records none: the modelled
+    one (counted pairs, ``doc_work.imbalance``) or, with ``column="attention_imbalance"``, the measured one."""
     if row is None or row["status"] == "error":
         return MISSING if row is None else "error"
-    return fmt(row.get("doc_work.imbalance"), 3)
+    return fmt(row.get(column), 3)
 
 
 def _value(row: pd.Series, metric: str, digits: int) -> str:
@@ -197,8 +201,9 @@ def docs_table(rows=None, setup: DocsSetup = DOCS_LLAMA) -> Table:
     ours = docs_rows(rows, setup)
     columns = cases(ours)
     cols = ["Setup", "Length", "Method", "Layout", "Mode, device"]
-    for case in columns:
-        cols += [f"{case}: tokens/s", f"{case}: max/mean"]
+    for case in columns:  # the CPU rows' measured imbalance beside the modelled one
+        cols += ([f"{case}: tokens/s", f"{case}: max/mean modelled", f"{case}: max/mean measured"] if setup.cpu
+                 else [f"{case}: tokens/s", f"{case}: max/mean"])
     out = []
     series = series_of(ours)
     for seq_len in sorted(set(ours["seq_len"])) if len(ours) else []:
@@ -209,6 +214,8 @@ def docs_table(rows=None, setup: DocsSetup = DOCS_LLAMA) -> Table:
             for case in columns:
                 row = pick(sub, case, seq_len)
                 line += [throughput(row, real=setup.cpu), imbalance(row)]
+                if setup.cpu:
+                    line.append(imbalance(row, "attention_imbalance"))
             out.append(line)
     unit = "rank" if setup.cpu else "GPU"
     notes = [f"Tokens/s per {unit} and the attention's imbalance (max/mean: the slowest rank's causal "
@@ -220,6 +227,10 @@ def docs_table(rows=None, setup: DocsSetup = DOCS_LLAMA) -> Table:
              f"{ROW_WITHOUT_DOCS}: a row without documents (simulated: rank 0's attention alone, no imbalance "
              "recorded)."]
     if setup.cpu:
+        notes.append("max/mean modelled: the counted pairs' ratio above; max/mean measured: the slowest rank's wall "
+                     "time in attention kernel calls (forward, recomputation and backward, the median over the timed "
+                     "steps) over the mean rank's (`figures.attention_imbalance`, `bench.measure.attntime`); "
+                     f"{MISSING} where the row measured none (a library that calls its own kernels).")
         notes.append("Measured on gloo ranks: `median [min–max]` over the timed steps, † where the host ran "
                      "other work (as table3_cpu.md); CPU numbers say nothing about GPU throughput.")
     else:

@@ -89,10 +89,14 @@ class Figures:
     # and, where several were simulated, each one's judged peak as [rank, bytes]; absent from rows before ranks
     worst_rank: int | None = None
     rank_peaks: list | None = None
+    # real, CPU ranks: each rank's wall time in attention kernel calls per step (the median over the timed steps,
+    # rank order; bench.measure.attntime), and the slowest rank's over the mean; absent where not measured
+    rank_attention_s: list | None = None
+    attention_imbalance: float | None = None
 
 
 # figures written only when measured, so that a row without them is written as it was before they existed
-OMITTED_WHEN_NONE = ("doc_work", "worst_rank", "rank_peaks")
+OMITTED_WHEN_NONE = ("doc_work", "worst_rank", "rank_peaks", "rank_attention_s", "attention_imbalance")
 
 
 @dataclass
@@ -256,6 +260,23 @@ def _check_ranks(f: Figures, world_size: int) -> None:
                        "whose figures the row has")
 
 
+def _check_attention(f: Figures, world_size: int) -> None:
+    """``rank_attention_s`` holds one time per rank, and ``attention_imbalance`` is its max over its mean."""
+    times, ratio = f.rank_attention_s, f.attention_imbalance
+    if times is None:
+        if ratio is not None:
+            raise RowError("row.figures.attention_imbalance needs the times it compares (rank_attention_s)")
+        return
+    if len(times) != world_size or not all(_type_ok(t, float) and t >= 0 for t in times):
+        raise RowError(f"row.figures.rank_attention_s = {times!r} must hold one time (seconds, >= 0) per rank of "
+                       f"world size {world_size}")
+    mean = sum(times) / len(times)
+    expected = max(times) / mean if mean else 1.0
+    if ratio is None or abs(ratio - expected) > 1e-5 * expected:
+        raise RowError(f"row.figures.attention_imbalance = {ratio!r} is not the max over the mean of "
+                       f"rank_attention_s ({expected:.6f})")
+
+
 def validate_row(row: Row | dict) -> Row:
     """Return ``row`` as a ``Row`` if it follows the schema, else raise ``RowError``
     naming the field."""
@@ -305,6 +326,7 @@ def validate_row(row: Row | dict) -> Row:
             raise RowError(f"row.{said}" if said.startswith("docs") else f"row.docs: {said}") from None
     _check_spread(r.figures)
     _check_ranks(r.figures, r.world_size)
+    _check_attention(r.figures, r.world_size)
     _json_safe(data, "row")
     return r
 

@@ -89,6 +89,10 @@ class Measurement:
     threads: int | None = None  # torch's intra-op threads of the rank (count)
     own_threads: int | None = None  # combined: the threads of the trial's ranks on rank 0's host (count)
     skipped_calls: dict[str, int] | None = None  # emulated with attention_math=skip: attention calls answered (count)
+    attention_times_s: list[float] | None = None  # real, CPU: each timed step's attention kernel seconds (attntime)
+    attention_calls: dict[str, int] | None = None  # real, CPU: attention kernel calls per step, forward and backward
+    rank_attention_s: list[float] | None = None  # real, combined: each rank's median attention seconds, rank order
+    rank_attention_calls: list[list[int]] | None = None  # real, combined: [forward, backward] calls per step, by rank
     rank: int | None = None  # simulated: the rank measured; of several (measure_worst_rank), the worst
     rank_peaks: list[list[int]] | None = None  # several ranks simulated: [rank, judged peak (bytes)] of each
     trace: KeptTrace | None = field(default=None, compare=False, repr=False)  # keep_trace: to replay (not in to_dict)

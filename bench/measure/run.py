@@ -71,6 +71,8 @@ from ..stackmodel.steptime import (
 from ..stackmodel.workspace import KernelWorkspace
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import launch
+from .attntime import NONE_SEEN, NOT_ON_CUDA, AttentionTimer, median_seconds, timed_device
+from .attntime import imbalance as attention_imbalance
 from .result import AllocatorReplay, KeptTrace, LoadAround, Measurement, failed
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .skipmath import NOTE as SKIP_NOTE
@@ -321,10 +323,13 @@ def measure_worst_rank(trial: Trial, keep_trace: bool = False,
 
 
 def measure_on_device(trial: Trial, group, device: torch.device,
-                      around_step: contextlib.AbstractContextManager | None = None) -> Measurement:
+                      around_step: contextlib.AbstractContextManager | None = None,
+                      time_attention: bool = False) -> Measurement:
     """Build, warm up, measure memory and time ``trial.iters`` steps on real tensors; the
     host's load average is read before and after the timed steps (``bench.measure.timing``).
-    ``around_step``: a reusable context every step runs in (``SkipAttentionMath``)."""
+    ``around_step``: a reusable context every step runs in (``SkipAttentionMath``).
+    ``time_attention``: on a CPU device, also time the attention kernel calls of each timed step
+    (``bench.measure.attntime``; warm-up steps are not timed)."""
     if trial.threads:
         torch.set_num_threads(trial.threads)
     built, batch = _build(trial, group, device, host="cpu", fake=False)
@@ -357,12 +362,16 @@ def measure_on_device(trial: Trial, group, device: torch.device,
         torch.cuda.reset_peak_memory_stats(device)
     load_before = HostLoad.now()
     times = []
+    attention = AttentionTimer() if time_attention and timed_device(device) else None
     for _ in range(trial.iters):
         _sync(device)
         t0 = time.perf_counter()
-        loss = run()
+        with attention.step() if attention is not None else contextlib.nullcontext():
+            loss = run()
         _sync(device)
         times.append(time.perf_counter() - t0)
+    if attention is not None:
+        out.attention_times_s, out.attention_calls = attention.seconds(), attention.calls()
     if device.type == "cuda":
         out.peak_bytes = torch.cuda.max_memory_allocated(device)
         out.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
@@ -394,7 +403,7 @@ def guarded(fn: Callable[..., Measurement], *args) -> Measurement:
 def real_rank(group, trial: Trial) -> Measurement:
     """Run on every real rank (module level: it is sent to spawned processes)."""
     device = launch.local_device(trial.preset().kind)
-    return guarded(measure_on_device, trial, group, device)
+    return guarded(measure_on_device, trial, group, device, None, True)
 
 
 def _emulated(trial: Trial) -> Measurement:
@@ -429,7 +438,8 @@ def _worst(values: Iterable[float | None]) -> float | None:
 def _combine_ranks(results: list[Measurement]) -> Measurement:
     """Real mode: the worst rank decides (first failure; max peak; each step as long as its
     slowest rank's; mean loss). Host load is rank 0's host's; the trial's own threads there
-    are those of the ranks on that host."""
+    are those of the ranks on that host. Each rank's attention time (the median of its timed
+    steps', ``bench.measure.attntime``) is kept in rank order where every rank timed some."""
     for r in results:
         if r.status != "ok":
             return r
@@ -441,6 +451,10 @@ def _combine_ranks(results: list[Measurement]) -> Measurement:
         out.step_times_s = slowest_rank_steps([r.step_times_s for r in results])
         out.compute_time_s = StepStats(tuple(out.step_times_s)).median
     out.own_threads = sum(r.threads or 1 for r in results if r.host == first.host)
+    if all(r.attention_times_s for r in results):  # every rank timed its attention (attntime)
+        out.rank_attention_s = [median_seconds(r.attention_times_s) for r in results]
+        out.rank_attention_calls = [[(r.attention_calls or {}).get(d, 0) for d in ("forward", "backward")]
+                                    for r in results]
     losses = [r.loss for r in results if r.loss is not None]
     if losses:
         out.loss = sum(losses) / len(losses)
@@ -463,6 +477,24 @@ def _load_figures(f: Figures, result: Measurement) -> list[str]:
     if own > f.host_cpus:
         notes.append(f"the trial's {own} threads share {f.host_cpus} logical CPUs: its ranks are time-sliced")
     return notes
+
+
+def _attention_figures(f: Figures, result: Measurement, trial: Trial) -> list[str]:
+    """A real row's measured attention time per rank and its imbalance into ``f``; the note that says
+    how they were measured, beside the modelled imbalance where the row has documents, or why not."""
+    if result.status != "ok":
+        return []
+    if result.rank_attention_s is None:
+        return [NOT_ON_CUDA if trial.preset().kind == "cuda" else NONE_SEEN]
+    f.rank_attention_s = list(result.rank_attention_s)
+    f.attention_imbalance = round(attention_imbalance(f.rank_attention_s), 6)
+    calls = ", ".join(f"{fwd}+{bwd}" for fwd, bwd in result.rank_attention_calls or [])
+    modelled = (f", the modelled one (doc_work.imbalance, counted pairs) {f.doc_work['imbalance']:.3f}"
+                if f.doc_work else "")
+    return [f"rank_attention_s: each rank's wall time in attention kernel calls (methods.core.kernels, "
+            f"time.perf_counter around each synchronous CPU call; forward, recomputations included, + backward "
+            f"calls per step by rank: {calls}), the median over the timed steps (bench.measure.attntime); measured "
+            f"imbalance (attention_imbalance, slowest rank over the mean) {f.attention_imbalance:.3f}{modelled}"]
 
 
 def _ranks_said(trial: Trial, result: Measurement) -> str:
@@ -546,6 +578,7 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
                 setattr(f, key, value)
     elif trial.mode == "real":
         f.step_time_s = f.compute_time_s
+        notes.extend(_attention_figures(f, result, trial))
     if result.step_times_s and f.step_time_s is not None:
         steps = StepStats(tuple(result.step_times_s)).plus(f.comm_time_s if trial.mode == "emulated" else 0.0)
         f.step_times_s = list(steps.times)

@@ -65,6 +65,15 @@ document, then ``offset_blocks`` within it). With documents:
 * ``math``: the explicit boolean mask of the rule (``visible``).
 
 ``docs=None`` with ``q_offset >= 0`` is exactly the behaviour described above it.
+
+Timing hook. ``set_call_timer`` installs a ``CallTimer`` that receives the wall time
+(``time.perf_counter``) of every public ``forward``/``backward`` call of the kernels above, whoever
+makes it (a method's autograd function, ``_Attention``, a ring loop, a wrapper's interface). A
+measurement turns it on around the steps it times (``bench.measure.attntime``) and off after: the
+methods do not know they are timed. A call made inside a timed call is not timed again. With no
+timer installed a call costs one global read. The time is the host's: exact for synchronous (CPU)
+kernels; on CUDA it would be the launch only, which is why the measurement turns it on for CPU
+ranks alone.
 """
 from __future__ import annotations
 
@@ -72,6 +81,7 @@ import functools
 import importlib
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -113,6 +123,49 @@ class Kernel(Protocol):
         docs: Documents | None = None,
         k_start: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class CallTimer(Protocol):
+    """What ``set_call_timer`` installs: told the wall time of each timed kernel call."""
+
+    def record(self, direction: str, seconds: float) -> None:
+        """One call: ``direction`` is ``"forward"`` or ``"backward"``, ``seconds`` its wall time."""
+        ...
+
+
+_timer: CallTimer | None = None
+_timing_depth = 0  # > 0 while a timed call runs: a kernel call inside it is not timed again
+
+
+def set_call_timer(timer: CallTimer | None) -> CallTimer | None:
+    """Install ``timer`` (None: none) for every kernel call from now on; returns the one it replaces."""
+    global _timer
+    previous, _timer = _timer, timer
+    return previous
+
+
+def _timed(direction: str):
+    """Decorate a kernel's public ``forward``/``backward`` so the installed ``CallTimer`` sees it."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            global _timing_depth
+            timer = _timer
+            if timer is None or _timing_depth:
+                return fn(self, *args, **kwargs)
+            _timing_depth += 1
+            t0 = time.perf_counter()
+            try:
+                result = fn(self, *args, **kwargs)
+            finally:
+                _timing_depth -= 1
+            timer.record(direction, time.perf_counter() - t0)
+            return result
+
+        return call
+
+    return wrap
 
 
 def _is_int(value) -> bool:
@@ -361,6 +414,7 @@ class TorchKernel:
 
     name = "torch"
 
+    @_timed("forward")
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0,
         docs: Documents | None = None, k_start: int = 0,
@@ -375,6 +429,7 @@ class TorchKernel:
             return blockwise_forward(self._forward, q, k, v, scale, q_offset)
         return self._forward(q, k, v, causal, scale)
 
+    @_timed("backward")
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
@@ -489,6 +544,7 @@ class MathKernel:
     def _probs(s: Tensor, lse: Tensor) -> Tensor:
         return torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
 
+    @_timed("forward")
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0,
         docs: Documents | None = None, k_start: int = 0,
@@ -500,6 +556,7 @@ class MathKernel:
         out = torch.matmul(p, vf).transpose(1, 2).to(q.dtype)
         return out, lse
 
+    @_timed("backward")
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
@@ -548,6 +605,7 @@ class FlashAttnKernel:
                 f"({err}); install it on a CUDA machine (pip install flash-attn) or use kernel='torch'"
             ) from None
 
+    @_timed("forward")
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, q_offset: int = 0,
         docs: Documents | None = None, k_start: int = 0,
@@ -561,6 +619,7 @@ class FlashAttnKernel:
             return blockwise_forward(self._forward, q, k, v, scale, q_offset)
         return self._forward(q, k, v, causal, scale)
 
+    @_timed("backward")
     def backward(
         self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         causal: bool, scale: float, q_offset: int = 0, docs: Documents | None = None, k_start: int = 0,
