@@ -178,13 +178,7 @@ class RingFlashAttnZigzag(ZigzagLayoutMethod):
         if docs is None:
             return super().check_local_documents(docs, local_len)
         self.check_documents(docs)
-        plan = self.plan(docs.seq_len, docs)
-        if plan.local_len != local_len:
-            raise ValueError(
-                f"{NAME}: the input has {local_len} tokens on this rank, but the per-document zigzag of these "
-                f"{docs.seq_len} tokens puts {plan.local_len} on each rank ({plan.padding} padding tokens); "
-                f"shard it with the method's shard(x, dim, docs=docs)"
-            )
+        layouts.check_local_share(NAME, "per-document zigzag", self.plan(docs.seq_len, docs), docs, local_len)
 
     def shard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
         """Rank r's tokens: chunks r and 2C-1-r of the sequence, or with documents of every document."""

@@ -226,6 +226,17 @@ def check_layout(layout: str, who: str) -> None:
 
 
 @functools.lru_cache(maxsize=64)
+def check_local_share(who: str, layout: str, plan: LayoutPlan, docs: Documents, local_len: int) -> None:
+    """A block call's check that ``local_len`` tokens on this rank are ``plan``'s share of ``docs``
+    (``layout``: how the message names the layout); one line that says how to shard."""
+    if plan.local_len != local_len:
+        raise ValueError(
+            f"{who}: the input has {local_len} tokens on this rank, but the {layout} of these {docs.seq_len} "
+            f"tokens puts {plan.local_len} on each rank ({plan.padding} padding tokens); shard it with the "
+            f"method's shard(x, dim, docs=docs)"
+        )
+
+
 def plan_layout(
     layout: str, seq_len: int, ring_size: int, world_size: int, docs: Documents | None = None, pad: bool = True,
     who: str = "this method",

@@ -104,13 +104,8 @@ class SequenceLayoutMethod(AttentionMethod):
         if not self._padded(docs):
             return super().check_local_documents(docs, local_len)
         self.check_documents(docs)
-        plan = self.plan(docs.seq_len, docs)
-        if plan.local_len != local_len:
-            raise ValueError(
-                f"{self.method_name}: the input has {local_len} tokens on this rank, but the 'doc-zigzag' layout of "
-                f"these {docs.seq_len} tokens puts {plan.local_len} on each rank ({plan.padding} padding tokens); "
-                f"shard it with the method's shard(x, dim, docs=docs)"
-            )
+        layouts.check_local_share(self.method_name, "'doc-zigzag' layout", self.plan(docs.seq_len, docs), docs,
+                                  local_len)
 
     def shard(self, x: torch.Tensor, dim: int, docs: Documents | None = None) -> torch.Tensor:
         """Rank r's tokens under the layout; with ``doc-zigzag`` and documents, padding included."""

@@ -16,28 +16,27 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import timed_ms as kernels_timed_ms  # noqa: E402
+
 
 def timed_ms(fn, device: str, warmup: int = 2, iters: int = 5) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on a GPU, perf_counter on the CPU)."""
+    """Median milliseconds of ``fn``: CUDA events on a GPU (``kernels.timed_ms``), perf_counter on the CPU."""
+    if device == "cuda":
+        return kernels_timed_ms(fn, warmup=warmup, iters=iters)["median_ms"]
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 

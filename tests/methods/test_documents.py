@@ -383,3 +383,16 @@ def test_a_subclass_whose_forward_takes_no_docs_does_not_inherit_honouring():
     assert WithDocs.honours_documents and parent.honours_documents
     with pytest.raises(ValueError, match=r"refuses packed documents \(docs=\): its forward takes no docs="):
         NoDocs.check_documents(methods.Documents.from_lengths([4, 4]), 8)
+
+
+def test_a_block_call_with_the_wrong_share_of_padded_documents_says_how_to_shard():
+    """``doc-zigzag``'s block check (``layouts.check_local_share``, rfa-zigzag's too): a rank's input that
+    is not the layout's share of the documents is refused in one line naming the shard to use."""
+    ring = methods.build("ring", methods.AttnSpec(**SPECS["gqa"], causal=True), layout="doc-zigzag")
+    docs = Documents.from_lengths([3, 5, 7])
+    ring.check_local_documents(docs, ring.plan(docs.seq_len, docs).local_len)  # the right share passes
+    with pytest.raises(ValueError, match=r"^ring: the input has 99 tokens on this rank, but the 'doc-zigzag' "
+                                         r"layout of these 15 tokens puts 15 on each rank \(0 padding tokens\); "
+                                         r"shard it with the method's shard\(x, dim, docs=docs\)$") as err:
+        ring.check_local_documents(docs, 99)
+    assert "\n" not in str(err.value)
