@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,10 +27,17 @@ IMPORT_TIMEOUT_S = 600
 NO_POOLS = "CPAB_NO_POOLS"  # set by make test-fast: spawning a pool is then an error
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _host_store():
+    """A TCPStore served by this (the parent) process on a port the OS picks as it binds.
+
+    Picking a free port and letting rank 0 bind it later races with every other process on the
+    machine (two xdist workers spawning pools at once: EADDRINUSE, then a pool that never starts).
+    Serving the store here, as torchrun's agent does, leaves no gap between choosing and binding.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=IMPORT_TIMEOUT_S))
 
 
 def _worker(rank: int, size: int, port: int, tasks, results, setup: Callable | None) -> None:
@@ -41,8 +48,10 @@ def _worker(rank: int, size: int, port: int, tasks, results, setup: Callable | N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if setup is not None:
         setup()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=IMPORT_TIMEOUT_S))
     dist.init_process_group(
-        "gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S)
+        "gloo", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S)
     )
     groups = {n: dist.new_group(list(range(n))) for n in (1, 2, 4, 8) if n < size}
     groups[size] = dist.group.WORLD
@@ -77,7 +86,8 @@ class RankPool:
                                "(use the `pool` fixture, tests/conftest.py SLOW_FIXTURES, or list its module in "
                                "SLOW_MODULES)")
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self._store = _host_store()
+        port = self._store.port
         self.tasks = [ctx.Queue() for _ in range(self.size)]
         self.results = ctx.Queue()
         self.procs = [
@@ -99,14 +109,19 @@ class RankPool:
         for q in self.tasks:
             q.put((fn, args, kwargs, n))
         got: dict[int, tuple[bool, Any]] = {}
-        try:
-            while len(got) < n:
-                rank, ok, value = self.results.get(timeout=self.task_timeout)
-                got[rank] = (ok, value)
-        except queue.Empty:
-            self.restart()
-            raise RemoteError(f"{fn.__name__} timed out after {self.task_timeout}s; "
-                              f"ranks done: {sorted(got)}") from None
+        deadline = time.monotonic() + self.task_timeout
+        while len(got) < n:
+            try:
+                rank, ok, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                late = time.monotonic() > deadline
+                if dead or late:
+                    self.restart()
+                    why = f"rank {dead[0]} died" if dead else f"timed out after {self.task_timeout}s"
+                    raise RemoteError(f"{fn.__name__}: {why}; ranks done: {sorted(got)}") from None
+                continue
+            got[rank] = (ok, value)
         failures = [(r, v) for r, (ok, v) in sorted(got.items()) if not ok]
         if failures:
             # a failed rank may have left its peers' gloo state broken: start clean for the next check

@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from pathlib import PurePath
 
+import pytest
+
 _modules: Counter[str] = Counter()
 _workers: Counter[str] = Counter()
 _started = time.monotonic()
@@ -25,6 +27,7 @@ def pytest_runtest_logreport(report) -> None:
     _workers[worker] += report.duration
 
 
+@pytest.hookimpl(trylast=True)  # after --durations, so both stay in the tail CI shows
 def pytest_terminal_summary(terminalreporter) -> None:
     if not _modules:
         return

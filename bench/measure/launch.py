@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -41,10 +40,15 @@ class RankError(RuntimeError):
         self.rank, self.exitcode = rank, exitcode
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_store(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """The rendezvous store of locally spawned ranks, served by this (the parent) process.
+
+    The OS picks its port as it binds, so no other process can take the port between choosing and
+    binding (the race a free-port probe that rank 0 binds later loses under parallel launches, as
+    torchrun's agent-hosted store avoids).
+    """
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def launched_env() -> dict[str, Any] | None:
@@ -108,7 +112,9 @@ def _worker(rank: int, size: int, port: int, backend: str, threads: int, fn, arg
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
         value = fn(dist.group.WORLD, *args)
         results.put((rank, True, value))
@@ -131,7 +137,8 @@ def spawn(world_size: int, fn: Callable, *args, backend: str = "gloo",
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = host_store()  # kept alive until the ranks are done
+    port = store.port
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, threads, fn, args, results),
                          daemon=False) for r in range(world_size)]

@@ -11,7 +11,6 @@ build it and its subgroups come from ``new_group(..., use_local_synchronization=
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import pytest
@@ -249,8 +248,8 @@ def test_usp_sequence_multiple_follows_the_layout():
 # ----------------------------------------------------------------------- subgroups of a subgroup
 def _local_sync_worker(rank: int, size: int, port: int) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=30))
     parent = dist.new_group(list(range(size - 1)))  # the last rank stays out and idle
     if rank < size - 1:
         for u in (2, 1, 4):
@@ -264,10 +263,11 @@ def test_usp_on_a_group_smaller_than_the_world():
     """Only the group's members build USP; its subgroups come from use_local_synchronization."""
     import torch.multiprocessing as mp
 
-    from tests.distpool import _free_port
+    from tests.distpool import _host_store
 
+    store = _host_store()
     ctx = mp.start_processes(
-        _local_sync_worker, args=(5, _free_port()), nprocs=5, join=False, start_method="spawn"
+        _local_sync_worker, args=(5, store.port), nprocs=5, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=5):
