@@ -41,48 +41,69 @@ FIG1_COMMAND = ("python -m bench fidelity --anchors fig1- --out results/fidelity
 FIG5_COMMAND = ("python -m bench fidelity --anchors fig5- --out results/fidelity", "paper scale, simulated")
 # outputs of what bench computes (analysis.derived renders them, from committed data under make figs;
 # the results/ ones by the commands named), listed in the index after the row-based ones
-OTHER_OUTPUTS: tuple[tuple[str, str, str], ...] = (
+OTHER_OUTPUTS: tuple[tuple[str, str, str, str], ...] = (
     ("[fidelity.md](fidelity.md), [fidelity.png](fidelity.png)",
      "the paper's memory anchors (128K, Fig. 1's ladder, Fig. 5) and Table 3's fits/OOM boundaries against "
      "the simulation, paper stack (a pool per stream) and lean stack",
      f"`{FIDELITY_COMMAND}` (simulates, writes its rows and these two); `make figs` re-renders them from "
-     "the committed rows results/fidelity/fidelity.jsonl, as `--from-rows` does"),
+     "the committed rows results/fidelity/fidelity.jsonl, as `--from-rows` does",
+     "simulated (h100-80g, paper and lean stacks)"),
     ("[../results/fidelity/shared-pool/fidelity.md](../results/fidelity/shared-pool/fidelity.md), "
      "[fidelity.png](../results/fidelity/shared-pool/fidelity.png)",
      "the same anchors with the paper stack's allocator keeping one pool for every stream (the default before "
      "the H100 check; docs/paper.md, \"The allocator's pools per stream\"); its rows: the paper stack only",
      "`python -m bench fidelity --allocator-pools shared --out results/fidelity/shared-pool` "
-     "(then its lean rows, the same trials as results/fidelity's, dropped)"),
+     "(then its lean rows, the same trials as results/fidelity's, dropped)",
+     "simulated (h100-80g, paper stack)"),
     ("[../results/gpu/h100-ws1/compare.md](../results/gpu/h100-ws1/compare.md), "
      "[../results/gpu/h100-ws1/segments.md](../results/gpu/h100-ws1/segments.md)",
      "**real** NVIDIA H100 (world size 1, 4 blocks of Llama3-8B, 64K-256K): allocated and reserved peaks, "
      "step times and kernel rates against the simulation of the same trials (shared and per-stream pools)",
      "`bash scripts/gpu/validate.sh OUT PHASE...` on the GPU, then `python scripts/gpu/compare.py "
-     "results/gpu/h100-ws1` (results/gpu/README.md)"),
+     "results/gpu/h100-ws1` (results/gpu/README.md)",
+     "real (NVIDIA H100) beside simulated (h100-80g, paper stack)"),
     ("[table3_model.md](table3_model.md), [table3_model.csv](table3_model.csv)",
      "Table 3 with the modelled step time (bench.stackmodel.steptime) beside the paper's tokens/s, per cell: "
      "residual and whether the cell was used to fit",
      "`make figs`, or `python -m bench steptime --figs paper_figs` (both from the committed counts "
-     "results/fidelity/steptime.jsonl)"),
+     "results/fidelity/steptime.jsonl)",
+     "simulated (h100-80g, paper and lean stacks)"),
     ("[plan_llama3-8b_8xh100-80g.md](plan_llama3-8b_8xh100-80g.md), "
      "[plan_llama3-8b_8xh100-80g.png](plan_llama3-8b_8xh100-80g.png)",
      "the planner's answer for Llama3-8B on 8 x H100: max context and modelled step time of the paper's setups "
      "and of the levers beyond it, Pareto front, recommendation (paper stack, a pool per stream)",
      "`python -m bench plan --model llama3-8b --gpus 8 --device h100-80g --cache results/plan/sims.ndjson "
-     "--out-dir paper_figs` (results/plan/README.md); `make figs-plans` re-renders it from that cache"),
+     "--out-dir paper_figs` (results/plan/README.md); `make figs-plans` re-renders it from that cache",
+     "simulated (h100-80g, paper and lean stacks)"),
     ("[plan_llama3-8b_16xh100-80g.md](plan_llama3-8b_16xh100-80g.md), "
      "[plan_llama3-8b_16xh100-80g.png](plan_llama3-8b_16xh100-80g.png)",
      "the same for Llama3-8B on 16 x H100 in 2 nodes (usp and usp-upipe added; the levers are added to "
      "usp-upipe, which has no fused attention norm)",
      "`python -m bench plan --model llama3-8b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
      "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; the planner "
-     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)"),
+     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)",
+     "simulated (h100-80g, paper and lean stacks)"),
     ("[plan_qwen3-32b_16xh100-80g.md](plan_qwen3-32b_16xh100-80g.md), "
      "[plan_qwen3-32b_16xh100-80g.png](plan_qwen3-32b_16xh100-80g.png)",
      "the same for Qwen3-32B on 16 x H100 in 2 nodes (as Llama3-8B's 16-GPU plan)",
      "`python -m bench plan --model qwen3-32b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
      "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; the planner "
-     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)"),
+     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)",
+     "simulated (h100-80g, paper and lean stacks)"),
+    ("[hf_fidelity.md](hf_fidelity.md)",
+     "the Hugging Face stack's published anchors (ALST: Llama-8B at 500K on 1 H100, 3.7M on 8, 15M on 32) against "
+     "the simulation under the hf stack",
+     "`python -m bench fidelity --hf --out results/fidelity --figs-dir paper_figs` (simulates; its rows "
+     "results/fidelity/hf_fidelity.jsonl; results/hf/README.md)",
+     "simulated (h100-80g, hf stack)"),
+    ("[plan_Llama-3.1-8B_8xh100-80g_stack-hf.md](plan_Llama-3.1-8B_8xh100-80g_stack-hf.md), "
+     "[plan_Llama-3.1-8B_8xh100-80g_stack-hf.png](plan_Llama-3.1-8B_8xh100-80g_stack-hf.png)",
+     "the planner's answer on the Hugging Face stack for Llama-3.1-8B's config.json on 8 x H100: ALST, "
+     "PyTorch CP and UPipe with that stack's levers",
+     "`python -m bench plan --model bench/model_configs/hf/Llama-3.1-8B/config.json --gpus 8 --stack hf "
+     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md); `make figs-plans` "
+     "re-renders it from that cache",
+     "simulated (h100-80g, hf stack)"),
 )
 
 ARTEFACTS: tuple[Artefact, ...] = (
@@ -230,8 +251,8 @@ def write_index(out_dir: Path, done: list[tuple[Artefact, object, list[Path]]], 
         files = ", ".join(f"[{p.name}]({p.name})" for p in paths)
         cmds = "<br>".join(_commands(art, configs))
         lines.append(f"| {files} | {art.paper} | {cmds} | {obj.modes} |")
-    for files, paper, cmd in OTHER_OUTPUTS:
-        lines.append(f"| {files} | {paper} | {cmd} | simulated (h100-80g, paper and lean stacks) |")
+    for files, paper, cmd, modes in OTHER_OUTPUTS:
+        lines.append(f"| {files} | {paper} | {cmd} | {modes} |")
     bad = describe_bad_lines(rows)
     if bad:
         lines += ["", "Corrupt lines skipped (not fatal):", ""] + [f"- `{b}`" for b in bad]

@@ -75,9 +75,14 @@ class RemoteError(AssertionError):
     """A check raised on a rank; the message holds that rank's traceback."""
 
 
+def _call(group, fn: Callable, args: tuple) -> None:
+    fn(*args)
+
+
 class RankPool:
     def __init__(self, size: int = 4, setup: Callable | None = None, task_timeout: float = 300) -> None:
         self.size, self.setup, self.task_timeout = size, setup, task_timeout
+        self.installed: list[tuple[Callable, tuple]] = []  # run on every rank now and after each restart
         self._start()
 
     def _start(self) -> None:
@@ -129,9 +134,23 @@ class RankPool:
             raise RemoteError(f"rank {failures[0][0]} raised:\n{failures[0][1]}")
         return [got[r][1] for r in range(n)]
 
+    def install(self, fn: Callable, *args: Any) -> None:
+        """Run ``fn(*args)`` on every rank now and again on the new ranks after any restart, until
+        ``uninstall(fn, *args)``: a module's own start-up on a pool that outlives the module."""
+        self.run(_call, fn, args)
+        self.installed.append((fn, args))
+
+    def uninstall(self, fn: Callable, *args: Any, undo: Callable | None = None, undo_args: tuple = ()) -> None:
+        """Stop re-running an ``install``; ``undo(*undo_args)`` runs on every rank to take it back."""
+        self.installed.remove((fn, args))
+        if undo is not None:
+            self.run(_call, undo, undo_args)
+
     def restart(self) -> None:
         self.close()
         self._start()
+        for fn, args in self.installed:
+            self.run(_call, fn, args)
 
     def close(self) -> None:
         for q in self.tasks:

@@ -9,7 +9,8 @@ reason and which must prove they refuse CPU input (``cpu_refusal``).
 
 Packed documents (``DOC_LAYOUTS``, ``doc_cases``, ``check_documents_against_reference``): the
 same methods, world sizes, specs, dtypes and option variants (plus ``doc_variants``: the sequence
-layouts of the ring methods), each case checking every document layout in one run on the ranks.
+layouts of the ring methods), each case checking its document layouts in one run on the ranks:
+every layout at fp32, and at bf16 the two of ``DOC_LAYOUTS_BF16`` (``doc_layouts``).
 A layout is data here: adding one needs no change to any method.
 """
 from __future__ import annotations
@@ -48,6 +49,20 @@ DOC_LAYOUTS = {
 }
 # specs the document matrix crosses: MHA and GQA
 DOC_SPECS = ("mha", "gqa")
+# The layouts a bf16 case of the document matrix checks. Where a layout puts which token, and which
+# keys each query sees, does not depend on the dtype: the fp32 case with the same method, world size,
+# spec, mask and options checks every layout at fp32's tolerance. What bf16 adds is the rounding of
+# the attention and of the merges across ranks and documents, which these two reach at their edges:
+# single-token documents (a row whose only key is itself) and documents that cross shards, and lengths
+# not divisible by 2C (the padded per-document layouts).
+DOC_LAYOUTS_BF16 = ("many-short", "not-divisible-by-2C")
+
+
+def doc_layouts(dtype: str) -> dict[str, tuple[int, ...]]:
+    """The document layouts a case of the document matrix checks at ``dtype``."""
+    if dtype == "bfloat16":
+        return {name: DOC_LAYOUTS[name] for name in DOC_LAYOUTS_BF16}
+    return dict(DOC_LAYOUTS)
 
 
 # Methods whose attention exists only as CUDA kernels, with no CPU path and no stand-in: the
@@ -218,7 +233,7 @@ def ran_none(method: str, refusals: list[str | None]) -> str | None:
 
 def doc_cases(methods_list: list[str]):
     """The document matrix: every (method, ws, spec, causal, dtype, options) over ``DOC_SPECS``,
-    each to be checked on all of ``DOC_LAYOUTS`` at once; ids start with ``docs-``."""
+    each to be checked on ``doc_layouts(dtype)`` at once; ids start with ``docs-``."""
     import pytest
 
     for method in methods_list:

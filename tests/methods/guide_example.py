@@ -3,12 +3,11 @@
 Shared by the tests that run the guide's examples (``test_adding_a_second_method``,
 ``test_adding_a_ring_method``): the block after ``<!-- file: methods/NAME.py -->`` is written to a
 temporary folder and imported from there, in the test process by a module fixture and on every rank
-of the module's own gloo pool by the pool's start-up. It never goes into ``methods/``: other test runs
+of the shared gloo pool while the module runs (``RankPool.install``). It never goes into ``methods/``: other test runs
 in the same checkout would pick it up, and a killed test would leave it behind.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import re
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 import pytest
 
 import methods
-from tests.distpool import RankPool
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "adding-a-method.md"
@@ -43,6 +41,12 @@ def load_example(module: str, folder: str) -> None:
     spec.loader.exec_module(loaded)
 
 
+def unload_example(name: str, module: str) -> None:
+    """Take back ``load_example``: unregister the method and forget its module."""
+    methods.unregister(name)
+    sys.modules.pop(module, None)
+
+
 def fixtures(name: str, module: str) -> tuple:
     """The ``example`` and ``pool`` module fixtures of a test module running the guide's ``name``."""
 
@@ -55,14 +59,14 @@ def fixtures(name: str, module: str) -> tuple:
         try:
             yield folder
         finally:
-            methods.unregister(name)
-            sys.modules.pop(module, None)
+            unload_example(name, module)
 
     @pytest.fixture(scope="module")
-    def pool(example):
-        """This module's 4 gloo ranks (instead of tests/methods/conftest.py's): each imports the example first."""
-        p = RankPool(4, setup=functools.partial(load_example, module, str(example)))
-        yield p
-        p.close()
+    def pool(pool, example):
+        """tests/methods/conftest.py's ranks, on each of which the example is imported (and registered) while
+        this module runs: after a restart too (``RankPool.install``), and taken back at its end."""
+        pool.install(load_example, module, str(example))
+        yield pool
+        pool.uninstall(load_example, module, str(example), undo=unload_example, undo_args=(name, module))
 
     return example, pool

@@ -1,8 +1,8 @@
 """docs/adding-a-method.md, section 7, run: the third example (``striped-ring``, a ring method on the ring loop).
 
 The method file is taken verbatim from the page (the block after ``<!-- file: methods/striped_ring.py -->``),
-written to a temporary folder and imported from there (in this process and on every rank of this
-module's own gloo pool), as ``test_adding_a_second_method.py`` does with the second example. It is
+written to a temporary folder and imported from there (in this process and on every rank of the
+shared gloo pool while this module runs), as ``test_adding_a_second_method.py`` does with the second example. It is
 checked with the correctness matrix's own machinery: every spec, causal or not, fp32 and bf16, world
 sizes 1, 2, 4, output, dx and every weight gradient against the reference; and it refuses documents
 in one line.

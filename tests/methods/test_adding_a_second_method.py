@@ -2,8 +2,8 @@
 
 The method file is taken verbatim from the page (the block after ``<!-- file: methods/allgather_kv_mini.py -->``),
 written to a temporary folder and imported from there: in this process by a fixture, and on every
-rank of this module's own gloo pool by the pool's start-up (the ranks are new processes, where a
-method registered here does not exist). It never goes into ``methods/``: other test runs in the same
+rank of the shared gloo pool while this module runs (the ranks are other processes, where a method
+registered here does not exist). It never goes into ``methods/``: other test runs in the same
 checkout would pick it up, and a killed test would leave it behind. It is checked with the
 correctness matrix's own machinery (``tests/methods/cases.py``: every spec, causal or not, fp32 and
 bf16, world sizes 1, 2, 4, output, dx and every weight gradient against the reference), and run

@@ -11,8 +11,9 @@
 * Bad input: one-line errors before any communication (``methods.validate``, ``shard`` and the
   block call), for methods that refuse documents too.
 * The matrix (``cases.doc_cases``): every method x world sizes 1, 2, 4 x MHA/GQA x causal or not x
-  fp32/bf16 x its option variants, each case checking all of ``cases.DOC_LAYOUTS`` in one run on
-  the ranks: output, dx and every weight gradient against the reference with the same documents.
+  fp32/bf16 x its option variants, each case checking its layouts in one run on the ranks (fp32: all
+  of ``cases.DOC_LAYOUTS``; bf16: ``cases.DOC_LAYOUTS_BF16``, see ``cases.doc_layouts`` for why):
+  output, dx and every weight gradient against the reference with the same documents.
   A method that refuses documents is skipped with its reason; one that honours them but ran no
   case fails. Ids start with ``docs-`` (``pytest tests/methods -k docs``).
 """
@@ -37,6 +38,7 @@ from tests.methods.cases import (
     TOLERANCE,
     check_documents_against_reference,
     doc_cases,
+    doc_layouts,
     ran_none,
     refusal,
     rel_err,
@@ -317,10 +319,11 @@ def test_documents_match_reference(pool, method, ws, spec, options, dtype):
     REFUSALS[method].append(reason)
     if reason is not None:
         pytest.skip(f"{method} refuses this case: {reason}")
-    per_rank = pool.run(check_documents_against_reference, method, spec, options, dtype, DOC_LAYOUTS, world_size=ws)
+    layouts = doc_layouts(dtype)
+    per_rank = pool.run(check_documents_against_reference, method, spec, options, dtype, layouts, world_size=ws)
     tol = TOLERANCE[dtype]
     for rank, by_layout in enumerate(per_rank):
-        assert set(by_layout) == set(DOC_LAYOUTS)
+        assert set(by_layout) == set(layouts)
         bad = {lay: {k: v for k, v in errors.items() if not v <= tol} for lay, errors in by_layout.items()}
         bad = {lay: errs for lay, errs in bad.items() if errs}
         assert not bad, f"rank {rank}: relative errors above {tol} by layout: {bad}"
