@@ -46,6 +46,7 @@ AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and
 AUTO_OPTION = "chunk_heads"
 AUTO_METHODS = ("upipe", "usp-upipe")
 STACK_SUFFIX = "-stack"  # a stack's name among a resolution's presets ("paper-stack")
+_POOLS_DEFAULT = StepConfig().allocator_pools  # what a trial that models no allocator leaves the pools at
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,10 @@ class Trial:
                 value = getattr(self.step, name)
                 if value != defaults[name]:
                     raise ValueError(f"{name}={value!r} {what}; in {self.mode} mode {instead}: {fix}")
+        elif self.step.allocator_pools != _POOLS_DEFAULT and self.resolved().step.allocator_model == "none":
+            raise ValueError(f"allocator_pools={self.step.allocator_pools!r} picks the pools of the simulated caching "
+                             f"allocator, which this trial does not model (allocator_model 'none' under the "
+                             f"{self.step.stack} stack): add --allocator-model expandable (or classic), or drop it")
         if self.step.chunked_loss_impl == "deepspeed" and self.mode == Mode.SIMULATED:
             # its backward branches on `grads[0] != 1.0`, a value (.item()) fake tensors do not have
             raise ValueError(

@@ -61,6 +61,19 @@ def test_a_lever_that_another_lever_switched_off_is_refused(capsys):
     assert code == 2 and len(err.splitlines()) == 1 and "has no effect with ac_offload=False" in err
 
 
+def test_allocator_pools_without_an_allocator_model_are_refused(capsys):
+    """The pools belong to the modelled caching allocator: under the lean stack, which models none unless
+    asked, a choice of pools would do nothing. Refused in one line; with the allocator model, accepted."""
+    base = ["run", "--method", "ulysses", "--model", "tiny-llama", "--seq-len", "2K", "--world-size", "2",
+            "--stack", "lean", "--allocator-pools", "per-stream", "--no-save"]
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "allocator_pools='per-stream'" in err and "--allocator-model" in err
+    trial = resolve(Request("ulysses", "tiny-llama", 2048, 2,
+                            levers={"stack": "lean", "allocator_pools": "per-stream", "allocator_model": "classic"}))
+    assert trial.resolved().step.allocator_pools == "per-stream"
+
+
 def test_every_lever_has_a_flag_and_a_spec_key():
     from sweeps.spec import STEP_KEYS
 
