@@ -16,7 +16,9 @@ resolves; the methods themselves only accept an int. Resolution:
 The row of a resolved trial records ``options.chunk_heads`` = the chosen U,
 ``options.chunk_heads_requested = "auto"`` and a note with the simulated peak of every
 candidate tried (GiB) and the usable budget. ``run`` is the entry point for any trial:
-it resolves a request when there is one, then runs the trial.
+it resolves a request when there is one, then runs the trial; a simulated trial run by
+``run_trial`` takes the row the resolution simulated for the chosen U (the same trial, so the
+same simulation: it is not run twice).
 """
 from __future__ import annotations
 
@@ -66,8 +68,14 @@ def _simulate(trial: Trial) -> Row:
 def resolve_auto_chunk(trial: Trial, simulate: Callable[[Trial], Row] | None = None) -> tuple[Trial, str]:
     """``(trial_with_U, reason)``; a trial without the request comes back unchanged with
     reason ``""``. ``simulate(trial) -> Row`` runs one simulated trial (tests replace it)."""
+    resolved, reason, _ = _resolve(trial, simulate)
+    return resolved, reason
+
+
+def _resolve(trial: Trial, simulate: Callable[[Trial], Row] | None = None) -> tuple[Trial, str, Row | None]:
+    """``resolve_auto_chunk``'s answer and the row ``simulate`` gave for the chosen U (None without the request)."""
     if trial.auto_chunk is None:
-        return trial, ""
+        return trial, "", None
     trial.validate()
     simulate = simulate or _simulate
     cands = candidates(trial)
@@ -77,8 +85,9 @@ def resolve_auto_chunk(trial: Trial, simulate: Callable[[Trial], Row] | None = N
     tried: list[str] = []
     usable = None
     chosen = None
+    rows: dict[int, Row] = {}
     for chunk in cands:
-        row = simulate(with_chunk(trial, chunk))
+        row = rows[chunk] = simulate(with_chunk(trial, chunk))
         usable = row.figures.usable_bytes
         peak = row.figures.peak_bytes
         tried.append(f"U={chunk}: " + (f"{peak / GiB:.2f} GiB" if peak is not None else row.status))
@@ -95,16 +104,19 @@ def resolve_auto_chunk(trial: Trial, simulate: Callable[[Trial], Row] | None = N
         verdict = f"largest U that fits: U={chosen}"
     reason = (f"{AUTO_OPTION}={AUTO} -> {chosen} ({verdict}; candidates {cands}; simulated peaks "
               f"{', '.join(tried)}; {budget})")
-    return with_chunk(trial, chosen), reason
+    return with_chunk(trial, chosen), reason, rows[chosen]
 
 
 def run(trial: Trial, runner: Callable[[Trial], Row] = run_trial) -> Row:
     """Run ``trial`` with ``runner``, resolving an auto-chunk request first and recording the
-    choice in the row (the row's options then say what was asked and what ran)."""
+    choice in the row (the row's options then say what was asked and what ran). A simulated trial
+    run by ``run_trial`` is the resolution's own simulation of the chosen U (``_simulate`` of the
+    same trial): its row, not a second simulation."""
     if trial.auto_chunk is None:
         return runner(trial)
-    resolved, reason = resolve_auto_chunk(trial)
-    row = runner(resolved)
+    resolved, reason, simulated = _resolve(trial)
+    same = runner is run_trial and trial.mode == "simulated" and simulated is not None
+    row = simulated if same else runner(resolved)
     row.options = {**row.options, f"{AUTO_OPTION}_requested": AUTO}
     row.notes = [reason] + list(row.notes)
     return row

@@ -11,11 +11,16 @@ from bench.stackmodel import hardware
 MODEL, SEQ, WS = "tiny-llama", 65536, 4  # H=8, G=4: U in {8, 4} at C=4
 
 
+@pytest.fixture(scope="module")
+def u_peaks():
+    """The simulated peaks of U=8 and U=4 at ``SEQ`` on ``WS`` ranks (once per module: the devices below)."""
+    return {u: run(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": u})).figures.peak_bytes for u in (8, 4)}
+
+
 @pytest.fixture
-def small_device(monkeypatch):
+def small_device(u_peaks, monkeypatch):
     """A simulated accelerator whose usable bytes sit between the peaks of U=4 and U=8."""
-    peaks = {u: run(Trial.make("upipe", MODEL, SEQ, WS, {"chunk_heads": u})).figures.peak_bytes
-             for u in (8, 4)}
+    peaks = dict(u_peaks)
     assert peaks[4] < peaks[8]
 
     def add(name, usable):

@@ -1,10 +1,16 @@
-"""python -m bench plan (bench.search.plan): layer extrapolation is exact; a tiny plan finishes."""
+"""python -m bench plan (bench.search.plan): layer extrapolation is exact; a tiny plan finishes.
+
+The tiny plan runs once per module, end to end (``planned``); its simulation cache then answers the
+3- and 4-layer simulations of the same trials (same ``SimCache`` keys) that the extrapolation and
+search tests below ask for, and each whole 6-layer simulation runs once (``full_simulation``)."""
 import dataclasses
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -34,17 +40,63 @@ TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16
         "vocab_size": 1024, "rope_theta": 500000.0}
 
 
-@pytest.fixture
-def tiny_file(tmp_path):
-    path = tmp_path / "tiny6.json"
-    path.write_text(json.dumps(TINY))
-    return str(path)
+PLANNED = 1 << 20  # the tiny plan's search limit: every configuration fits there (its table says >=1M)
+
+
+def plan_argv(model: str, cache: Path, figs: Path) -> list[str]:
+    """``python -m bench plan``'s arguments for the tiny plan: 4 GPUs, lean stack, up to 1M in steps of 256K."""
+    return ["plan", "--model", model, "--gpus", "4", "--device", "h100-80g", "--max-seq-len", "1M",
+            "--granularity", "256K", "--stack", "lean", "--cache", str(cache), "--out-dir", str(figs)]
+
+
+class Planned(NamedTuple):
+    root: Path  # the plan's working directory
+    model: str  # the 6-layer model file (tiny6.json)
+    cache: Path  # the simulation cache the plan wrote (read only after it: tests copy it or read it)
+    out: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> Planned:
+    """The tiny plan, once per module, end to end through ``python -m bench plan`` (its search processes,
+    its table, its figures). Its cache holds the 3- and 4-layer simulations of upipe, ring and offload at
+    1M (``Trial.make(method, model, 1M, 4)``, the plan's trials), which the tests below read back."""
+    root = tmp_path_factory.mktemp("plan")
+    model = root / "tiny6.json"
+    model.write_text(json.dumps(TINY))
+    cache = root / "sims.ndjson"
+    out = subprocess.run([sys.executable, "-m", "bench", *plan_argv(str(model), cache, root / "figs")],
+                         capture_output=True, text=True, timeout=900, cwd=root)
+    return Planned(root, str(model), cache, out)
+
+
+@pytest.fixture(scope="module")
+def full_simulation():
+    """``measure_simulated`` of a trial, once per module (a whole simulation several tests compare with)."""
+    done: dict[Trial, object] = {}
+
+    def full(trial: Trial):
+        if trial not in done:
+            done[trial] = measure_simulated(trial)
+        return done[trial]
+    return full
+
+
+def from_plan(planned: Planned, tmp_path: Path, monkeypatch) -> SimCache:
+    """The planner's cache for this test: reads the tiny plan's simulations, writes new ones under ``tmp_path``."""
+    assert planned.out.returncode == 0, planned.out.stderr
+    cache = SimCache(tmp_path / "sims.ndjson", (planned.cache,))
+    monkeypatch.setattr(plan_mod, "_CACHE", cache)
+    return cache
 
 
 @pytest.mark.parametrize("method", ["upipe", "ring", "offload"])
-def test_layer_extrapolation_matches_full_simulation(tiny_file, tmp_path, method):
-    trial = Trial.make(method, tiny_file, 65536, 4)
-    full = measure_simulated(trial)
+def test_layer_extrapolation_matches_full_simulation(planned, full_simulation, tmp_path, monkeypatch, method):
+    """The 3- and 4-layer simulations extrapolated to 6 layers equal the whole model's simulation (the
+    shallow ones are the tiny plan's, read from its cache as the planner reads them)."""
+    from_plan(planned, tmp_path, monkeypatch)
+    trial = Trial.make(method, planned.model, PLANNED, 4)
+    full = full_simulation(trial)
     point = extrapolated(trial, str(tmp_path))
     assert point.exact
     assert abs(point.peak_bytes - full.peak_bytes) <= 0.01 * full.peak_bytes
@@ -115,31 +167,27 @@ def test_sequence_chunked_entry_takes_every_lever_fpdt_runs():
                    for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, beyond=False))
 
 
-def test_search_brackets_exactly(tiny_file, tmp_path, monkeypatch):
+def test_search_brackets_exactly(planned, full_simulation, tmp_path, monkeypatch):
+    """A device whose usable memory is the whole model's peak at 1M: the search, from one step up,
+    answers 1M, and the whole model one step longer does not fit."""
     from bench.stackmodel import hardware
 
-    trial = Trial.make("upipe", tiny_file, 65536, 4)
-    usable = measure_simulated(trial.with_seq_len(96 << 10)).peak_bytes
+    usable = full_simulation(Trial.make("upipe", planned.model, PLANNED, 4)).peak_bytes
     monkeypatch.setitem(hardware.DEVICES, "t", hardware.DevicePreset("t", "cuda", int(usable / 0.9) + 8, 0.9,
                                                                       "nvlink-h100", "test"))
-    trial = Trial.make("upipe", tiny_file, 65536, 4, device="t")
-    found, best, _, step, err = search_max(trial, 16 << 10, 1 << 20, str(tmp_path), first=16 << 10)
-    assert err is None and found == 96 << 10 and step == 16 << 10
+    trial = Trial.make("upipe", planned.model, PLANNED, 4, device="t")
+    found, best, _, step, err = search_max(trial, 256 << 10, 4 << 20, str(tmp_path), first=256 << 10)
+    assert err is None and found == PLANNED and step == 256 << 10
     assert measure_simulated(trial.with_seq_len(found + step)).peak_bytes > trial.preset().usable()
 
 
-def test_plan_on_a_config_file(tiny_file, tmp_path, capsys, monkeypatch):
-    """The whole plan of a model file: once end to end through ``python -m bench plan`` (its search
-    processes, its table, its figures); then, in this process through the same entry point with one
-    search process, the same plan over its own cache (no new simulation, the same recommendation),
+def test_plan_on_a_config_file(planned, tmp_path, capsys, monkeypatch):
+    """The whole plan of a model file: once end to end through ``python -m bench plan`` (``planned``: its
+    search processes, its table, its figures); then, in this process through the same entry point with one
+    search process, the same plan over its own cache (a copy: no new simulation, the same recommendation),
     and over a cache where one configuration's simulations predate the step-time counts of v3
     (exactly those simulated anew, the same answers)."""
-    cache = tmp_path / "sims.ndjson"
-    argv = ["plan", "--model", tiny_file, "--gpus", "4", "--device", "h100-80g",
-            "--max-seq-len", "1M", "--granularity", "256K", "--stack", "lean", "--cache", str(cache),
-            "--out-dir", str(tmp_path / "figs")]
-    out = subprocess.run([sys.executable, "-m", "bench", *argv], capture_output=True, text=True, timeout=900,
-                         cwd=tmp_path)
+    out = planned.out
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "longest context:" in text and "recommendation: " in text and "lean stack" in text
@@ -147,11 +195,15 @@ def test_plan_on_a_config_file(tiny_file, tmp_path, capsys, monkeypatch):
     # the beyond-the-paper rungs, each keeping the levers before it, and the Pareto marks
     assert "upipe U=4 +our RoPE" in text and "upipe U=4 +2-level AC" in text
     assert any(line.startswith("P ") for line in text.splitlines())
-    assert (tmp_path / "figs" / "plan_tiny6_4xh100-80g.md").exists()
-    assert (tmp_path / "figs" / "plan_tiny6_4xh100-80g.png").exists()
-    simulated = len(cache.read_text().splitlines())
+    assert (planned.root / "figs" / "plan_tiny6_4xh100-80g.md").exists()
+    assert (planned.root / "figs" / "plan_tiny6_4xh100-80g.png").exists()
+    simulated = len(planned.cache.read_text().splitlines())
     assert simulated > 0 and f"{simulated} new simulations" in text
     assert "on counts of v3" in text
+    assert not (planned.root / "results").exists()  # a user's plan writes no committed data
+    cache = tmp_path / "sims.ndjson"  # the runs below rewrite and append to it: the module's plan keeps its own
+    shutil.copyfile(planned.cache, cache)
+    argv = plan_argv(planned.model, cache, tmp_path / "figs")
 
     def plan_here() -> str:  # the same plan in this process (one search process: no spawned workers)
         assert cli.main([*argv, "--jobs", "1"]) == 0
@@ -301,21 +353,22 @@ def test_bad_arguments(argv, capsys):
     assert err and len(err.splitlines()) == 1
 
 
-def test_search_stops_at_the_host_memory_budget(tiny_file, tmp_path, monkeypatch):
+def test_search_stops_at_the_host_memory_budget(planned, tmp_path, monkeypatch):
     """With ample device memory, offloads beyond the preset's host bytes per GPU end the search:
     the answer is the longest length whose extrapolated host peak fits, and one step more fails
-    (exactly extrapolated again, from the simulations the search cached: ``SimCache``)."""
+    (exactly extrapolated again, from the simulations the search cached: ``SimCache``). The host
+    peak at 1M is the tiny plan's (its cached simulations)."""
     from bench.stackmodel import hardware
 
-    monkeypatch.setattr(plan_mod, "_CACHE", SimCache(tmp_path / "sims.ndjson"))
-    trial = Trial.make("offload", tiny_file, 65536, 4)
-    host = extrapolated(trial.with_seq_len(96 << 10), str(tmp_path)).host_peak_bytes
+    from_plan(planned, tmp_path, monkeypatch)
+    trial = Trial.make("offload", planned.model, PLANNED, 4)
+    host = extrapolated(trial, str(tmp_path)).host_peak_bytes
     assert host > 0
     monkeypatch.setitem(hardware.DEVICES, "h", hardware.DevicePreset(
         "h", "cuda", 1 << 50, 0.9, "nvlink-h100", "test", host_bytes=int(host / 0.9) + 8))
-    trial = Trial.make("offload", tiny_file, 65536, 4, device="h")
-    found, best, _, step, err = search_max(trial, 16 << 10, 1 << 20, str(tmp_path), first=16 << 10)
-    assert err is None and found == 96 << 10 and best.peak_bytes < trial.preset().usable()
+    trial = Trial.make("offload", planned.model, PLANNED, 4, device="h")
+    found, best, _, step, err = search_max(trial, 256 << 10, 4 << 20, str(tmp_path), first=256 << 10)
+    assert err is None and found == PLANNED and best.peak_bytes < trial.preset().usable()
     over = extrapolated(trial.with_seq_len(found + step), str(tmp_path))
     assert over.status == "oom" and over.host_peak_bytes > trial.preset().host_usable()
 

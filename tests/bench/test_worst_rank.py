@@ -9,6 +9,7 @@ row re-serialises as it was) and checked when present.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -41,13 +42,24 @@ def every_deciding_rank(monkeypatch):
     monkeypatch.setenv("CPAB_SIM_RANKS", "deciding")
 
 
-def test_a_ring_row_reports_its_worst_rank():
+def test_a_ring_row_reports_its_worst_rank(monkeypatch):
+    """Each rank simulated here on its own; the row's simulation of the same trial and rank reads those
+    (each asked for once, nothing else simulated), so the row is built from exactly these ranks."""
     trial = _ring()
     trial.validate()
     each = {r: measure_simulated(trial, rank=r) for r in range(WORLD)}
     expected = [[r, judged_peak(trial, m)] for r, m in each.items()]
     worst = max(range(WORLD), key=lambda r: (expected[r][1], each[r].host_peak_bytes or 0, -r))
+    asked: list[int] = []
+
+    def simulated_above(t, keep_trace=False, rank=0):
+        assert t == trial and not keep_trace, (t, keep_trace)
+        asked.append(rank)
+        return dataclasses.replace(each[rank])
+
+    monkeypatch.setattr(run_mod, "measure_simulated", simulated_above)
     row = run_trial(trial)
+    assert asked == list(range(WORLD)), "the row did not simulate every rank once"
     assert row.status == "ok", row.message
     assert len({p for _, p in expected}) > 1, "the ranks of this case no longer differ: pick one whose ranks do"
     assert row.figures.rank_peaks == expected

@@ -1,7 +1,8 @@
 """Simulated trials of the methods that call flash-attn through a library, on the simulated
 flash-attn (bench.stackmodel.fake_flash_attn), each in a fresh ``python -m bench`` process: the
 tests' own process has the plain-torch stand-in in ``sys.modules`` (tests/conftest.py), and the
-libraries bind flash-attn's functions when first imported."""
+libraries bind flash-attn's functions when first imported. A method on the suite's own kernels
+(``ulysses``, which calls no flash-attn) is simulated here through the same entry point."""
 from __future__ import annotations
 
 import json
@@ -13,20 +14,26 @@ from pathlib import Path
 import pytest
 
 import methods
+from bench import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 WRAPPERS = ("yc-ulysses", "rfa-zigzag", "yc-ring", "yc-usp", "ds-fpdt")
 
 
-def simulate(tmp_path: Path, method: str, *args: str) -> dict:
+def simulate(tmp_path: Path, method: str, *args: str, here: bool = False) -> dict:
+    """The row of ``python -m bench run --mode simulated``: in a fresh process, or with ``here`` (a
+    method that calls no flash-attn) through ``bench.cli.main`` in this one."""
     out = tmp_path / "rows.jsonl"
     before = out.read_text().count("\n") if out.exists() else 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "run", "--method", method, "--mode", "simulated", "--out", str(out), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    argv = ["run", "--method", method, "--mode", "simulated", "--out", str(out), *args]
+    if here:
+        assert not methods.get_info(method).requires, f"{method} needs a library: simulate it in a fresh process"
+        assert cli.main(argv) == 0
+    else:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-m", "bench", *argv], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == before + 1
     return rows[-1]
@@ -59,8 +66,8 @@ def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(tmp_path):
     common = ("--model", "llama3-8b", "--seq-len", "512K", "--world-size", "8", "--scope", "attention",
               "--stack", "lean")  # kernels only: no paper-stack terms
     yc = simulate(tmp_path, "yc-ulysses", *common)["figures"]["peak_bytes"]
-    plain = simulate(tmp_path, "ulysses", *common)["figures"]["peak_bytes"]
-    modelled = simulate(tmp_path, "ulysses", *common, "--kernel-workspace", "fa2")["figures"]["peak_bytes"]
+    plain = simulate(tmp_path, "ulysses", *common, here=True)["figures"]["peak_bytes"]
+    modelled = simulate(tmp_path, "ulysses", *common, "--kernel-workspace", "fa2", here=True)["figures"]["peak_bytes"]
     assert abs(yc - modelled) <= 0.01 * modelled, (yc, modelled)
     s, h = 512 << 10, 32 // 8  # rank-local sequence and query heads during attention
     scratch = s * h * 128 * 4 + 2 * s * h * 128 * 2

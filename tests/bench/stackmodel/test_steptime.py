@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from bench.measure.result import Measurement
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
 from bench.measure.trial import Trial
@@ -53,10 +54,22 @@ from records import Row, validate_row
 NO_LEVERS = dict(ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False, chunked_loss=False)
 
 
-def _counts(method: str, seq_len: int, world: int, **step) -> StepCounts:
+_SHARED: dict[Trial, Measurement] = {}
+
+
+def _simulated_once(trial: Trial) -> Measurement:
+    """``measure_simulated`` of ``trial`` once per module, for a trial several tests simulate as it is
+    (never one a test simulates under a patched simulation: those call ``measure_simulated`` themselves)."""
+    if trial not in _SHARED:
+        _SHARED[trial] = guarded(measure_simulated, trial)
+    return _SHARED[trial]
+
+
+def _counts(method: str, seq_len: int, world: int, shared: bool = False, **step) -> StepCounts:
+    """The step counts of a simulated tiny-llama trial; ``shared``: through ``_simulated_once``."""
     trial = Trial.make(method, "tiny-llama", seq_len, world, mode="simulated", device="h100-80g",
                        step=StepConfig(**step))
-    r = guarded(measure_simulated, trial)
+    r = _simulated_once(trial) if shared else guarded(measure_simulated, trial)
     assert r.status == "ok", r.message
     return r.step_counts
 
@@ -71,7 +84,7 @@ def test_counted_flops_equal_the_analytic_count():
     flash's backward (5 matmuls, torch's formula) instead of the convention's 2x forward: x 14/12,
     plus the diagonal (S+1)/S."""
     s, w = 4096, 2
-    c = _counts("ulysses", s, w, **NO_LEVERS)
+    c = _counts("ulysses", s, w, shared=True, **NO_LEVERS)
     cfg = get_config("tiny-llama")
     attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * s * s // 2
     assert c.flops_matmul == (flops_per_step(cfg, s) - attn) / w
@@ -83,7 +96,7 @@ def test_checkpoint_recompute_is_counted():
     """Full AC runs every block's forward twice: the layers' matmuls go from 6 to 8 FLOPs per
     parameter and token, attention from 14 to 18 units."""
     s, w = 4096, 2
-    plain = _counts("ulysses", s, w, **NO_LEVERS)
+    plain = _counts("ulysses", s, w, shared=True, **NO_LEVERS)
     ac = _counts("ulysses", s, w, **{**NO_LEVERS, "ac": True})
     assert ac.flops_attention == pytest.approx(plain.flops_attention * 18 / 14, rel=1e-9)
     assert ac.flops_matmul > plain.flops_matmul * 1.2
@@ -93,7 +106,7 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
     """The allocator and scratch models change no count; the paper stack's offload_first_only and
     DeepSpeed TiledMLP and TorchTitan's RoPE table do, and ``as_paper_runs`` sets exactly those (what the
     counts are collected with)."""
-    paper = _counts("upipe", 8192, 4, stack="paper")
+    paper = _counts("upipe", 8192, 4, shared=True, stack="paper")
     plain = _counts("upipe", 8192, 4, stack="lean")
     # DeepSpeed's TiledMLP and ours both recompute each tile's forward in backward: the same matmuls
     assert plain.flops_matmul == paper.flops_matmul
@@ -462,7 +475,7 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
 
     trial = Trial.make(method, "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
                        step=StepConfig(stack="paper"))
-    counted = guarded(measure_simulated, trial)
+    counted = _simulated_once(trial)  # upipe's is also the paper-stack counts test's (simulated once)
     monkeypatch.setattr(stepcount.StepCounter, "counting", lambda self: contextlib.nullcontext(self))
     monkeypatch.setattr(stepcount.StepCounter, "counts", lambda self: StepCounts())
     plain = guarded(measure_simulated, trial)
