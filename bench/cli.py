@@ -382,7 +382,9 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
                 return run(probe, runner=extrapolated)
         else:
             runner = default_runner if in_process else isolated_runner
-        final = search(trial, runner=runner, on_row=on_row)
+        # progress to whatever stderr is now (a caller may have redirected it), not the one the search's
+        # default was bound to when bench.search.maxctx was imported
+        final = search(trial, runner=runner, on_row=on_row, progress=sys.stderr)
     except ValueError as err:
         raise UsageError(f"python -m bench max-context: error: {err}") from None
     if not zero:

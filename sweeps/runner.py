@@ -214,7 +214,7 @@ def run_sweep(
         while pending and len(running) < limit:
             trial = pending.pop(0)
             ex, tasks = make_executor(spec, executor, folder, trial)
-            job = ex.submit(BenchJob(), trial, str(spec.rows_path.resolve()), tasks,
+            job = ex.submit(BenchJob(), trial.to_json(), trial.label, str(spec.rows_path.resolve()), tasks,
                             extrapolate_layers=spec.extrapolates(trial))
             jobs_state[trial_id(trial)] = {"job_id": str(job.job_id), "executor": executor, "alive_hint": True,
                                            "label": trial.label}

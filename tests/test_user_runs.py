@@ -3,6 +3,11 @@
 Each test is one defect a new user met (the issue's list): where outputs go by default, output
 paths that cannot be written, sweep specs with unknown names or invalid options, malformed
 YAML, bad flags; and the demo's machinery on a clean checkout leaving ``git status`` clean.
+
+Where a test checks several inputs of one command, one of them goes through a subprocess (the
+command's wiring: exit status, stderr, working directory) and the others through the command's
+``main`` in this process (``in_process``), which prints and returns the same: a Python start-up
+per input would cost seconds each.
 """
 from __future__ import annotations
 
@@ -16,8 +21,10 @@ import pytest
 import yaml
 
 from analysis.load import load_rows
+from bench.cli import main as bench_main
 from records import append_rows, read_rows
 from records.outputs import OutputError, check_dir, check_file
+from sweeps.__main__ import main as sweeps_main
 from tests.rowfactory import make_row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +35,19 @@ def cli(module: str, *args: str, cwd: Path = REPO, env: dict | None = None, time
     env = dict(os.environ, PYTHONPATH=str(REPO), MPLBACKEND="Agg", **(env or {}))
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def in_process(capsys, module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` through its ``main`` in this process: what it returned (or exited
+    with: argparse exits) and printed, as ``cli`` reports a subprocess."""
+    capsys.readouterr()  # drop what came before
+    main = {"bench": bench_main, "sweeps": sweeps_main}[module]
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([module, *args], code, out, err)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
@@ -59,26 +79,32 @@ def test_check_file_and_dir_refuse_what_cannot_be_written(tmp_path):
             check_file(READ_ONLY_FILE)
 
 
-def test_bench_out_problems_are_one_line_before_the_trial(tmp_path):
+def test_bench_out_problems_are_one_line_before_the_trial(tmp_path, capsys):
+    """The first through ``python -m bench`` (a subprocess), the others through its ``main``."""
     a_file = tmp_path / "f.txt"
     a_file.write_text("x")
     one_line_error(cli("bench", *TINY_RUN, "--out", str(tmp_path)), "is a directory")
-    one_line_error(cli("bench", *TINY_RUN, "--out", str(a_file / "rows.jsonl")), "is a file, not a directory")
-    if READ_ONLY_FILE.exists():
-        one_line_error(cli("bench", *TINY_RUN, "--out", str(READ_ONLY_FILE)), "not writable")
-    one_line_error(cli("bench", "plan", "--model", "tiny-llama", "--gpus", "2", "--out-dir", str(a_file)),
+    one_line_error(in_process(capsys, "bench", *TINY_RUN, "--out", str(a_file / "rows.jsonl")),
                    "is a file, not a directory")
+    if READ_ONLY_FILE.exists():
+        one_line_error(in_process(capsys, "bench", *TINY_RUN, "--out", str(READ_ONLY_FILE)), "not writable")
+    one_line_error(in_process(capsys, "bench", "plan", "--model", "tiny-llama", "--gpus", "2", "--out-dir",
+                              str(a_file)), "is a file, not a directory")
 
 
-def test_bench_refuses_a_fractional_integer_option():
-    one_line_error(cli("bench", *TINY_RUN, "--opt", "kernel=math", "--method", "upipe", "--opt", "chunk_heads=2.5",
-                       "--no-save"), "must be an int")
+def test_bench_refuses_a_fractional_integer_option(capsys):
+    one_line_error(in_process(capsys, "bench", *TINY_RUN, "--opt", "kernel=math", "--method", "upipe", "--opt",
+                              "chunk_heads=2.5", "--no-save"), "must be an int")
 
 
-def test_bench_writes_under_runs_of_the_working_directory(tmp_path):
+def test_bench_writes_under_runs_of_the_working_directory(tmp_path, capsys, monkeypatch):
+    """``bench``'s ``main`` in this process, from ``tmp_path`` (the subprocess with its defaults, in a
+    checkout of its own, is test_a_user_session_on_a_clean_checkout_leaves_git_status_clean's)."""
     committed = REPO / "results" / "bench" / "simulated.jsonl"
     before = committed.read_bytes() if committed.exists() else None
-    proc = cli("bench", *TINY_RUN, cwd=tmp_path, env={"CPAB_RUNS": ""})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CPAB_RUNS", "")
+    proc = in_process(capsys, "bench", *TINY_RUN)
     assert proc.returncode == 0, proc.stderr
     (row,) = read_rows(tmp_path / "runs" / "bench" / "simulated.jsonl", on_error="raise")
     assert row.method == "ulysses"
@@ -104,20 +130,22 @@ def write_spec(tmp_path: Path, **changes) -> Path:
     ({"methods": [{"name": "upipe", "options": {"chunk_heads": 2.5}}]}, "must be an int"),
     ({"methods": [{"name": "ulysses", "options": {"colour": 1}}]}, "unknown option(s) ['colour']"),
 ])
-def test_bad_specs_are_refused_before_submitting_dry_run_included(tmp_path, changes, needle):
+def test_bad_specs_are_refused_before_submitting_dry_run_included(tmp_path, capsys, changes, needle):
+    """Through ``sweeps``' ``main`` in this process (test_sweep_flags_and_files_are_one_line_errors
+    runs a refused spec through ``python -m sweeps``)."""
     out = tmp_path / "rows.jsonl"
     path = write_spec(tmp_path, out=str(out), **changes)
     for extra in ((), ("--dry-run",)):
-        proc = cli("sweeps", "run", str(path), *extra)
+        proc = in_process(capsys, "sweeps", "run", str(path), *extra)
         one_line_error(proc, needle)
         assert " as job " not in proc.stderr
     assert not out.exists() and not (tmp_path / "logs").exists(), "nothing may be written"
 
 
-def test_every_problem_of_a_spec_is_its_own_line(tmp_path):
+def test_every_problem_of_a_spec_is_its_own_line(tmp_path, capsys):
     path = write_spec(tmp_path, out=str(tmp_path / "rows.jsonl"), world_sizes=[2, 3],
                       methods=["ulysses", {"name": "upipe", "options": {"chunk_heads": 2}}])
-    proc = cli("sweeps", "run", str(path), "--dry-run")
+    proc = in_process(capsys, "sweeps", "run", str(path), "--dry-run")
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert any("ulysses on tiny-llama x3" in line for line in lines), proc.stderr
@@ -125,12 +153,18 @@ def test_every_problem_of_a_spec_is_its_own_line(tmp_path):
     assert "2 problem(s); nothing was submitted" in proc.stderr or "problem(s)" in lines[-1]
 
 
-def test_sweep_flags_and_files_are_one_line_errors(tmp_path):
+def test_sweep_flags_and_files_are_one_line_errors(tmp_path, capsys):
+    """The flag and the empty file through ``sweeps``' ``main`` in this process, the broken YAML
+    and a spec naming an unknown method through ``python -m sweeps`` (a subprocess)."""
     path = write_spec(tmp_path, out=str(tmp_path / "rows.jsonl"))
-    one_line_error(cli("sweeps", "run", str(path), "--max-parallel", "-1"), "must be >= 1")
+    one_line_error(in_process(capsys, "sweeps", "run", str(path), "--max-parallel", "-1"), "must be >= 1")
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    one_line_error(cli("sweeps", "run", str(empty), "--set", "slurm.partition=gpu"), "name:")
+    one_line_error(in_process(capsys, "sweeps", "run", str(empty), "--set", "slurm.partition=gpu"), "name:")
+    unknown = write_spec(tmp_path, out=str(tmp_path / "rows.jsonl"), methods=["ulysess"])
+    proc = cli("sweeps", "run", str(unknown))
+    one_line_error(proc, "unknown method 'ulysess'")
+    assert " as job " not in proc.stderr and not (tmp_path / "rows.jsonl").exists(), "nothing may be submitted"
     broken = tmp_path / "broken.yaml"
     broken.write_text("name: t\nmethods: [ulysses\nmodels: [x]\n")
     proc = cli("sweeps", "run", str(broken))
@@ -139,28 +173,29 @@ def test_sweep_flags_and_files_are_one_line_errors(tmp_path):
     assert ":3:" in proc.stderr or ":4:" in proc.stderr  # line (and column) of the problem
 
 
-def test_help_examples_exist():
-    proc = cli("sweeps", "--help")
+def test_help_examples_exist(capsys):
+    proc = in_process(capsys, "sweeps", "--help")
+    assert proc.returncode == 0 and "sweeps/configs/" in proc.stdout, proc.stdout
     for word in proc.stdout.split():
         if word.startswith("sweeps/configs/"):
             assert (REPO / word).is_file(), word
 
 
 def test_sweep_defaults_to_runs_and_status_finds_its_rows(tmp_path, capsys, monkeypatch):
+    """The first run through ``python -m sweeps`` from ``tmp_path``; status and the rerun through its
+    ``main`` in this process, from the same directory."""
     path = write_spec(tmp_path)
     run = cli("sweeps", "run", str(path), "--executor", "local", cwd=tmp_path, env={"CPAB_RUNS": ""})
     assert run.returncode == 0, run.stderr
     assert "ulysses tiny-llama 4K x2 simulated: ok" in run.stderr  # each trial reported as it ends
     rows = read_rows(tmp_path / "runs" / "sweeps" / "t.jsonl", on_error="raise")
     assert [r.method for r in rows] == ["ulysses"]
-    from sweeps.__main__ import main as sweeps_main  # status in this process, from the same directory
-
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CPAB_RUNS", "")
     assert sweeps_main(["status", str(path)]) == 0
     status = capsys.readouterr().out
     assert "done 1" in status and "pending 0" in status, status
-    again = cli("sweeps", "run", str(path), "--executor", "local", "--rerun", cwd=tmp_path, env={"CPAB_RUNS": ""})
+    again = in_process(capsys, "sweeps", "run", str(path), "--executor", "local", "--rerun")
     assert again.returncode == 0 and "1 run" in again.stdout, again.stdout + again.stderr
     assert len(read_rows(tmp_path / "runs" / "sweeps" / "t.jsonl")) == 2  # re-measured; the newest wins
 

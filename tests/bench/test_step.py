@@ -35,10 +35,18 @@ def cfg_file(tmp_path_factory):
     return str(path)
 
 
+_SIMULATED: dict[str, Measurement] = {}  # Trial.to_json() -> its measurement, once per module
+
+
 def sim(cfg_file, seq_len=32768, ws=4, method="ulysses", **levers) -> Measurement:
+    """The simulated measurement of this trial; a trial another test of the module already
+    simulated (the same trial, however its levers were spelt) is read back, not simulated again."""
     trial = Trial.make(method, cfg_file, seq_len, ws, mode="simulated", device="h100-80g",
                        step=StepConfig(**levers))
-    return measure_simulated(trial)
+    key = trial.to_json()
+    if key not in _SIMULATED:
+        _SIMULATED[key] = measure_simulated(trial)
+    return _SIMULATED[key]
 
 
 def test_checkpointing_lowers_activation_memory(cfg_file):
@@ -168,6 +176,30 @@ def cp_step(group, method: str, levers: dict, dtype: str = "fp32", options: dict
     return {"loss": torch.stack(losses).mean().item(), "grads": grads}
 
 
+_REFERENCES: dict[tuple, dict] = {}  # (method, docs) -> reference_step's result, once per module
+_ON_RANKS: dict[str, dict] = {}  # repr of cp_step's arguments -> rank 0's result, once per module
+
+
+def reference(method: str, docs: methods.Documents | None = None) -> dict:
+    """``reference_step(method, docs)``, computed once per module (several tests compare against
+    the same single-device step; the tests only read it)."""
+    key = (method, None if docs is None else tuple(docs.lengths))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_step(method, docs)
+    return _REFERENCES[key]
+
+
+def on_ranks(pool, method: str, levers: dict, dtype: str = "fp32", options: dict | None = None,
+             docs: methods.Documents | None = None) -> dict:
+    """Rank 0's ``cp_step`` on 2 pool ranks, run once per module for the same arguments (the levers
+    test and the DeepSpeed comparison both need upipe's fp32 step with every lever)."""
+    key = repr((method, sorted(levers.items()), dtype, sorted((options or {}).items()),
+                None if docs is None else tuple(docs.lengths)))
+    if key not in _ON_RANKS:
+        _ON_RANKS[key] = pool.run(cp_step, method, levers, dtype, options, docs, world_size=2)[0]
+    return _ON_RANKS[key]
+
+
 def reference_step(method: str, docs: methods.Documents | None = None) -> dict:
     from bench.model.config import get_config
 
@@ -191,8 +223,8 @@ NO_LEVERS = dict(fsdp=False, ac=False, ac_offload=False, tiled_mlp=False, tiled_
 @pytest.mark.parametrize("levers", [ALL_ON, {**ALL_ON, "rope_table": "checkpointed"}, NO_LEVERS],
                          ids=["all-levers", "all-levers+rope-table", "no-levers"])
 def test_step_with_levers_equals_plain_single_device_step(pool, method, levers):
-    ref = reference_step(method)
-    got = pool.run(cp_step, method, levers, world_size=2)[0]
+    ref = reference(method)
+    got = on_ranks(pool, method, levers)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert set(got["grads"]) == set(ref["grads"])
     for name, g in got["grads"].items():
@@ -212,10 +244,10 @@ DOCS = methods.Documents.from_lengths([40, 8, 56, 24])
                          ids=["ulysses", "upipe", "ring-zigzag", "ring-doc-zigzag", "ring-contiguous",
                               "allgather-kv", "fpdt"])
 def test_step_with_documents_equals_the_single_device_step_with_them(pool, method, options):
-    ref = reference_step("no-cp", DOCS)
-    plain = reference_step("no-cp")
+    ref = reference("no-cp", DOCS)
+    plain = reference("no-cp")
     assert abs(ref["loss"] - plain["loss"]) > 1e-4  # the documents change the attention, so the loss
-    got = pool.run(cp_step, method, ALL_ON, "fp32", options, DOCS, world_size=2)[0]
+    got = on_ranks(pool, method, ALL_ON, "fp32", options, DOCS)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     for name, g in got["grads"].items():
         want = ref["grads"][name]
@@ -241,17 +273,14 @@ def test_padded_documents_are_ignored_labels():
 # chunks of unequal sizes) with one implementation swapped; fp32 to the tolerances above, bf16 to
 # a few bf16 roundings (2**-8 relative each), since tiles of other sizes sum in another order
 IMPL_TOL = {"fp32": (1e-5, 1e-4), "bf16": (1e-3, 3e-2)}  # (loss relative, gradient relative to its max)
-_OURS: dict[str, dict] = {}
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("lever", ["tiled_mlp_impl", "chunked_loss_impl"])
 def test_deepspeed_tiled_levers_equal_ours(pool, lever, dtype):
     pytest.importorskip("deepspeed")
-    if dtype not in _OURS:
-        _OURS[dtype] = pool.run(cp_step, "upipe", ALL_ON, dtype, world_size=2)[0]
-    ours = _OURS[dtype]
-    theirs = pool.run(cp_step, "upipe", {**ALL_ON, lever: "deepspeed"}, dtype, world_size=2)[0]
+    ours = on_ranks(pool, "upipe", ALL_ON, dtype)
+    theirs = on_ranks(pool, "upipe", {**ALL_ON, lever: "deepspeed"}, dtype)
     loss_tol, grad_tol = IMPL_TOL[dtype]
     assert theirs["loss"] == pytest.approx(ours["loss"], rel=loss_tol)
     assert set(theirs["grads"]) == set(ours["grads"])

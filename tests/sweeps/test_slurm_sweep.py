@@ -43,6 +43,17 @@ def sweeps(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def sweeps_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``python -m sweeps`` through its ``main`` in this process (the same submissions to Slurm,
+    without a Python start-up), reported as ``sweeps`` reports the subprocess. The subprocess runs
+    where its process is the point: the first sweep of test_two_task_gloo_trial_through_slurm, and
+    the sweep test_cancel_then_resume_submits_only_missing_trials interrupts."""
+    capsys.readouterr()  # drop what came before
+    code = sweeps_main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["sweeps", *args], code, out, err)
+
+
 @pytest.fixture
 def cancel_after(slurm_cluster):
     names: list[str] = []
@@ -78,7 +89,7 @@ def test_two_task_gloo_trial_through_slurm(tmp_path, cancel_after, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA: the job must fail there")
-def test_failing_trial_on_slurm_is_an_error_row(tmp_path, cancel_after):
+def test_failing_trial_on_slurm_is_an_error_row(tmp_path, cancel_after, capsys):
     """A trial the spec check lets through (it cannot know the node has no CUDA) fails in its job;
     the runner records an error row with the job's log. (Invalid options are refused before
     submitting now: tests/test_user_runs.py.) A one-rank trial: a one-task job fails as a job of
@@ -86,7 +97,7 @@ def test_failing_trial_on_slurm_is_an_error_row(tmp_path, cancel_after):
     name = f"slurm-bad-{tmp_path.name[-12:]}"
     cancel_after(name)
     path = spec_file(tmp_path, name, device="h100-80g", world_sizes=[1])
-    out = sweeps("run", str(path), "--executor", "slurm")
+    out = sweeps_in_process(capsys, "run", str(path), "--executor", "slurm")
     assert out.returncode == 1, out.stdout + out.stderr
     (row,) = read_rows(tmp_path / "rows.jsonl", on_error="raise")
     assert row.status == "error" and "needs CUDA, which this machine lacks" in row.message
@@ -108,7 +119,7 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after):
+def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after, capsys):
     """The user stops a sweep (SIGINT) with one trial done, one in its job and one not yet
     submitted, and cancels its jobs; the same command again submits only the two without a row.
     The 512 and 1K trials are held back ($CPAB_SWEEP_HOLD, sweeps.jobs) until the stop, so it
@@ -147,7 +158,7 @@ def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after):
     _wait_for(lambda: not subprocess.run(["squeue", "-h", "-n", f"sweep-{name}"], capture_output=True,
                                          text=True).stdout.strip(), "the cancelled job to leave the queue", 60)
     assert [r.seq_len for r in read_rows(rows_path, on_error="raise")] == [first.seq_len]
-    again = sweeps("run", str(path), "--executor", "slurm")  # nothing held now
+    again = sweeps_in_process(capsys, "run", str(path), "--executor", "slurm")  # nothing held now
     assert again.returncode == 0, again.stdout + again.stderr
     assert "1 skipped" in again.stdout
     submitted = [line.split(" as job")[0].split("submitted ", 1)[1] for line in again.stderr.splitlines()
