@@ -167,19 +167,19 @@ def test_sequence_chunked_entry_takes_every_lever_fpdt_runs():
                    for e in entries("llama3-8b", 8, 1, "h100-80g", 1 << 20, beyond=False))
 
 
-def test_search_brackets_exactly(planned, full_simulation, tmp_path, monkeypatch):
-    """A device whose usable memory is the whole model's peak at 1M: the search, from one step up,
-    answers 1M, and the whole model one step longer does not fit."""
+def test_search_brackets_exactly(planned, tmp_path, monkeypatch):
+    """A device whose usable memory is the whole model's peak at 96K: the search, in steps of 16K from
+    16K, answers 96K, and the whole model one step longer does not fit."""
     from bench.stackmodel import hardware
 
-    usable = full_simulation(Trial.make("upipe", planned.model, PLANNED, 4)).peak_bytes
+    trial = Trial.make("upipe", planned.model, 65536, 4)
+    usable = measure_simulated(trial.with_seq_len(96 << 10)).peak_bytes
     monkeypatch.setitem(hardware.DEVICES, "t", hardware.DevicePreset("t", "cuda", int(usable / 0.9) + 8, 0.9,
                                                                       "nvlink-h100", "test"))
-    trial = Trial.make("upipe", planned.model, PLANNED, 4, device="t")
-    found, best, _, step, err = search_max(trial, 256 << 10, 4 << 20, str(tmp_path), first=256 << 10)
-    assert err is None and found == PLANNED and step == 256 << 10
+    trial = Trial.make("upipe", planned.model, 65536, 4, device="t")
+    found, best, _, step, err = search_max(trial, 16 << 10, 1 << 20, str(tmp_path), first=16 << 10)
+    assert err is None and found == 96 << 10 and step == 16 << 10
     assert measure_simulated(trial.with_seq_len(found + step)).peak_bytes > trial.preset().usable()
-
 
 def test_plan_on_a_config_file(planned, tmp_path, capsys, monkeypatch):
     """The whole plan of a model file: once end to end through ``python -m bench plan`` (``planned``: its
