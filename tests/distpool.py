@@ -27,19 +27,6 @@ IMPORT_TIMEOUT_S = 600
 NO_POOLS = "CPAB_NO_POOLS"  # set by make test-fast: spawning a pool is then an error
 
 
-def _host_store():
-    """A TCPStore served by this (the parent) process on a port the OS picks as it binds.
-
-    Picking a free port and letting rank 0 bind it later races with every other process on the
-    machine (two xdist workers spawning pools at once: EADDRINUSE, then a pool that never starts).
-    Serving the store here, as torchrun's agent does, leaves no gap between choosing and binding.
-    """
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=IMPORT_TIMEOUT_S))
-
-
 def _worker(rank: int, size: int, port: int, tasks, results, setup: Callable | None) -> None:
     import torch
     import torch.distributed as dist
@@ -91,7 +78,9 @@ class RankPool:
                                "(use the `pool` fixture, tests/conftest.py SLOW_FIXTURES, or list its module in "
                                "SLOW_MODULES)")
         ctx = mp.get_context("spawn")
-        self._store = _host_store()
+        from bench.measure.launch import host_store  # the parent serves the rendezvous (no port race)
+
+        self._store = host_store(IMPORT_TIMEOUT_S)
         port = self._store.port
         self.tasks = [ctx.Queue() for _ in range(self.size)]
         self.results = ctx.Queue()

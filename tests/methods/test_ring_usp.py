@@ -263,9 +263,9 @@ def test_usp_on_a_group_smaller_than_the_world():
     """Only the group's members build USP; its subgroups come from use_local_synchronization."""
     import torch.multiprocessing as mp
 
-    from tests.distpool import _host_store
+    from bench.measure.launch import host_store
 
-    store = _host_store()
+    store = host_store()
     ctx = mp.start_processes(
         _local_sync_worker, args=(5, store.port), nprocs=5, join=False, start_method="spawn"
     )
