@@ -21,8 +21,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # everything, lint included (what CI runs through .ci/run): two pytest-xdist workers, one per
-# core, each running whole modules (tests/conftest.py gives every test its module's xdist_group)
-XDIST   := -n 2 --dist loadgroup
+# core, each running whole modules (tests/xdist_modules.py schedules by module)
+XDIST   := -n 2 --dist loadscope
 
 test: lint
 	$(VPY) -m pytest -q $(XDIST) --durations=15

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 
 import bench  # noqa: F401, I001, E402 - first of all: it loads the simulated CUDA device before torch
 from tests.flash_attn_standin import install_if_missing  # noqa: E402
+from tests.xdist_modules import SAME_WORKER  # noqa: E402
 
 install_if_missing()
 
@@ -58,26 +59,28 @@ def pytest_configure(config):
     missing = sorted(m for m in SLOW_MODULES if not (root / m).is_file())
     missing += sorted(m for m in SAME_WORKER if not (root / m).is_file())
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES or SAME_WORKER names missing files: {missing}")
+        raise pytest.UsageError(f"tests/conftest.py SLOW_MODULES or tests/xdist_modules.py SAME_WORKER names missing "
+                                f"files: {missing}")
 
 
-# Modules that must share one pytest-xdist worker: the Slurm tests share one cluster, which the
-# session that started it stops at its end (tests/sweeps/conftest.py).
-SAME_WORKER = {
-    "tests/sweeps/test_slurm_cluster.py": "slurm", "tests/sweeps/test_slurm_sweep.py": "slurm",
-}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Marks ``slow`` tests (by fixture or module), and gives every test the ``xdist_group`` of its
-    module: ``make test`` runs two workers with ``--dist loadgroup``, so a module runs whole, in
-    order, on one worker (the matrix's verdicts after its cases rely on that), and the modules of
-    ``SAME_WORKER`` share one."""
+    """Marks ``slow`` tests (by fixture or module)."""
     root = Path(__file__).resolve().parents[1]
     for item in items:
         module = str(Path(item.fspath).relative_to(root))
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or module in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(module, module)))
+
+
+# ------------------------------------------------------------------------ one worker per module
+# `make test` runs two pytest-xdist workers with `--dist loadscope`, scheduled by module
+# (tests/xdist_modules.py): a module runs whole, in order, on one worker, so its module-scoped
+# fixtures run once and the matrix's verdicts after its cases see them all.
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadscope":
+        from tests.xdist_modules import ModuleScheduling
+
+        return ModuleScheduling(config, log)
+    return None

@@ -4,6 +4,10 @@ and teardown summed, the slowest modules first) and each pytest-xdist worker's b
 ``--durations`` names single tests; the suite's time is spread over modules of many short tests
 (the correctness matrix) and uneven work per worker, which only these sums show. CI prints the tail
 of its log, so the summary is short: ``CPAB_PROFILE_MODULES`` modules (default 20).
+
+Under ``--dist loadscope`` (``make test``: scheduled by module, tests/xdist_modules.py) it also fails
+the run where a module's tests ran on more than one worker: its module-scoped fixtures would have run
+twice, and the matrix's verdicts after its cases would have seen only some of them.
 """
 from __future__ import annotations
 
@@ -14,9 +18,12 @@ from pathlib import PurePath
 
 import pytest
 
+from tests.xdist_modules import WorkersPerModule
+
 _modules: Counter[str] = Counter()
 _workers: Counter[str] = Counter()
 _started = time.monotonic()
+_per_module = WorkersPerModule()
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -25,10 +32,21 @@ def pytest_runtest_logreport(report) -> None:
     node = getattr(report, "node", None)  # pytest-xdist's worker, on the controller
     worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
     _workers[worker] += report.duration
+    _per_module.add(report.nodeid, getattr(getattr(node, "gateway", None), "id", None))
+
+
+def pytest_sessionfinish(session) -> None:
+    split = _per_module.split() if session.config.getvalue("dist") == "loadscope" else {}
+    if split:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        session.config._cpab_split_modules = split
 
 
 @pytest.hookimpl(trylast=True)  # after --durations, so both stay in the tail CI shows
-def pytest_terminal_summary(terminalreporter) -> None:
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    for scope, workers in sorted(getattr(config, "_cpab_split_modules", {}).items()):
+        terminalreporter.write_line(f"ERROR: {scope} ran on workers {', '.join(workers)}: every module must run on one "
+                                    "worker (tests/xdist_modules.py schedules by module)", red=True)
     if not _modules:
         return
     shown = int(os.environ.get("CPAB_PROFILE_MODULES", "20"))
