@@ -59,6 +59,7 @@ from ..stackmodel import docwork, fake_flash_attn, simcuda, stack
 from ..stackmodel.allocator import Trace, record_step, replay
 from ..stackmodel.counts import StepCounts
 from ..stackmodel.hardware import CommCounter
+from ..stackmodel.simmode import SimulationMode
 from ..stackmodel.stepcount import StepCounter
 from ..stackmodel.steptime import (
     attention_kernel,
@@ -215,8 +216,9 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
         modelled = trial.step.kernel_workspace != "none"
 
         def tracked():
-            # the workspace mode inside the tracker, so that it sees the scratch buffers
-            with counter, steps.counting(), (workspace if modelled else contextlib.nullcontext()):
+            # the counters in one dispatch mode inside the tracker (bench.stackmodel.simmode), in the order
+            # they nest: the tracker sees the scratch buffers the workspace counter makes
+            with SimulationMode(), counter, steps.counting(), (workspace if modelled else contextlib.nullcontext()):
                 run()
 
         allocator = trial.step.allocator_model

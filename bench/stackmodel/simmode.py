@@ -1,0 +1,153 @@
+"""One dispatch mode for the simulator's per-operator counters.
+
+A simulated trial counts what every operator does several ways at once: the kernels' scratch
+(``bench.stackmodel.workspace.KernelWorkspace``), the memory-bound kernels' traffic, the host copies
+and the FLOPs (``bench.stackmodel.stepcount``), the integer tensors a varlen call's lengths come from
+(``bench.stackmodel.varlencount``) and the collectives (``bench.stackmodel.hardware.CommCounter``).
+Each is a ``Counter``: a ``TorchDispatchMode`` that can be entered on its own, as any mode, and
+whose bookkeeping is split into a ``before`` hook (run before the operator) and an ``after`` hook
+(run on its output). Stacked as modes, every operator would go through the Python dispatcher once
+per counter (each mode's handler calls the operator again, which dispatches to the next mode); a
+``SimulationMode`` does the same bookkeeping in one handler and calls the operator once.
+
+Counters entered while a ``SimulationMode`` is the innermost mode (the top of the dispatch-mode
+stack) **join** it instead of pushing a mode: each becomes its outermost hook, exactly where it would
+have been pushed, and leaves it on exit. Every counter therefore sees what it saw stacked:
+
+* ``before`` hooks run outermost first, then the operator, then the ``after`` hooks innermost first,
+  as the stacked handlers' code before and after their own call of the operator ran;
+* what a ``before`` hook returns is held until every ``after`` hook has run, and dropped then (a
+  kernel's scratch buffers live while the kernel runs, and die before the operator returns);
+* a tensor a hook makes (the scratch buffers) is dispatched to the modes below the ``SimulationMode``
+  (the memory tracker, the fake tensors), as it was to the modes below the counter that made it: the
+  counters inside that one counted nothing of an allocation, which moves no data;
+* an operator on DTensors is handed back to DTensor (``NotImplemented``) when the outermost counter
+  declines DTensors (``declines_dtensor``), and then no counter sees it, as no mode below a declining
+  one did; DTensor runs the local operators, which come through again.
+
+Two things a stack allowed are refused instead of merged: an operator on DTensors when the outermost
+counter takes them and one inside declines (stacked, the outer ones would see the operator and the
+inner ones its local operators only), and higher-order operators (a ``SimulationMode`` does not take
+them; the outermost counters of the simulator's stack did not either).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+
+def any_dtensor(types) -> bool:
+    """Whether a dispatched op has DTensor arguments. ``torch.distributed.tensor`` is looked up, not
+    imported: it is a quarter of this package's import time, and until something has imported it
+    (FSDP2 does) no tensor can be a DTensor, so processes that never shard (a sweep's runner, its
+    job wrappers, a method's numerics) need not load it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(issubclass(t, module.DTensor) for t in types)
+
+
+class Counter(TorchDispatchMode):
+    """A per-operator counter: a dispatch mode of its own, or a hook of the ``SimulationMode`` it
+    joins when entered inside one (module docstring).
+
+    Subclasses override ``before`` and/or ``after`` (the ones left as they are cost nothing per operator)
+    and set ``declines_dtensor``."""
+
+    declines_dtensor = True  # ops on DTensors go back to DTensor, whose local ops come through again
+
+    def before(self, func, args: tuple, kwargs: dict) -> Any:
+        """Before ``func`` runs; what it returns is held until the operator and every ``after`` hook ran."""
+        return None
+
+    def after(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        """After ``func`` ran and returned ``out``."""
+
+    def __enter__(self):
+        top = _get_current_dispatch_mode()
+        joined = isinstance(top, SimulationMode)
+        self.__dict__.setdefault("_joined", []).append(top if joined else None)
+        if joined:
+            top.join(self)
+            return self
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        mode = self._joined.pop()
+        if mode is not None:
+            mode.leave(self)
+            return None
+        return super().__exit__(exc_type, exc_val, exc_tb)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.declines_dtensor and any_dtensor(types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        held = self.before(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+            self.after(func, args, kwargs, out)
+        finally:
+            del held
+        return out
+
+
+def _overrides(counter: Counter, name: str) -> bool:
+    return getattr(type(counter), name) is not getattr(Counter, name)
+
+
+class SimulationMode(TorchDispatchMode):
+    """The counters that joined it (``Counter.__enter__``), run in one handler per operator (module
+    docstring). ``with SimulationMode(): with counter_a, counter_b: ...`` counts as
+    ``with counter_a, counter_b: ...`` does, with one dispatch per operator instead of two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counters: list[Counter] = []  # outermost first
+        self._plan()
+
+    @property
+    def counters(self) -> tuple[Counter, ...]:
+        """The joined counters, outermost first."""
+        return tuple(self._counters)
+
+    def join(self, counter: Counter) -> None:
+        """``counter`` becomes the outermost hook (where entering it as a mode would have pushed it)."""
+        self._counters.insert(0, counter)
+        self._plan()
+
+    def leave(self, counter: Counter) -> None:
+        """``counter`` leaves; counters leave in the reverse order of joining, as modes are popped."""
+        if not self._counters or self._counters[0] is not counter:
+            raise RuntimeError(f"{type(counter).__name__} leaves a SimulationMode it is not the outermost counter "
+                               "of: exit counters in the reverse order of entering them")
+        del self._counters[0]
+        self._plan()
+
+    def _plan(self) -> None:
+        counters = self._counters
+        self._befores = tuple(c.before for c in counters if _overrides(c, "before"))  # outermost first
+        self._afters = tuple(c.after for c in reversed(counters) if _overrides(c, "after"))  # innermost first
+        self._declines = bool(counters) and counters[0].declines_dtensor
+        self._mixed = not self._declines and any(c.declines_dtensor for c in counters)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (self._declines or self._mixed) and any_dtensor(types):
+            if self._declines:
+                return NotImplemented  # DTensor runs the local ops, which come back here
+            raise RuntimeError("a counter that declines DTensor ops is inside one that takes them: they cannot "
+                               "share a SimulationMode; enter them outside one, as separate modes")
+        kwargs = kwargs or {}
+        if not self._befores:
+            out = func(*args, **kwargs)
+            for after in self._afters:
+                after(func, args, kwargs, out)
+            return out
+        held = [before(func, args, kwargs) for before in self._befores]
+        try:
+            out = func(*args, **kwargs)
+            for after in self._afters:
+                after(func, args, kwargs, out)
+        finally:
+            del held  # what the before hooks made (a kernel's scratch) dies before the operator returns
+        return out
