@@ -59,7 +59,6 @@ from ..stackmodel import docwork, fake_flash_attn, simcuda, stack
 from ..stackmodel.allocator import Trace, record_step, replay
 from ..stackmodel.counts import StepCounts
 from ..stackmodel.hardware import CommCounter
-from ..stackmodel.simmode import SimulationMode
 from ..stackmodel.stepcount import StepCounter
 from ..stackmodel.steptime import (
     attention_kernel,
@@ -216,9 +215,10 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
         modelled = trial.step.kernel_workspace != "none"
 
         def tracked():
-            # the counters in one dispatch mode inside the tracker (bench.stackmodel.simmode), in the order
-            # they nest: the tracker sees the scratch buffers the workspace counter makes
-            with SimulationMode(), counter, steps.counting(), (workspace if modelled else contextlib.nullcontext()):
+            # the counters join the memory tracker's dispatch mode (simulate.PeakTracker, a SimulationMode:
+            # one Python dispatch per operator for all of them), in the order they nest; the tracker, inside
+            # them, sees the scratch buffers the workspace counter makes
+            with counter, steps.counting(), (workspace if modelled else contextlib.nullcontext()):
                 run()
 
         allocator = trial.step.allocator_model

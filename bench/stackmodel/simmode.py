@@ -32,10 +32,12 @@ them; the outermost counters of the simulator's stack did not either).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 
 def any_dtensor(types) -> bool:
@@ -65,7 +67,7 @@ class Counter(TorchDispatchMode):
 
     def __enter__(self):
         top = _get_current_dispatch_mode()
-        joined = isinstance(top, SimulationMode)
+        joined = isinstance(top, SimulationMode) and top.joinable()
         self.__dict__.setdefault("_joined", []).append(top if joined else None)
         if joined:
             top.join(self)
@@ -78,6 +80,14 @@ class Counter(TorchDispatchMode):
             mode.leave(self)
             return None
         return super().__exit__(exc_type, exc_val, exc_tb)
+
+    def dispatching_below(self) -> contextlib.AbstractContextManager:
+        """A context in which the operators this counter's hooks make reach the counters inside it and the
+        modes below (``SimulationMode.inside``), as a stacked counter's handler made them reach the modes
+        below it; on its own, a counter's handler already does."""
+        joined = self.__dict__.get("_joined")
+        mode = joined[-1] if joined else None
+        return mode.inside(self) if mode is not None else contextlib.nullcontext()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.declines_dtensor and any_dtensor(types):
@@ -101,10 +111,20 @@ class SimulationMode(TorchDispatchMode):
     docstring). ``with SimulationMode(): with counter_a, counter_b: ...`` counts as
     ``with counter_a, counter_b: ...`` does, with one dispatch per operator instead of two."""
 
+    declines_dtensor = False  # whether the mode's own innermost call (``_call``) declines DTensor ops
+
     def __init__(self) -> None:
         super().__init__()
+        self._init_counters()
+
+    def _init_counters(self) -> None:
         self._counters: list[Counter] = []  # outermost first
-        self._plan()
+        self._plan(self._counters)
+
+    def joinable(self) -> bool:
+        """Whether a counter entered now may join this mode (a subclass that is pushed more than once may
+        not: the counters would run once per push)."""
+        return True
 
     @property
     def counters(self) -> tuple[Counter, ...]:
@@ -114,7 +134,7 @@ class SimulationMode(TorchDispatchMode):
     def join(self, counter: Counter) -> None:
         """``counter`` becomes the outermost hook (where entering it as a mode would have pushed it)."""
         self._counters.insert(0, counter)
-        self._plan()
+        self._plan(self._counters)
 
     def leave(self, counter: Counter) -> None:
         """``counter`` leaves; counters leave in the reverse order of joining, as modes are popped."""
@@ -122,14 +142,33 @@ class SimulationMode(TorchDispatchMode):
             raise RuntimeError(f"{type(counter).__name__} leaves a SimulationMode it is not the outermost counter "
                                "of: exit counters in the reverse order of entering them")
         del self._counters[0]
-        self._plan()
+        self._plan(self._counters)
 
-    def _plan(self) -> None:
-        counters = self._counters
+    def _plan(self, counters: Sequence[Counter]) -> None:
+        """The hooks one operator runs through: ``counters`` (outermost first), then ``_call``."""
         self._befores = tuple(c.before for c in counters if _overrides(c, "before"))  # outermost first
         self._afters = tuple(c.after for c in reversed(counters) if _overrides(c, "after"))  # innermost first
-        self._declines = bool(counters) and counters[0].declines_dtensor
-        self._mixed = not self._declines and any(c.declines_dtensor for c in counters)
+        self._declines = counters[0].declines_dtensor if counters else self.declines_dtensor
+        self._mixed = not self._declines and (self.declines_dtensor or any(c.declines_dtensor for c in counters))
+
+    @contextlib.contextmanager
+    def inside(self, counter: Counter) -> Iterator[None]:
+        """Within the block (entered by one of ``counter``'s hooks, while this mode handles an operator),
+        operators dispatch to the counters inside ``counter`` and this mode's ``_call``: the mode is pushed
+        again, with those counters only, for the block."""
+        index = next(i for i, c in enumerate(self._counters) if c is counter)
+        saved = self._befores, self._afters, self._declines, self._mixed
+        self._plan(self._counters[index + 1:])
+        _push_mode(self)
+        try:
+            yield
+        finally:
+            _pop_mode()
+            self._befores, self._afters, self._declines, self._mixed = saved
+
+    def _call(self, func, args: tuple, kwargs: dict) -> Any:
+        """The operator itself, inside every counter (a subclass may do its own work around it)."""
+        return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if (self._declines or self._mixed) and any_dtensor(types):
@@ -139,13 +178,13 @@ class SimulationMode(TorchDispatchMode):
                                "share a SimulationMode; enter them outside one, as separate modes")
         kwargs = kwargs or {}
         if not self._befores:
-            out = func(*args, **kwargs)
+            out = self._call(func, args, kwargs)
             for after in self._afters:
                 after(func, args, kwargs, out)
             return out
         held = [before(func, args, kwargs) for before in self._befores]
         try:
-            out = func(*args, **kwargs)
+            out = self._call(func, args, kwargs)
             for after in self._afters:
                 after(func, args, kwargs, out)
         finally:

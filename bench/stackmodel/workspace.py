@@ -95,7 +95,8 @@ class KernelWorkspace(Counter):
             return None
         q, k = args[1], args[2]
         shapes = workspace_shapes(self.model, q, k)
-        buffers = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in shapes]
+        with self.dispatching_below():  # the memory tracker must see them
+            buffers = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in shapes]
         self.calls += 1
         self.peak_call_bytes = max(self.peak_call_bytes, sum(t.numel() * t.element_size() for t in buffers))
         return buffers
