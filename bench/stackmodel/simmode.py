@@ -12,15 +12,18 @@ per counter (each mode's handler calls the operator again, which dispatches to t
 
 Counters entered while a ``SimulationMode`` is the innermost mode (the top of the dispatch-mode
 stack) **join** it instead of pushing a mode: each becomes its outermost hook, exactly where it would
-have been pushed, and leaves it on exit. Every counter therefore sees what it saw stacked:
+have been pushed, and leaves it on exit. The mode's own work comes innermost (``_call``): the operator
+itself, or, for the memory tracker (``bench.measure.simulate.PeakTracker``, a ``SimulationMode``, which
+a simulated step's counters are entered in), the operator and the tracking of its outputs, as a
+tracker pushed below every counter did. Every counter therefore sees what it saw stacked:
 
-* ``before`` hooks run outermost first, then the operator, then the ``after`` hooks innermost first,
-  as the stacked handlers' code before and after their own call of the operator ran;
+* ``before`` hooks run outermost first, then ``_call``, then the ``after`` hooks innermost first, as
+  the stacked handlers' code before and after their own call of the operator ran;
 * what a ``before`` hook returns is held until every ``after`` hook has run, and dropped then (a
   kernel's scratch buffers live while the kernel runs, and die before the operator returns);
-* a tensor a hook makes (the scratch buffers) is dispatched to the modes below the ``SimulationMode``
-  (the memory tracker, the fake tensors), as it was to the modes below the counter that made it: the
-  counters inside that one counted nothing of an allocation, which moves no data;
+* the operators a hook makes (the scratch buffers) go, within ``Counter.dispatching_below``, through
+  the counters inside the one that made them and ``_call`` (the mode is pushed again with those only),
+  as a stacked counter's handler made them reach the modes below it: the tracker sees the scratch;
 * an operator on DTensors is handed back to DTensor (``NotImplemented``) when the outermost counter
   declines DTensors (``declines_dtensor``), and then no counter sees it, as no mode below a declining
   one did; DTensor runs the local operators, which come through again.
@@ -107,9 +110,9 @@ def _overrides(counter: Counter, name: str) -> bool:
 
 
 class SimulationMode(TorchDispatchMode):
-    """The counters that joined it (``Counter.__enter__``), run in one handler per operator (module
-    docstring). ``with SimulationMode(): with counter_a, counter_b: ...`` counts as
-    ``with counter_a, counter_b: ...`` does, with one dispatch per operator instead of two."""
+    """The counters that joined it (``Counter.__enter__``), run in one handler per operator around the
+    mode's own ``_call`` (module docstring). ``with SimulationMode(): with counter_a, counter_b: ...``
+    counts as ``with counter_a, counter_b: ...`` does, with one dispatch per operator instead of two."""
 
     declines_dtensor = False  # whether the mode's own innermost call (``_call``) declines DTensor ops
 
