@@ -215,7 +215,9 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
         modelled = trial.step.kernel_workspace != "none"
 
         def tracked():
-            # the workspace mode inside the tracker, so that it sees the scratch buffers
+            # the counters join the memory tracker's dispatch mode (simulate.PeakTracker, a SimulationMode:
+            # one Python dispatch per operator for all of them), in the order they nest; the tracker, inside
+            # them, sees the scratch buffers the workspace counter makes
             with counter, steps.counting(), (workspace if modelled else contextlib.nullcontext()):
                 run()
 

@@ -24,13 +24,13 @@ import torch.nn.init as init
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
-from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
 from torch.utils._pytree import tree_leaves
 
 from methods.core.hostmem import simulated_host
 from methods.core.tiling import compressing_repeats
 
+from ..stackmodel.simmode import SimulationMode
 from . import tape
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
@@ -128,8 +128,9 @@ def no_param_init() -> Iterator[None]:
             setattr(init, n, fn)
 
 
-class PeakTracker(MemTracker):
-    """A ``MemTracker`` that keeps the per-device peak only.
+class PeakTracker(SimulationMode, MemTracker):
+    """A ``MemTracker`` that keeps the per-device peak only, and the ``SimulationMode`` of the counters
+    entered inside it.
 
     ``MemTracker`` also keeps every module's own peak, scanning all tracked modules after every
     operator: on a deep model that scan dominates the run time
@@ -140,11 +141,22 @@ class PeakTracker(MemTracker):
     While a ``tape.recording`` block runs (``_tape`` set), every update of the current snapshot and
     every peak check is also noted, so that identical loop iterations can be replayed on it without
     running (``bench.measure.tape``).
+
+    The counters of a simulated step (``bench.stackmodel.simmode``) entered inside the tracker join it
+    (not while it is entered more than once: they would run once per push): every operator goes through
+    one Python dispatch for them and the tracker, which tracks inside every counter, as a tracker pushed
+    below them all did.
     """
 
     _tape = None  # the recording tape (bench.measure.tape), if any
+    declines_dtensor = True  # DTensor runs its local ops, which come through again (as MemTracker)
+
+    def joinable(self) -> bool:
+        return self._depth == 1
 
     def __enter__(self) -> PeakTracker:
+        if self._depth and self.counters:
+            raise RuntimeError("a PeakTracker with counters joined is entered again: they would count twice")
         super().__enter__()
         if self._depth == 1:
             tape.register(self)
@@ -171,16 +183,15 @@ class PeakTracker(MemTracker):
                 peak[dev] = total
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """``MemTracker.__torch_dispatch__`` with less work per operator: the outputs are tracked in
-        the order ``tree_map_only`` visits them, a single tensor without flattening, and the peak
-        is updated after every operator as there."""
-        if DTensor in types:
-            return NotImplemented
+    def _call(self, func, args: tuple, kwargs: dict):
+        """``MemTracker.__torch_dispatch__`` with less work per operator, inside the joined counters (an op
+        on DTensors never reaches here, ``declines_dtensor``): the outputs are tracked in the order
+        ``tree_map_only`` visits them, a single tensor without flattening, and the peak is updated after
+        every operator as there."""
         if func is _WAIT_TENSOR and active_fake_mode():
             res = args[0]  # as MemTracker: a wait returns its input, not the fake kernel's new tensor
         else:
-            res = func(*args, **kwargs or {})
+            res = func(*args, **kwargs)
         if active_fake_mode() is self._fake_mode_on_entry:
             if self._in_opt:
                 reftype = _MemRefType.OPT

@@ -12,5 +12,6 @@ models what a real GPU stack adds around that step, and how long it takes:
 * ``simcuda``: the simulated CUDA device that lets the GPU code path run on a CPU;
 * ``stepcount``, ``counts``, ``hardware`` and ``steptime``: what a step computes and sends, and the
   modelled step time from those counts on a device preset and its links;
+* ``simmode``: one dispatch mode for the per-operator counters (and the memory tracker) of a simulated step;
 * ``fidelity`` and ``steptime_fit``: both models against the paper's published numbers.
 """

@@ -236,10 +236,12 @@ class TraceRecorder(PeakTracker):
         if self._depth == 0:
             self._recording = False  # what dies after the step is not part of it
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def _call(self, func, args: tuple, kwargs: dict):
+        # the operator's own allocations are its events; the counters' (a kernel's scratch) those of
+        # the operators that made them, and the scratch's frees, after the operator, the outer one's
         outer, self._op = self._op, getattr(func, "__name__", None)
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return super()._call(func, args, kwargs)
         finally:
             self._op = outer
 

@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from records import GiB, MiB
+
+from .simmode import Counter, any_dtensor
 
 
 @dataclass(frozen=True)
@@ -261,16 +262,10 @@ def _group(args) -> tuple[int, tuple[int, ...]]:
     return 1, ()
 
 
-def _any_dtensor(types) -> bool:
-    """Whether a dispatched op has DTensor arguments. ``torch.distributed.tensor`` is looked up, not
-    imported: it is a quarter of this package's import time, and until something has imported it
-    (FSDP2 does) no tensor can be a DTensor, so processes that never shard (a sweep's runner, its
-    job wrappers, a method's numerics) need not load it."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and any(issubclass(t, module.DTensor) for t in types)
+_any_dtensor = any_dtensor  # the name this module gave it first (tests read it here)
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(Counter):
     """Records every c10d collective issued while active: ``(op, bytes per rank, group size)``.
 
     Works on real, fake-backend and fake-tensor runs alike (collectives pass through the
@@ -290,10 +285,8 @@ class CommCounter(TorchDispatchMode):
         self.members: list[tuple[int, ...]] = []
         self.issuers: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _any_dtensor(types):
-            return NotImplemented  # let DTensor run its local ops (and their collectives) through this mode
+    def before(self, func, args: tuple, kwargs: dict) -> None:
+        """Record ``func`` if it is a collective (as it is issued: the Python frames say who issues it)."""
         if func.namespace == "_c10d_functional":
             op = _FUNCTIONAL_OPS.get(func._schema.name.split("::", 1)[-1])
             if op is not None:
@@ -320,7 +313,6 @@ class CommCounter(TorchDispatchMode):
                 self.calls.append((op, nbytes, size))
                 self.members.append(members)
                 self.issuers.append(issuer())
-        return func(*args, **kwargs)
 
     @property
     def bytes(self) -> int:

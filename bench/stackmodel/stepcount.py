@@ -63,8 +63,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import methods
@@ -73,6 +72,7 @@ from methods.core.tiling import counted_as
 
 from . import varlencount
 from .counts import KERNEL_CLASSES, HostCopy, StepCounts, Traffic
+from .simmode import Counter, SimulationMode, any_dtensor
 
 aten = torch.ops.aten
 
@@ -210,8 +210,10 @@ def kernel_class(op) -> str:
     return "other"
 
 
-class HostCopies(TorchDispatchMode):
+class HostCopies(Counter):
     """Bytes copied between the simulated accelerator and the host device, by direction and issuer."""
+
+    declines_dtensor = False
 
     def __init__(self, accelerator: str, host: str) -> None:
         super().__init__()
@@ -229,15 +231,12 @@ class HostCopies(TorchDispatchMode):
         weight = counted_as()
         self.counts[kind] = self.counts.get(kind, Traffic()) + Traffic(weight, weight * nbytes)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def after(self, func, args: tuple, kwargs: dict, out) -> None:
         if func is aten._to_copy.default and isinstance(out, torch.Tensor):
             self._add(args[0].device, out.device, out.numel() * out.element_size())
         elif func is aten.copy_.default:
             dst, src = args[0], args[1]
             self._add(src.device, dst.device, dst.numel() * dst.element_size())
-        return out
 
 
 _METHODS_DIR = str(Path(methods.__file__).resolve().parent)
@@ -255,7 +254,7 @@ def _issued_by_a_method() -> bool:
     return False
 
 
-class _LocalOpsMode(_FlopCounterMode):
+class _LocalOpsMode(Counter, _FlopCounterMode):
     """torch's FlopCounterMode dispatch mode, counting the **local** kernels a rank runs:
 
     * ops on DTensors are handed back to DTensor (as ``CommCounter`` and torch's ``MemTracker``
@@ -270,19 +269,20 @@ class _LocalOpsMode(_FlopCounterMode):
     propagating = 0  # > 0 while DTensor's shape propagation runs (``StepCounter.counting``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        kwargs = kwargs or {}
+        # a higher-order operator reaches a counter only as a mode of its own (not a SimulationMode's)
+        if isinstance(func, torch._ops.HigherOrderOperator) and not _LocalOpsMode.propagating \
+                and not any_dtensor(types):
+            return _FlopCounterMode.__torch_dispatch__(self, func, types, args, kwargs or {})
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def after(self, func, args: tuple, kwargs: dict, out) -> None:
+        """Count ``func``'s FLOPs. Every op runs as it would without the counter: torch's mode first tries
+        to *decompose* an op it has no formula for (``func.decompose``), which runs other kernels with other
+        temporaries and moved the simulated peak (+1.6% on a tiny ring step); the matmuls and attention
+        kernels the model counts reach here whole (linear/matmul are decomposed by autograd before any
+        dispatch mode sees them), so nothing counted is lost."""
         if _LocalOpsMode.propagating:
-            return func(*args, **kwargs)
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        # every op runs as it would without the counter: torch's mode first tries to *decompose* an
-        # op it has no formula for (``func.decompose``), which runs other kernels with other
-        # temporaries and moved the simulated peak (+1.6% on a tiny ring step); the matmuls and
-        # attention kernels the model counts reach here whole (linear/matmul are decomposed by
-        # autograd before any dispatch mode sees them), so nothing counted is lost
-        out = func(*args, **kwargs)
+            return
         packet = func._overloadpacket
         weight = counted_as()  # a simulated tile standing for skipped ones (methods.core.tiling)
         if weight != 1 and packet in self.counter.flop_registry:
@@ -290,7 +290,7 @@ class _LocalOpsMode(_FlopCounterMode):
             self.counter.flop_counts["Global"][packet] += (weight - 1) * extra
         if packet in self.counter.flop_registry:  # a varlen call's cost beyond its FLOPs (varlencount)
             self.counter.varlen_excess += weight * varlencount.excess_flops(packet, args, kwargs)
-        return self.counter._count_flops(packet, out, args, kwargs)
+        self.counter._count_flops(packet, out, args, kwargs)
 
 
 def in_shape_propagation() -> bool:
@@ -390,7 +390,7 @@ def _traffic_of(func) -> object:
 _TRAFFIC: dict = {}  # operator -> _traffic_of(operator)
 
 
-class MemoryTraffic(TorchDispatchMode):
+class MemoryTraffic(Counter):
     """Bytes the memory-bound kernels of a step read and write on the accelerator (module docstring)."""
 
     def __init__(self, accelerator: str) -> None:
@@ -403,18 +403,14 @@ class MemoryTraffic(TorchDispatchMode):
         return [t for t in torch.utils._pytree.tree_leaves(tree)
                 if isinstance(t, torch.Tensor) and t.device.type == self.accelerator]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor runs the local ops, which come back here
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def after(self, func, args: tuple, kwargs: dict, out) -> None:
         if _LocalOpsMode.propagating or not isinstance(func, torch._ops.OpOverload):
-            return out
+            return
         how = _TRAFFIC.get(func)
         if how is None:
             how = _TRAFFIC[func] = _traffic_of(func)
         if how is _NO_KERNEL:
-            return out
+            return
         name, written = how
         if name == "copy_" and args[0].device == args[1].device and args[0].device.type == self.accelerator:
             moved = 2 * _span_bytes(args[0])  # a device-to-device copy: read the source, write the destination
@@ -422,7 +418,7 @@ class MemoryTraffic(TorchDispatchMode):
                 and out.device.type == self.accelerator:
             moved = _span_bytes(args[0]) + _span_bytes(out)  # a cast on the device (bf16 logits to fp32)
         elif name in _NO_DATA_OPS:  # a copy to or from the host is a host copy (HostCopies)
-            return out
+            return
         else:
             writes = self._on_device(out)
             if written is not None:  # in-place (the _foreach_ ones return nothing): the written arguments
@@ -430,13 +426,12 @@ class MemoryTraffic(TorchDispatchMode):
                 writes += [t for t in self._on_device([kwargs.get(n, args[i] if i < len(args) else None)
                                                        for i, n in written]) if id(t) not in ids]
             if not writes:
-                return out  # metadata (prim.device, sizes): no kernel
+                return  # metadata (prim.device, sizes): no kernel
             reads = self._on_device((args[1:], kwargs) if name in _WRITE_ONLY_OPS else (args, kwargs))
             moved = sum(_span_bytes(t) for t in reads) + sum(_span_bytes(t) for t in writes)
         weight = counted_as()
         self.bytes += weight * moved
         self.calls += weight
-        return out
 
 
 class StepCounter:
@@ -450,8 +445,11 @@ class StepCounter:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[StepCounter]:
-        with _marking_shape_propagation(), varlencount.tracking(), self.flops, self.copies, self.traffic, \
-                events.counting() as noted:
+        """Count within the block. The counters join the ``SimulationMode`` the block is entered in, else one
+        of their own: one dispatch per operator for all of them (``bench.stackmodel.simmode``)."""
+        joined = isinstance(_get_current_dispatch_mode(), SimulationMode)
+        with contextlib.nullcontext() if joined else SimulationMode(), _marking_shape_propagation(), \
+                varlencount.tracking(), self.flops, self.copies, self.traffic, events.counting() as noted:
             self.events = noted
             yield self
 

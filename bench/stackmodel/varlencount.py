@@ -25,26 +25,28 @@ attention.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import varlenrate
+from .simmode import Counter
 
 aten = torch.ops.aten
 MAX_TRACKED = 1 << 16  # integer tensors up to this many elements are remembered (cu_seqlens are small)
 
 
-class CuSeqlensValues(TorchDispatchMode):
-    """Remembers the values of small integer tensors made from Python data, through copies (docstring)."""
+class CuSeqlensValues(Counter):
+    """Remembers the values of small integer tensors made from Python data, through copies (docstring).
+    A counter (``bench.stackmodel.simmode``): inside a ``SimulationMode`` one of its hooks."""
+
+    declines_dtensor = False
 
     def __init__(self) -> None:
         super().__init__()
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def after(self, func, args: tuple, kwargs: dict, out) -> None:
         if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
             src = args[0]
             if _small_int(src) and type(src) is torch.Tensor:
@@ -54,7 +56,6 @@ class CuSeqlensValues(TorchDispatchMode):
             known = self.values.get(args[0])
             if known is not None and isinstance(out, torch.Tensor):
                 self.values[out] = known
-        return out
 
 
 def _small_int(t) -> bool:

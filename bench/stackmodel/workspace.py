@@ -31,10 +31,9 @@ Sizing the global op would charge a rank the whole sequence's scratch
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..training.config import KERNEL_WORKSPACES
+from .simmode import Counter
 from .stepcount import in_shape_propagation
 
 MODELS = KERNEL_WORKSPACES
@@ -71,11 +70,13 @@ def _backward_ops() -> set:
             aten._scaled_dot_product_flash_attention_backward.default}
 
 
-class KernelWorkspace(TorchDispatchMode):
+class KernelWorkspace(Counter):
     """Allocates the modelled scratch buffers around every flash-attention backward call.
 
-    Enter it inside the memory tracker (so the tracker sees the allocations). ``calls`` and
-    ``peak_call_bytes`` say how much was modelled."""
+    Enter it inside the memory tracker (so the tracker sees the allocations); inside a
+    ``SimulationMode`` it is one of its counters (``bench.stackmodel.simmode``), and the buffers it
+    makes are dispatched to the tracker below that mode. ``calls`` and ``peak_call_bytes`` say how
+    much was modelled."""
 
     def __init__(self, model: str) -> None:
         super().__init__()
@@ -86,20 +87,16 @@ class KernelWorkspace(TorchDispatchMode):
         self.calls = 0
         self.peak_call_bytes = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            # a DTensor's shape is the global one: hand the op back to DTensor, whose handler
-            # (torch-cp: torch's ring) runs the local kernels, which come back through here
-            return NotImplemented
-        kwargs = kwargs or {}
+    def before(self, func, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """The scratch buffers of a backward call, held while it runs (a DTensor's op never reaches here:
+        its shape is the global one, and DTensor's handler, torch-cp's ring, runs the local kernels, which
+        come back through the counter)."""
         if func not in self.ops or self.model == "none" or in_shape_propagation():
-            return func(*args, **kwargs)
+            return None
         q, k = args[1], args[2]
         shapes = workspace_shapes(self.model, q, k)
-        buffers = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in shapes]
+        with self.dispatching_below():  # the memory tracker must see them
+            buffers = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in shapes]
         self.calls += 1
         self.peak_call_bytes = max(self.peak_call_bytes, sum(t.numel() * t.element_size() for t in buffers))
-        try:
-            return func(*args, **kwargs)
-        finally:
-            del buffers
+        return buffers
