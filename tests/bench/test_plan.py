@@ -44,9 +44,11 @@ PLANNED = 1 << 20  # the tiny plan's search limit: every configuration fits ther
 
 
 def plan_argv(model: str, cache: Path, figs: Path) -> list[str]:
-    """``python -m bench plan``'s arguments for the tiny plan: 4 GPUs, lean stack, up to 1M in steps of 256K."""
+    """``python -m bench plan``'s arguments for the tiny plan: 4 GPUs, lean stack, up to 1M in steps of 1M (one
+    probe per configuration, which fits: the searches' doubling and bisection are checked by
+    ``test_search_brackets_exactly`` and ``test_search_stops_at_the_host_memory_budget``)."""
     return ["plan", "--model", model, "--gpus", "4", "--device", "h100-80g", "--max-seq-len", "1M",
-            "--granularity", "256K", "--stack", "lean", "--cache", str(cache), "--out-dir", str(figs)]
+            "--granularity", "1M", "--stack", "lean", "--cache", str(cache), "--out-dir", str(figs)]
 
 
 class Planned(NamedTuple):
@@ -356,8 +358,9 @@ def test_bad_arguments(argv, capsys):
 def test_search_stops_at_the_host_memory_budget(planned, tmp_path, monkeypatch):
     """With ample device memory, offloads beyond the preset's host bytes per GPU end the search:
     the answer is the longest length whose extrapolated host peak fits, and one step more fails
-    (exactly extrapolated again, from the simulations the search cached: ``SimCache``). The host
-    peak at 1M is the tiny plan's (its cached simulations)."""
+    (exactly extrapolated again, from the simulations the search cached: ``SimCache``). The search
+    starts at 1M, whose host peak is the tiny plan's (its cached simulations), doubles to 2M (over the
+    budget) and bisects down to 1M in steps of 256K."""
     from bench.stackmodel import hardware
 
     from_plan(planned, tmp_path, monkeypatch)
@@ -367,7 +370,7 @@ def test_search_stops_at_the_host_memory_budget(planned, tmp_path, monkeypatch):
     monkeypatch.setitem(hardware.DEVICES, "h", hardware.DevicePreset(
         "h", "cuda", 1 << 50, 0.9, "nvlink-h100", "test", host_bytes=int(host / 0.9) + 8))
     trial = Trial.make("offload", planned.model, PLANNED, 4, device="h")
-    found, best, _, step, err = search_max(trial, 256 << 10, 4 << 20, str(tmp_path), first=256 << 10)
+    found, best, _, step, err = search_max(trial, 256 << 10, 4 << 20, str(tmp_path), first=PLANNED)
     assert err is None and found == PLANNED and best.peak_bytes < trial.preset().usable()
     over = extrapolated(trial.with_seq_len(found + step), str(tmp_path))
     assert over.status == "oom" and over.host_peak_bytes > trial.preset().host_usable()
