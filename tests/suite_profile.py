@@ -5,9 +5,10 @@ and teardown summed, the slowest modules first) and each pytest-xdist worker's b
 (the correctness matrix) and uneven work per worker, which only these sums show. CI prints the tail
 of its log, so the summary is short: ``CPAB_PROFILE_MODULES`` modules (default 20).
 
-Under ``--dist loadscope`` (``make test``: scheduled by module, tests/xdist_modules.py) it also fails
-the run where a module's tests ran on more than one worker: its module-scoped fixtures would have run
-twice, and the matrix's verdicts after its cases would have seen only some of them.
+Under ``--dist loadscope`` (``make test``) or ``loadgroup``, both scheduled by module
+(tests/xdist_modules.py), it also fails the run where a module's tests ran on more than one worker:
+its module-scoped fixtures would have run twice, and the matrix's verdicts after its cases would have
+seen only some of them.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import PurePath
 
 import pytest
 
-from tests.xdist_modules import WorkersPerModule
+from tests.xdist_modules import MODULE_SCHEDULED, WorkersPerModule
 
 _modules: Counter[str] = Counter()
 _workers: Counter[str] = Counter()
@@ -36,7 +37,7 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_sessionfinish(session) -> None:
-    split = _per_module.split() if session.config.getvalue("dist") == "loadscope" else {}
+    split = _per_module.split() if session.config.getvalue("dist") in MODULE_SCHEDULED else {}
     if split:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         session.config._cpab_split_modules = split
@@ -44,11 +45,15 @@ def pytest_sessionfinish(session) -> None:
 
 @pytest.hookimpl(trylast=True)  # after --durations, so both stay in the tail CI shows
 def pytest_terminal_summary(terminalreporter, config) -> None:
+    if _modules:
+        _profile(terminalreporter)
+    # last, so that CI's tail shows it
     for scope, workers in sorted(getattr(config, "_cpab_split_modules", {}).items()):
         terminalreporter.write_line(f"ERROR: {scope} ran on workers {', '.join(workers)}: every module must run on one "
                                     "worker (tests/xdist_modules.py schedules by module)", red=True)
-    if not _modules:
-        return
+
+
+def _profile(terminalreporter) -> None:
     shown = int(os.environ.get("CPAB_PROFILE_MODULES", "20"))
     write = terminalreporter.write_line
     terminalreporter.section("seconds per test module (setup + call + teardown)")

@@ -18,6 +18,9 @@ from pathlib import PurePath
 
 from xdist.scheduler import LoadScopeScheduling
 
+# the --dist modes scheduled by module here (tests/conftest.py, pytest_xdist_make_scheduler)
+MODULE_SCHEDULED = ("loadscope", "loadgroup")
+
 # Modules that must share one pytest-xdist worker: the Slurm tests share one cluster, which the
 # session that started it stops at its end (tests/sweeps/conftest.py).
 SAME_WORKER = {
