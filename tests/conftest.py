@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 import bench  # noqa: F401, I001, E402 - first of all: it loads the simulated CUDA device before torch
 from tests.flash_attn_standin import install_if_missing  # noqa: E402
-from tests.xdist_modules import MODULE_SCHEDULED, SAME_WORKER  # noqa: E402
+from tests.xdist_modules import MODULE_SCHEDULED, SAME_WORKER, module_scheduler  # noqa: E402
 
 install_if_missing()
 
@@ -80,8 +80,4 @@ def pytest_collection_modifyitems(config, items):
 # `make test` ran before) gets the same scheduler: xdist's own grouping is lost under pytest 9.2.
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not installed
 def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") in MODULE_SCHEDULED:
-        from tests.xdist_modules import ModuleScheduling
-
-        return ModuleScheduling(config, log)
-    return None
+    return module_scheduler(config, log) if config.getvalue("dist") in MODULE_SCHEDULED else None

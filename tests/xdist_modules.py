@@ -4,19 +4,18 @@ Module-scoped fixtures (rank pools, shared simulations, plan caches) then run on
 the matrix's verdicts that follow its cases (``test_every_method_ran_a_case``) see every case. The
 modules of ``SAME_WORKER`` share one worker too (the Slurm tests share one cluster).
 
-Why not xdist's ``--dist loadgroup``: it groups by suffixing each item's ``_nodeid`` with its group on
-the workers, and pytest 9.2 keeps a node's id elsewhere (``Node._id``), so the suffix is lost and the
+Why not xdist's own ``--dist loadgroup``: it groups by suffixing each item's ``_nodeid`` with its group
+on the workers, and pytest 9.2 keeps a node's id elsewhere (``Node._id``), so the suffix is lost and the
 groups silently degrade to ``--dist load``: one module's tests spread over both workers, and each worker
 builds the module's fixtures again. Here the controller groups by the module part of each node id, which
-no pytest internals can change; ``check_one_worker_per_module`` fails a run where a module still ran on
+depends on no pytest internals (tests/conftest.py installs ``module_scheduler`` for ``loadscope`` and
+``loadgroup``); ``WorkersPerModule`` lets tests/suite_profile.py fail a run where a module still ran on
 two workers.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import PurePath
-
-from xdist.scheduler import LoadScopeScheduling
 
 # the --dist modes scheduled by module here (tests/conftest.py, pytest_xdist_make_scheduler)
 MODULE_SCHEDULED = ("loadscope", "loadgroup")
@@ -39,12 +38,17 @@ def scope_of(nodeid: str) -> str:
     return SAME_WORKER.get(module, module)
 
 
-class ModuleScheduling(LoadScopeScheduling):
-    """``--dist loadscope`` with modules (and ``SAME_WORKER`` groups) as the scopes, test classes
-    included in their module's scope."""
+def module_scheduler(config, log):
+    """xdist's ``--dist loadscope`` scheduler with modules (and ``SAME_WORKER`` groups) as the scopes, test
+    classes included in their module's scope. xdist is imported here, so that this module (which
+    tests/conftest.py imports) loads where xdist is not installed."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    def _split_scope(self, nodeid: str) -> str:
-        return scope_of(nodeid)
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return ModuleScheduling(config, log)
 
 
 class WorkersPerModule:
