@@ -15,11 +15,10 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from pathlib import PurePath
 
 import pytest
 
-from tests.xdist_modules import MODULE_SCHEDULED, WorkersPerModule
+from tests.xdist_modules import MODULE_SCHEDULED, WorkersPerModule, module_of
 
 _modules: Counter[str] = Counter()
 _workers: Counter[str] = Counter()
@@ -28,12 +27,11 @@ _per_module = WorkersPerModule()
 
 
 def pytest_runtest_logreport(report) -> None:
-    module = PurePath(report.nodeid.split("::", 1)[0]).as_posix()
-    _modules[module] += report.duration
+    _modules[module_of(report.nodeid)] += report.duration
     node = getattr(report, "node", None)  # pytest-xdist's worker, on the controller
-    worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
-    _workers[worker] += report.duration
-    _per_module.add(report.nodeid, getattr(getattr(node, "gateway", None), "id", None))
+    gateway = getattr(getattr(node, "gateway", None), "id", None)
+    _workers[gateway or "main"] += report.duration
+    _per_module.add(report.nodeid, gateway)
 
 
 def pytest_sessionfinish(session) -> None:
