@@ -85,10 +85,13 @@ class Figures:
     # packed documents: each rank's attention work and the imbalance (bench.stackmodel.docwork.RankWork.to_dict);
     # absent from a row of one sequence
     doc_work: dict | None = None
-    # simulated: the rank whose figures these are (the worst of those simulated: bench.measure.run.worst_of),
-    # and, where several were simulated, each one's judged peak as [rank, bytes]; absent from rows before ranks
+    # simulated, emulated: the rank whose figures these are (the worst of those measured: bench.measure.run.worst_of),
+    # and, where several were measured, each one's judged peak as [rank, bytes] (emulated: its allocated peak);
+    # absent from rows before ranks
     worst_rank: int | None = None
     rank_peaks: list | None = None
+    # emulated on CUDA, several ranks: each one's reserved peak as [rank, bytes], the ranks of rank_peaks
+    rank_reserved_peaks: list | None = None
     # real, CPU ranks: each rank's wall time in attention kernel calls per step (the median over the timed steps,
     # rank order; bench.measure.attntime), and the slowest rank's over the mean; absent where not measured
     rank_attention_s: list | None = None
@@ -96,7 +99,8 @@ class Figures:
 
 
 # figures written only when measured, so that a row without them is written as it was before they existed
-OMITTED_WHEN_NONE = ("doc_work", "worst_rank", "rank_peaks", "rank_attention_s", "attention_imbalance")
+OMITTED_WHEN_NONE = ("doc_work", "worst_rank", "rank_peaks", "rank_reserved_peaks", "rank_attention_s",
+                     "attention_imbalance")
 
 
 @dataclass
@@ -245,19 +249,28 @@ def _check_spread(f: Figures) -> None:
                        f"{f.step_time_max_s}) are not the median/min/max of step_times_s {times}")
 
 
+def _rank_pairs(pairs) -> bool:
+    """Whether ``pairs`` is a non-empty list of ``[rank, bytes]`` integer pairs."""
+    return bool(pairs) and isinstance(pairs, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(_type_ok(v, int) for v in p) for p in pairs)
+
+
 def _check_ranks(f: Figures, world_size: int) -> None:
-    """``worst_rank`` is a rank of the job, and ``rank_peaks`` (``[rank, bytes]`` pairs, one per rank
-    simulated) holds it."""
+    """``worst_rank`` is a rank of the job, ``rank_peaks`` (``[rank, bytes]`` pairs, one per rank
+    measured) holds it, and ``rank_reserved_peaks`` (emulated on CUDA) names the same ranks."""
     if f.worst_rank is not None and not 0 <= f.worst_rank < world_size:
         raise RowError(f"row.figures.worst_rank = {f.worst_rank} is not a rank of world size {world_size}")
-    if f.rank_peaks is None:
-        return
-    pairs = f.rank_peaks
-    if not pairs or not all(isinstance(p, list) and len(p) == 2 and all(_type_ok(v, int) for v in p) for p in pairs):
-        raise RowError(f"row.figures.rank_peaks = {pairs!r} must be a non-empty list of [rank, bytes] pairs")
-    if f.worst_rank not in [p[0] for p in pairs]:
-        raise RowError(f"row.figures.rank_peaks = {pairs!r} must hold worst_rank ({f.worst_rank}), the rank "
-                       "whose figures the row has")
+    pairs, reserved = f.rank_peaks, f.rank_reserved_peaks
+    if pairs is not None:
+        if not _rank_pairs(pairs):
+            raise RowError(f"row.figures.rank_peaks = {pairs!r} must be a non-empty list of [rank, bytes] pairs")
+        if f.worst_rank not in [p[0] for p in pairs]:
+            raise RowError(f"row.figures.rank_peaks = {pairs!r} must hold worst_rank ({f.worst_rank}), the rank "
+                           "whose figures the row has")
+    if reserved is not None and (pairs is None or not _rank_pairs(reserved)
+                                 or [p[0] for p in reserved] != [p[0] for p in pairs]):
+        raise RowError(f"row.figures.rank_reserved_peaks = {reserved!r} must be [rank, bytes] pairs of the ranks "
+                       f"of rank_peaks ({pairs!r})")
 
 
 def _check_attention(f: Figures, world_size: int) -> None:

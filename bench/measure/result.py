@@ -93,8 +93,9 @@ class Measurement:
     attention_calls: dict[str, int] | None = None  # real, CPU: attention kernel calls per step, forward and backward
     rank_attention_s: list[float] | None = None  # real, combined: each rank's median attention seconds, rank order
     rank_attention_calls: list[list[int]] | None = None  # real, combined: [forward, backward] calls per step, by rank
-    rank: int | None = None  # simulated: the rank measured; of several (measure_worst_rank), the worst
-    rank_peaks: list[list[int]] | None = None  # several ranks simulated: [rank, judged peak (bytes)] of each
+    rank: int | None = None  # simulated, emulated: the rank measured; of several (worst_of), the worst
+    rank_peaks: list[list[int]] | None = None  # several ranks simulated or emulated: [rank, judged peak (bytes)]
+    rank_reserved_peaks: list[list[int]] | None = None  # several ranks emulated on CUDA: [rank, reserved peak]
     trace: KeptTrace | None = field(default=None, compare=False, repr=False)  # keep_trace: to replay (not in to_dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,10 +8,14 @@ Modes (recorded in every row):
   ``MemTracker`` over real tensors (CPU has no allocator peak statistics in torch, and RSS
   counts the interpreter, libraries and memory malloc has not returned; MemTracker counts
   live tensor storage exactly as CUDA's allocated figure does).
-* ``emulated``: one real rank (rank 0) of a ``world_size``-rank job on this device, with a
+* ``emulated``: one real rank of a ``world_size``-rank job at a time on this device, with a
   ``fake`` process group: compute and memory are real, collectives return at once, and their
   time comes from the link model (``bench.stackmodel.hardware``) over the bytes actually issued:
-  ``step_time = measured compute + modelled communication`` (no overlap assumed).
+  ``step_time = measured compute + modelled communication`` (no overlap assumed). The ranks
+  measured are those a simulation measures (``deciding_ranks``), one after another in this
+  process, the device freed between them; the worst rank's figures make the row (``worst_of``:
+  its memory, and its step time too), with ``figures.worst_rank``, each rank's allocated peak
+  (``rank_peaks``) and, on CUDA, each rank's reserved peak (``rank_reserved_peaks``).
 * ``simulated``: FakeTensorMode + fake process group + MemTracker: one rank's peak for any
   shape and world size with nothing allocated, for each rank that can decide the trial's memory
   (``AttentionMethod.deciding_ranks``: every rank of the ring family, rank 0 of a method whose ranks
@@ -42,9 +46,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -408,23 +414,66 @@ def real_rank(group, trial: Trial) -> Measurement:
     return guarded(measure_on_device, trial, group, device, None, True)
 
 
-def _emulated(trial: Trial) -> Measurement:
-    """Rank 0 on this device with a fake process group. With ``attention_math="skip"`` the
-    memory-faithful flash-attn stands in where none is installed (as in simulated mode) and every
-    step runs under ``SkipAttentionMath`` (``bench.measure.skipmath``)."""
-    device = launch.local_device(trial.preset().kind)
+def release_device(device: torch.device) -> None:
+    """Free what a measured rank left on ``device`` before the next rank is built: the model and
+    optimizer of the rank just measured are unreachable once its measurement returns, but FSDP's
+    modules hold reference cycles, so they go only at a collection; then the caching allocator's
+    segments are returned and the peak counters reset, so that each rank's peaks are its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def emulated_rank(trial: Trial, rank: int, device: torch.device) -> Measurement:
+    """Rank ``rank`` of the job on ``device`` with a fake process group (the group gives the rank
+    its place: its part of the sequence in the method's layout, its documents' cut, its FSDP
+    shards, its steps of the ring). With ``attention_math="skip"`` the memory-faithful flash-attn
+    stands in where none is installed (as in simulated mode) and every step runs under
+    ``SkipAttentionMath`` (``bench.measure.skipmath``)."""
     if trial.step.attention_math != "skip":
-        with fake_process_group(trial.world_size) as group:
+        with fake_process_group(trial.world_size, rank) as group:
             return measure_on_device(trial, group, device)
     needs = fake_flash_attn.needs_it(methods.get_info(trial.method).requires)
     skip = SkipAttentionMath()
-    with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size) as group:
+    with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size, rank) as group:
         out = measure_on_device(trial, group, device, around_step=skip)
     if not skip.calls:
         raise RuntimeError(f"attention_math='skip': no attention kernel of {trial.method!r} was answered "
                            f"(it calls none that bench.measure.skipmath knows); drop --attention-math skip")
     out.skipped_calls = dict(skip.calls)
     out.flash_attn_simulated = needs and "flash_attn" in added
+    return out
+
+
+def _emulated(trial: Trial) -> Measurement:
+    """Each deciding rank (``deciding_ranks``: every rank of the ring family, rank 0 of a method whose
+    ranks are symmetric; rank 0 alone under ``$CPAB_SIM_RANKS=0``) measured in turn on this device
+    (``emulated_rank``), the device freed between ranks (``release_device``), and the worst of them
+    (``worst_of``: emulated rows count allocated bytes, so the largest allocated peak). The row's
+    step time is that worst-memory rank's too: a measured rank's compute time is its own. A failed
+    rank stops the loop, as in simulation. On CUDA, each rank's reserved peak goes beside the
+    allocated ones (``rank_reserved_peaks``), for the comparison with simulated ranks
+    (``scripts/gpu/compare.py``)."""
+    device = launch.local_device(trial.preset().kind)
+    ranks = deciding_ranks(trial)
+    by_rank: dict[int, Measurement] = {}
+    for rank in ranks:
+        t0 = time.perf_counter()
+        by_rank[rank] = r = guarded(emulated_rank, trial, rank, device)
+        release_device(device)
+        if len(ranks) > 1:  # progress of a long trial, on stderr (the row is the output)
+            said = (f"allocated {(r.peak_bytes or 0) / GiB:.2f} GiB" + (
+                f", reserved {r.peak_reserved_bytes / GiB:.2f} GiB" if r.peak_reserved_bytes is not None else "")
+                + f", compute {r.compute_time_s:.2f} s" if r.status == "ok" else f"{r.status}: {r.message}")
+            print(f"[emulated] rank {rank} ({len(by_rank)}/{len(ranks)}): {said}; {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+        if r.status != "ok":
+            break
+    out = worst_of(trial, by_rank)
+    if out.rank_peaks and all(r.peak_reserved_bytes is not None for r in by_rank.values()):
+        out.rank_reserved_peaks = [[rank, by_rank[rank].peak_reserved_bytes] for rank in sorted(by_rank)]
     return out
 
 
@@ -513,6 +562,20 @@ def _ranks_said(trial: Trial, result: Measurement) -> str:
     return f"on rank {rank}" + (f" alone (its ranks are symmetric: {reason})" if reason and rank == 0 else "")
 
 
+def _emulated_said(trial: Trial, result: Measurement) -> str:
+    """How an emulated row was measured, as its notes say it: which ranks ran, whose figures and step
+    time the row carries (the worst-memory rank's)."""
+    tail = "step_time = measured compute + modelled communication (no overlap)"
+    if not result.rank_peaks:
+        return f"emulated with a fake process group on this device, {_ranks_said(trial, result)}; {tail}"
+    ranks = [r for r, _ in result.rank_peaks]
+    which = f"ranks 0-{ranks[-1]}" if ranks == list(range(len(ranks))) else "ranks " + ", ".join(map(str, ranks))
+    reserved = ", each one's reserved peak in figures.rank_reserved_peaks" if result.rank_reserved_peaks else ""
+    return (f"emulated on {which} of a fake process group, one at a time on this device (the device freed between "
+            f"ranks); the figures are the worst rank's by allocated peak, rank {result.rank} (figures.worst_rank; "
+            f"each rank's allocated peak in figures.rank_peaks{reserved}), its step time too: {tail}")
+
+
 # how the message of an OOM on the host budget alone starts (bench.stackmodel.fidelity reads it)
 HOST_OOM = "host memory:"
 
@@ -558,7 +621,7 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
     f.tokens_per_device = trial.step.batch * trial.seq_len // seq_ranks
     f.flops_per_device = flops_per_device(cfg, trial.seq_len, seq_ranks, trial.step.batch, trial.step.scope)
     f.wall_s = round(wall_s, 3)
-    f.worst_rank, f.rank_peaks = result.rank, result.rank_peaks
+    f.worst_rank, f.rank_peaks, f.rank_reserved_peaks = result.rank, result.rank_peaks, result.rank_reserved_peaks
     link = trial.link_model()
     work = docwork.trial_work(trial)  # packed documents: each rank's attention work (None: one sequence)
     if work is not None:
@@ -654,8 +717,7 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
         notes.append(f"simulated: FakeTensorMode + fake process group + MemTracker {on_ranks}; CUDA context, "
                      f"NCCL buffers, {unmodelled} not modelled (see usable_bytes)")
     if trial.mode == "emulated":
-        notes.append("emulated: rank 0 of a fake process group; step_time = measured compute + "
-                     "modelled communication (no overlap)")
+        notes.append(_emulated_said(trial, result))
     if result.skipped_calls:
         calls = ", ".join(f"{name} x{n}" for name, n in sorted(result.skipped_calls.items()))
         notes.append(f"{SKIP_NOTE} (calls answered over the warm-up and timed steps: {calls})")

@@ -10,13 +10,15 @@ import torch
 
 import methods
 from bench.measure import run as trial_mod
-from bench.measure.result import Measurement
+from bench.measure.result import Measurement, failed
 from bench.measure.run import measure_simulated, real_rank, run_trial
 from bench.measure.simulate import fake_process_group, fake_tensors, track_peak
 from bench.measure.trial import Trial
 from bench.stackmodel.hardware import LINKS, CommCounter, get_device
 from bench.training.config import StepConfig
 from methods.core import comm
+from records import validate_row
+from records.workloads.spec import DocsSpec
 
 CANDIDATES = ("ulysses", "upipe", "ring")
 COMPARED = sorted(set(methods.available()) & set(CANDIDATES))
@@ -86,6 +88,79 @@ def test_emulated_row_adds_modelled_communication_to_measured_compute():
     assert f.tflops_per_device == pytest.approx(f.flops_per_device / f.step_time_s / 1e12)
     assert f.peak_bytes > 0 and f.loss is not None
     assert "torch CPU threads per rank: 1" in row.notes
+
+
+def test_emulated_mode_measures_every_deciding_rank_as_simulation_does(monkeypatch):
+    """A zigzag ring with packed documents, emulated with every deciding rank (``$CPAB_SIM_RANKS``
+    unset, as outside the suite): each rank runs once on the device with its own process-group
+    rank, and its allocated peak (MemTracker over the real tensors on CPU) is the simulation's
+    live-tensor peak of the same rank, to the byte; the row is the worst rank's."""
+    monkeypatch.delenv("CPAB_SIM_RANKS")
+    trial = Trial.make("ring", "tiny-mha", 512, 2, mode="emulated", device="cpu", iters=1, smoke=True, threads=1,
+                       docs=DocsSpec(lengths=(50, 462)))
+    measured: list[int] = []
+    each = trial_mod.emulated_rank
+
+    def counted(t, rank, device):
+        measured.append(rank)
+        return each(t, rank, device)
+
+    monkeypatch.setattr(trial_mod, "emulated_rank", counted)
+    row = run_trial(trial)
+    assert row.status == "ok", row.message
+    assert measured == [0, 1]
+    simulated = dataclasses.replace(trial, mode="simulated")
+    sims = {r: measure_simulated(simulated, rank=r) for r in measured}
+    assert row.figures.rank_peaks == [[r, sims[r].peak_bytes] for r in measured]
+    assert len({p for _, p in row.figures.rank_peaks}) > 1, "the ranks of this case no longer differ: pick one that do"
+    worst = max(measured, key=lambda r: (sims[r].peak_bytes, -r))
+    assert row.figures.worst_rank == worst and row.figures.peak_bytes == sims[worst].peak_bytes
+    assert row.figures.rank_reserved_peaks is None  # no reserved bytes on a CPU
+    assert any(n.startswith("emulated on ranks 0-1 ") and f"rank {worst} " in n for n in row.notes), row.notes
+    validate_row(row)
+
+
+def test_emulated_ranks_follow_sim_ranks_and_free_the_device_between_them(monkeypatch):
+    """Hand-made ranks (no step runs): ``$CPAB_SIM_RANKS=0`` measures rank 0 alone, as in simulation;
+    unset, every deciding rank in turn with the device released after each; the worst by allocated
+    peak makes the measurement, with each rank's reserved peak where the device reports one; a
+    failing rank stops the loop."""
+    peaks = {0: (100, 300), 1: (200, 250), 2: (150, 400), 3: (120, 310)}
+    calls: list[tuple[str, int]] = []
+
+    def fake_rank(t, rank, device):
+        calls.append(("rank", rank))
+        allocated, reserved = peaks[rank]
+        return Measurement(peak_bytes=allocated, peak_reserved_bytes=reserved, compute_time_s=float(rank))
+
+    monkeypatch.setattr(trial_mod, "emulated_rank", fake_rank)
+    monkeypatch.setattr(trial_mod, "release_device", lambda device: calls.append(("release", -1)))
+    trial = Trial.make("ring", "tiny-llama", 1024, 4, mode="emulated", device="cpu", iters=1, smoke=True)
+    monkeypatch.setenv("CPAB_SIM_RANKS", "0")
+    alone = trial_mod._emulated(trial)
+    assert calls == [("rank", 0), ("release", -1)]
+    assert alone.rank == 0 and alone.rank_peaks is None and alone.rank_reserved_peaks is None
+    calls.clear()
+    monkeypatch.delenv("CPAB_SIM_RANKS")
+    out = trial_mod._emulated(trial)
+    assert calls == [c for r in range(4) for c in (("rank", r), ("release", -1))]
+    assert out.rank == 1 and out.peak_bytes == 200 and out.compute_time_s == 1.0  # the worst rank's step time too
+    assert out.rank_peaks == [[r, peaks[r][0]] for r in range(4)]
+    assert out.rank_reserved_peaks == [[r, peaks[r][1]] for r in range(4)]
+    row = trial_mod.build_row(trial, out, 1.0)
+    validate_row(row)
+    assert row.figures.rank_reserved_peaks == out.rank_reserved_peaks
+    assert any("rank 1 (figures.worst_rank" in n and "figures.rank_reserved_peaks" in n for n in row.notes), row.notes
+    asked: list[int] = []
+
+    def failing(t, rank, device):
+        asked.append(rank)
+        return failed("oom", "out of memory") if rank == 1 else fake_rank(t, rank, device)
+
+    monkeypatch.setattr(trial_mod, "emulated_rank", failing)
+    stopped = trial_mod._emulated(trial)
+    assert asked == [0, 1]
+    assert stopped.status == "oom" and stopped.rank == 1 and stopped.rank_peaks is None
 
 
 def test_emulated_row_drops_a_loss_that_is_not_a_number(monkeypatch):
