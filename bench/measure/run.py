@@ -255,19 +255,22 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
     return out
 
 
-SIM_RANKS_ENV = "CPAB_SIM_RANKS"  # "deciding" (default) or "0": simulate rank 0 alone, C times faster for a ring
+# "deciding" (default), "0": simulate (or emulate) rank 0 alone, C times faster for a ring, or another rank
+# number: that rank alone (scripts/gpu/compare.py simulates each rank of an emulated row so)
+SIM_RANKS_ENV = "CPAB_SIM_RANKS"
 
 
 def deciding_ranks(trial: Trial) -> tuple[int, ...]:
-    """The ranks a simulation of ``trial`` measures: its method's ``deciding_ranks`` (every rank of
-    the ring family, rank 0 of a method whose ranks are symmetric); rank 0 alone where
-    ``$CPAB_SIM_RANKS`` is ``0`` (an asymmetric method's row then says its figures are rank 0's)."""
+    """The ranks a simulation (or an emulation) of ``trial`` measures: its method's ``deciding_ranks``
+    (every rank of the ring family, rank 0 of a method whose ranks are symmetric); rank ``r`` alone
+    where ``$CPAB_SIM_RANKS`` is a rank number ``r``, such as ``0`` (an asymmetric method's row then
+    says its figures are that rank's)."""
     choice = os.environ.get(SIM_RANKS_ENV, "deciding")
-    if choice not in ("deciding", "0"):
+    if choice != "deciding" and not (choice.isdigit() and int(choice) < trial.world_size):
         raise ValueError(f"{SIM_RANKS_ENV}={choice!r}: use 'deciding' (every rank that can decide memory) "
-                         "or '0' (rank 0 alone)")
-    if choice == "0":
-        return (0,)
+                         f"or a rank number below the world size {trial.world_size} (that rank alone, e.g. '0')")
+    if choice != "deciding":
+        return (int(choice),)
     cls = trial.method_cls()
     ranks = cls.deciding_ranks(trial.world_size, trial.options, trial.config().attn_spec(), trial.documents())
     if not ranks or any(not 0 <= r < trial.world_size for r in ranks):

@@ -1,7 +1,7 @@
 """Emulated runs with the attention kernels' arithmetic skipped: real memory at lengths whose
 attention would take hours on one GPU.
 
-Why. An emulated trial (``bench.measure.run``: rank 0 of a C-rank job on one GPU, a fake process
+Why. An emulated trial (``bench.measure.run``: each deciding rank of a C-rank job on one GPU in turn, a fake process
 group) measures the real caching allocator, FSDP2's real streams, the real checkpoint offloads
 and the real library code. Its cost is the attention: at the paper's long-context points (3M
 tokens on 8 ranks, 4M on 16) one rank's causal attention is 10^17-10^18 FLOPs a step, far longer

@@ -191,3 +191,18 @@ def test_rows_without_ranks_are_written_as_before_and_bad_ones_refused():
                       (dict(worst_rank=0, rank_peaks=[5]), "rank_peaks")):
         with pytest.raises(RowError, match=said):
             validate_row({**d, "figures": {**d["figures"], **bad}})
+
+
+def test_sim_ranks_names_one_rank_or_every_deciding_one(monkeypatch):
+    """``$CPAB_SIM_RANKS``: ``deciding`` (this module's setting) gives the method's deciding ranks, a rank
+    number below the world size that rank alone (``scripts/gpu/compare.py`` simulates each rank of an
+    emulated row so), anything else an error that says what to use."""
+    trial = _ring()
+    assert deciding_ranks(trial) == tuple(range(WORLD))
+    for rank in (0, WORLD - 1):
+        monkeypatch.setenv("CPAB_SIM_RANKS", str(rank))
+        assert deciding_ranks(trial) == (rank,)
+    for wrong in (str(WORLD), "-1", "all", "1,2"):
+        monkeypatch.setenv("CPAB_SIM_RANKS", wrong)
+        with pytest.raises(ValueError, match="a rank number below the world size 4"):
+            deciding_ranks(trial)
