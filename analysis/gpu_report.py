@@ -86,13 +86,69 @@ def pct(ours: float, real: float) -> str:
     return f"{100 * (ours - real) / real:+.1f}%"
 
 
+def worst_gap(values: dict[int, int]) -> str:
+    """The worst rank of ``values`` (bytes by rank, rank 0 among them; a tie to the lowest rank) and
+    how much more it holds than rank 0."""
+    top = max(values, key=lambda r: (values[r], -r))
+    return f"rank {top} +{(values[top] - values[0]) / GiB:.2f} GiB"
+
+
+def ranks_markdown(by_trial: dict[tuple, list[dict]], rank_sims: dict[tuple, dict[int, dict[str, dict]]],
+                   pools: list[str]) -> list[str]:
+    """The section of ``compare.md`` for real rows that measured several ranks (an emulated row's
+    ``rank_peaks`` and ``rank_reserved_peaks``): each rank's real allocated and reserved peaks beside
+    that rank simulated alone (``rank_sims``: by trial, rank and pools), and per trial how much more
+    the worst rank holds than rank 0, real and simulated."""
+    lines = ["", "## Each rank", "",
+             "Emulated rows that measured every deciding rank (`bench.measure.run._emulated`: each rank in turn on "
+             "the GPU with its own fake process-group rank, the device freed between ranks): each rank's real "
+             "allocated and reserved peaks (`figures.rank_peaks`, `figures.rank_reserved_peaks`) against the same "
+             "rank simulated alone (`CPAB_SIM_RANKS=r`, as above). `*`: the row's worst rank (real, by allocated "
+             "peak), whose figures the table above compares.", "",
+             "| method | ws | tokens | rank | allocated real | sim | Δ | reserved real | "
+             + " | ".join(f"sim {p} | Δ" for p in pools) + " |",
+             "|" + "---|" * (8 + 2 * len(pools))]
+    gaps = []
+    for key in sorted(rank_sims):
+        row = by_trial[key][0]
+        f = row["figures"]
+        allocated, reserved = dict(map(tuple, f["rank_peaks"])), dict(map(tuple, f.get("rank_reserved_peaks") or []))
+        opts = " ".join([*key[3][1::2], *(f"docs {d}" for d in docs_args(row)[1::2])])
+        label = f"{key[0]}{f' ({opts})' if opts else ''}"
+        for rank, sim in rank_sims[key].items():
+            sa = sim[pools[0]]["figures"]["peak_bytes"]
+            rr = reserved.get(rank)
+            cells = " | ".join(
+                f"{sim[p]['figures']['peak_reserved_bytes'] / GiB:.2f} | "
+                + (pct(sim[p]['figures']['peak_reserved_bytes'], rr) if rr else "") for p in pools)
+            star = "*" if rank == f.get("worst_rank") else ""
+            lines.append(f"| {label} | {key[2]} | {key[1] // 1024}K | {rank}{star} | {allocated[rank] / GiB:.2f} "
+                         f"| {sa / GiB:.2f} | {pct(sa, allocated[rank])} | {f'{rr / GiB:.2f}' if rr else '-'} "
+                         f"| {cells} |")
+        ranks = list(rank_sims[key])
+        if 0 in rank_sims[key] and len(ranks) > 1:
+            sim_alloc = {r: rank_sims[key][r][pools[0]]["figures"]["peak_bytes"] for r in ranks}
+            parts = [f"allocated real {worst_gap(allocated)}, simulated {worst_gap(sim_alloc)}"]
+            if reserved:
+                parts.append(f"reserved real {worst_gap(reserved)}, " + ", ".join(
+                    f"simulated {p} " + worst_gap({r: rank_sims[key][r][p]['figures']['peak_reserved_bytes']
+                                                   for r in ranks}) for p in pools))
+            gaps.append(f"- {label}, {key[2]} ranks, {key[1] // 1024}K: the worst rank over rank 0: "
+                        + "; ".join(parts) + ".")
+    return lines + ([""] + gaps if gaps else [])
+
+
 def compare_markdown(folder: Path, real_rows: list[dict], by_trial: dict[tuple, list[dict]],
-                     sims: dict[tuple, dict[str, dict]], pools: list[str]) -> str:
+                     sims: dict[tuple, dict[str, dict]], pools: list[str],
+                     rank_sims: dict[tuple, dict[int, dict[str, dict]]] | None = None) -> str:
     """``compare.md``: per real trial (``by_trial``, keyed by ``trial_key``), its real allocated and
-    reserved peaks and step times against its simulations (``sims``: one per allocator ``pools``)
-    and the modelled step time; then the kernel rates of ``folder/kernels.ndjson``, if any."""
+    reserved peaks and step times against its simulations (``sims``: one per allocator ``pools``, of
+    the rank the real row's figures are) and the modelled step time; for real rows that measured
+    several ranks, each rank against its simulation (``rank_sims``, :func:`ranks_markdown`); then the
+    kernel rates of ``folder/kernels.ndjson``, if any."""
     any_sim = next(iter(next(iter(sims.values())).values()))
     emulated = any(r["mode"] == "emulated" for r in real_rows)
+    by_ranks = any(r["figures"].get("rank_peaks") for r in real_rows if r["mode"] == "emulated")
     skips = any(skipped(r) for r in real_rows)
     device_name = real_rows[0]["env"]["device_name"]
     levers = ("the levers of `python -m bench run` (FSDP2, checkpoints offloaded but the first block's, "
@@ -110,10 +166,15 @@ def compare_markdown(folder: Path, real_rows: list[dict], by_trial: dict[tuple, 
         f"Real: `bash scripts/gpu/validate.sh OUT ...` on {device_name} "
         f"(torch {real_rows[0]['env']['torch']}), `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
         f"{levers}. "
-        + ("Mode `emulated` (column ws): rank 0 of a `ws`-rank job on one GPU, with a fake process group: "
-           "kernels, allocator and host offloads are real, collectives return at once (their output buffers "
-           "are still allocated), so the memory is rank 0's; the time compared is the measured compute "
-           "against the model's compute part (no communication"
+        + (("Mode `emulated` (column ws): each deciding rank of a `ws`-rank job in turn on one GPU (rank 0 "
+            "alone for a method whose ranks are symmetric), with a fake process group: kernels, allocator and "
+            "host offloads are real, collectives return at once (their output buffers are still allocated), so "
+            "the memory is each rank's; the row's figures are its worst rank's (by allocated peak), simulated "
+            "on that rank; the time compared is that rank's measured compute " if by_ranks else
+            "Mode `emulated` (column ws): rank 0 of a `ws`-rank job on one GPU, with a fake process group: "
+            "kernels, allocator and host offloads are real, collectives return at once (their output buffers "
+            "are still allocated), so the memory is rank 0's; the time compared is the measured compute ")
+           + "against the model's compute part (no communication"
            + ("; where the attention was skipped, without the attention kernels" if skips else "") + "). "
            if emulated else "")
         + "Simulated: `python scripts/gpu/compare.py` (fake tensors on the GPU code path, torch "
@@ -157,6 +218,8 @@ def compare_markdown(folder: Path, real_rows: list[dict], by_trial: dict[tuple, 
             f"| {key[1] // 1024}K | {ra / GiB:.2f} | {base['peak_bytes'] / GiB:.2f} "
             f"| {pct(base['peak_bytes'], ra)} | {rr / GiB:.2f} | {reserved} "
             f"| {med:.2f} ({min(times):.2f}-{max(times):.2f}, n={len(times)}) | {model_s:.2f} | {pct(model_s, med)} |")
+    if rank_sims:
+        lines += ranks_markdown(by_trial, rank_sims, pools)
     kernels = [json.loads(line) for line in (folder / "kernels.ndjson").open()] \
         if (folder / "kernels.ndjson").exists() else []
     if kernels:
@@ -221,10 +284,11 @@ def segments_markdown(folder: Path) -> str | None:
 
 
 def write_gpu_report(folder: Path, real_rows: list[dict], by_trial: dict[tuple, list[dict]],
-                     sims: dict[tuple, dict[str, dict]], pools: list[str]) -> list[Path]:
+                     sims: dict[tuple, dict[str, dict]], pools: list[str],
+                     rank_sims: dict[tuple, dict[int, dict[str, dict]]] | None = None) -> list[Path]:
     """``compare.md`` and, where the folder has segments, ``segments.md`` in ``folder``."""
     compare = folder / "compare.md"
-    compare.write_text(compare_markdown(folder, real_rows, by_trial, sims, pools))
+    compare.write_text(compare_markdown(folder, real_rows, by_trial, sims, pools, rank_sims))
     written = [compare]
     text = segments_markdown(folder)
     if text is not None:

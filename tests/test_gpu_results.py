@@ -80,3 +80,55 @@ def test_compare_from_rows_rerenders_the_committed_table_and_refuses_a_mismatch(
     (tmp_path / "simulated.jsonl").unlink()
     out = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode != 0 and "--from-rows needs" in out.stderr and "Traceback" not in out.stderr
+
+
+def _emulated_ring_row() -> dict:
+    """A hand-made emulated row of a zigzag ring that measured both of its ranks (what
+    ``bench.measure.run._emulated`` writes on a GPU), with the fields compare.py reads; its bytes
+    are made up (rank 1 the worst)."""
+    argv = ["bench", "run", "--mode", "emulated", "--device", "h100-80g", "--world-size", "2", "--model", "tiny-llama",
+            "--method", "ring", "--seq-len", "1024", "--attention-math", "skip", "--offload-keep", "first"]
+    mib = 1 << 20
+    return {"method": "ring", "seq_len": 1024, "world_size": 2, "device": "h100-80g", "mode": "emulated",
+            "status": "ok", "model": "tiny-llama", "options": {},
+            "levers": {"attention_math": "skip", "offload_keep": "first"},
+            "env": {"argv": argv, "device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
+            "figures": {"peak_bytes": 12 * mib, "peak_reserved_bytes": 30 * mib, "step_times_s": [0.5],
+                        "comm_time_s": 0.01, "worst_rank": 1, "rank_peaks": [[0, 11 * mib], [1, 12 * mib]],
+                        "rank_reserved_peaks": [[0, 28 * mib], [1, 30 * mib]]}}
+
+
+@pytest.mark.slow  # two simulations and three runs of compare.py, each a subprocess
+def test_compare_sets_each_emulated_rank_beside_its_simulation(tmp_path):
+    """An emulated row with ``rank_peaks``: compare.py simulates each of its ranks alone
+    (``simulated_ranks``), takes the twin of the row's own worst rank, renders a per-rank table with
+    the real and simulated bytes, re-renders it from the stored rows, and refuses a short file."""
+    import subprocess
+
+    row = _emulated_ring_row()
+    (tmp_path / "real.ndjson").write_text(json.dumps(row) + "\n")
+    script = [sys.executable, str(ROOT / "scripts" / "gpu" / "compare.py"), str(tmp_path), "--pools", "per-stream"]
+    out = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ranks = [json.loads(line) for line in (tmp_path / "simulated_ranks.ndjson").read_text().splitlines()]
+    twins = [json.loads(line) for line in (tmp_path / "simulated.ndjson").read_text().splitlines()]
+    assert [r["figures"]["worst_rank"] for r in ranks] == [0, 1]
+    assert all(r["mode"] == "simulated" and r["figures"].get("rank_peaks") is None for r in ranks)
+    assert twins == [ranks[1]]  # the twin is the real row's worst rank simulated
+    text = (tmp_path / "compare.md").read_text()
+    assert "## Each rank" in text and "each deciding rank of a `ws`-rank job in turn" in text
+    for rank, star in ((0, ""), (1, "*")):
+        allocated, reserved = row["figures"]["rank_peaks"][rank][1], row["figures"]["rank_reserved_peaks"][rank][1]
+        sim = ranks[rank]["figures"]
+        assert (f"| ring | 2 | 1K | {rank}{star} | {allocated / 2**30:.2f} | {sim['peak_bytes'] / 2**30:.2f} | "
+                f"{100 * (sim['peak_bytes'] - allocated) / allocated:+.1f}% | {reserved / 2**30:.2f} | "
+                f"{sim['peak_reserved_bytes'] / 2**30:.2f} |") in text, text
+    assert "- ring, 2 ranks, 1K: the worst rank over rank 0: allocated real rank 1 +0.00 GiB" in text
+    rendered = text
+    again = subprocess.run(script + ["--from-rows"], capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "compare.md").read_text() == rendered
+    (tmp_path / "simulated_ranks.ndjson").write_text(json.dumps(ranks[0]) + "\n")
+    short = subprocess.run(script + ["--from-rows"], capture_output=True, text=True, cwd=ROOT)
+    assert short.returncode != 0 and "not one per rank of the real rows' rank_peaks" in short.stderr
+    assert "Traceback" not in short.stderr

@@ -7,7 +7,12 @@ set it (expandable segments) and the kernel the real run called (torch's SDPA fl
 FA2 backward scratch model), once with one pool for every stream and once with a pool per
 stream, and writes
 
-* ``DIR/simulated.jsonl``: the simulated rows;
+* ``DIR/simulated.jsonl``: the simulated rows, each of the rank the real row's figures are
+  (``figures.worst_rank``, else rank 0: ``$CPAB_SIM_RANKS``), so that real and simulated are the same rank;
+* ``DIR/simulated_ranks.jsonl``: for a real row that measured several ranks (an emulated row with
+  ``figures.rank_peaks``), each of those ranks simulated alone, in rank order and, per rank, the
+  pools' order; ``compare.md`` then sets each rank's real allocated and reserved peaks
+  (``rank_peaks``, ``rank_reserved_peaks``) beside its simulation's;
 * ``compare.md`` in DIR: per trial, real against simulated allocated and reserved peaks, and the
   real step time (median, min, max of its timed steps) against the step-time model evaluated
   on the simulation's counts with the kernel that ran (``fa2``), plus the kernel rates of
@@ -25,7 +30,9 @@ change to the step-time model, which reads only their counts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -38,16 +45,37 @@ from analysis.gpu_report import docs_args, lever_args, model_arg, opt_args, tria
 POOLS = ("shared", "per-stream")
 
 
-def simulate(row: dict, pools: str) -> dict:
+def simulate(row: dict, pools: str, rank: int) -> dict:
     """The simulated twin of a real or emulated row (same method, options, model, world size,
-    length, levers, documents, device preset)."""
+    length, levers, documents, device preset), on rank ``rank`` alone (``$CPAB_SIM_RANKS``)."""
     cmd = [sys.executable, "-m", "bench", "run", "--mode", "simulated", "--device", row["device"],
            "--world-size", str(row["world_size"]), "--model", model_arg(row), "--method", row["method"],
            "--seq-len", str(row["seq_len"]), *opt_args(row), *lever_args(row),
            *docs_args(row), "--stack", "lean", "--allocator-model", "expandable", "--allocator-pools", pools,
            "--kernel-workspace", "fa2", "--no-save", "--json"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "CPAB_SIM_RANKS": str(rank)})
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def row_rank(row: dict) -> int:
+    """The rank whose figures a real row carries (rank 0 for a row from before ranks were recorded)."""
+    return row["figures"].get("worst_rank") or 0
+
+
+def measured_ranks(row: dict) -> list[int]:
+    """The ranks a real row measured one by one (an emulated row's ``rank_peaks``); empty for one rank."""
+    return [rank for rank, _ in row["figures"].get("rank_peaks") or []]
+
+
+def stored(path: Path, expected: int, what: str) -> list[dict]:
+    """The simulated rows of ``path`` (``--from-rows``), refused unless there are ``expected`` of them."""
+    if not path.exists():
+        sys.exit(f"compare.py: --from-rows needs {path}; run without --from-rows to simulate")
+    rows = [json.loads(line) for line in path.open()]
+    if len(rows) != expected:
+        sys.exit(f"compare.py: {path} holds {len(rows)} rows, not {what}; run without --from-rows to simulate")
+    return rows
 
 
 def main() -> None:
@@ -67,26 +95,43 @@ def main() -> None:
         if row["status"] == "ok":
             by_trial[trial_key(row)].append(row)
     sims: dict[tuple, dict[str, dict]] = {}
-    sim_path = args.dir / f"simulated{suffix}"
+    # real rows that measured several ranks: each rank simulated alone, by rank, then by pools
+    rank_sims: dict[tuple, dict[int, dict[str, dict]]] = {
+        key: {rank: {} for rank in measured_ranks(rows[0])} for key, rows in by_trial.items()
+        if measured_ranks(rows[0])}
+    sim_path, ranks_path = args.dir / f"simulated{suffix}", args.dir / f"simulated_ranks{suffix}"
     if args.from_rows:  # written trial by trial (sorted), each in args.pools' order
-        if not sim_path.exists():
-            sys.exit(f"compare.py: --from-rows needs {sim_path}; run without --from-rows to simulate")
-        rows = [json.loads(line) for line in sim_path.open()]
-        if len(rows) != len(by_trial) * len(args.pools):
-            sys.exit(f"compare.py: {sim_path} holds {len(rows)} rows, not one per real trial and pool "
-                     f"({len(by_trial)} x {len(args.pools)}); run without --from-rows to simulate")
-        stored = iter(rows)
+        twins = iter(stored(sim_path, len(by_trial) * len(args.pools),
+                            f"one per real trial and pool ({len(by_trial)} x {len(args.pools)})"))
         for key in sorted(by_trial):
-            sims[key] = {pools: next(stored) for pools in args.pools}
+            sims[key] = {pools: next(twins) for pools in args.pools}
+        if rank_sims:
+            n = sum(len(ranks) for ranks in rank_sims.values())
+            each = iter(stored(ranks_path, n * len(args.pools),
+                               f"one per rank of the real rows' rank_peaks and pool ({n} x {len(args.pools)})"))
+            for key in sorted(rank_sims):
+                for rank in rank_sims[key]:
+                    rank_sims[key][rank] = {pools: next(each) for pools in args.pools}
     else:
-        with sim_path.open("w") as f:
+        with sim_path.open("w") as f, (ranks_path.open("w") if rank_sims else contextlib.nullcontext()) as g:
             for n, (key, rows) in enumerate(sorted(by_trial.items()), 1):
                 sims[key] = {}
+                for rank in rank_sims.get(key, {}):  # each measured rank: the twin is the real row's own rank
+                    for pools in args.pools:
+                        print(f"[{n}/{len(by_trial)}] simulating {key[0]} at {key[1]} tokens, rank {rank} of "
+                              f"{key[2]}, {pools} pools", flush=True)
+                        rank_sims[key][rank][pools] = sim = simulate(rows[0], pools, rank)
+                        g.write(json.dumps(sim) + "\n")
+                        g.flush()
                 for pools in args.pools:
-                    print(f"[{n}/{len(by_trial)}] simulating {key[0]} at {key[1]} tokens, {pools} pools", flush=True)
-                    sims[key][pools] = sim = simulate(rows[0], pools)
+                    if key in rank_sims:
+                        sims[key][pools] = sim = rank_sims[key][row_rank(rows[0])][pools]
+                    else:
+                        print(f"[{n}/{len(by_trial)}] simulating {key[0]} at {key[1]} tokens, {pools} pools",
+                              flush=True)
+                        sims[key][pools] = sim = simulate(rows[0], pools, row_rank(rows[0]))
                     f.write(json.dumps(sim) + "\n")
-    for path in write_gpu_report(args.dir, real_rows, by_trial, sims, args.pools):
+    for path in write_gpu_report(args.dir, real_rows, by_trial, sims, args.pools, rank_sims):
         print(f"wrote {path}", file=sys.stderr)
     print((args.dir / "compare.md").read_text(), end="")
 
