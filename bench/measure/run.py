@@ -462,14 +462,19 @@ def _emulated(trial: Trial) -> Measurement:
     device = launch.local_device(trial.preset().kind)
     ranks = deciding_ranks(trial)
     by_rank: dict[int, Measurement] = {}
+    left: dict[int, int] = {}  # CUDA: bytes still allocated when a rank began (what release_device missed)
     for rank in ranks:
         t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if before:
+            left[rank] = before
         by_rank[rank] = r = guarded(emulated_rank, trial, rank, device)
         release_device(device)
         if len(ranks) > 1:  # progress of a long trial, on stderr (the row is the output)
             said = (f"allocated {(r.peak_bytes or 0) / GiB:.2f} GiB" + (
                 f", reserved {r.peak_reserved_bytes / GiB:.2f} GiB" if r.peak_reserved_bytes is not None else "")
                 + f", compute {r.compute_time_s:.2f} s" if r.status == "ok" else f"{r.status}: {r.message}")
+            said += f" ({before} bytes still allocated before it)" if before else ""
             print(f"[emulated] rank {rank} ({len(by_rank)}/{len(ranks)}): {said}; {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
         if r.status != "ok":
@@ -477,6 +482,10 @@ def _emulated(trial: Trial) -> Measurement:
     out = worst_of(trial, by_rank)
     if out.rank_peaks and all(r.peak_reserved_bytes is not None for r in by_rank.values()):
         out.rank_reserved_peaks = [[rank, by_rank[rank].peak_reserved_bytes] for rank in sorted(by_rank)]
+    if left:
+        out.stack_notes = [*(out.stack_notes or []), "emulated: bytes still allocated on the device when a rank "
+                           "began (left by the ranks before it; its peaks include them): "
+                           + ", ".join(f"rank {rank} {n / GiB:.3f} GiB" for rank, n in left.items())]
     return out
 
 

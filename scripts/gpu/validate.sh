@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
 #   bash scripts/gpu/validate.sh OUT_DIR PHASE...
-# PHASE: env | kernels | varlen | docs64 | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip | emurope
+# PHASE: env | kernels | varlen | docs64 | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip
+#        | emurope | emuranks
 # (any order, several at once). $DEVICE: the device preset the rows name (default h100-80g; h200-141g on an H200).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
 # phases emu128, emulong and emu16: `--mode emulated`, the whole Llama3-8B (emu16: $EMU_MODEL) as rank 0 of 8 or 16
-# (a fake process group: real kernels and allocator, collectives return at once), the shapes
+# (a fake process group: real kernels and allocator, collectives return at once; a method whose ranks differ,
+# such as a ring, is emulated on each of its deciding ranks in turn, unless CPAB_SIM_RANKS=0), the shapes
 # of the paper's short-context anchors; with $SEGMENTS_OUT set they also write the allocator's
 # segments per stream there (scripts/gpu/snap/sitecustomize.py); rows go
 # to OUT_DIR/real.jsonl, each trial's output to OUT_DIR/log.txt. A trial that fails is logged
@@ -22,15 +24,20 @@ if [ -n "${SEGMENTS_OUT:-}" ]; then mkdir -p "$SEGMENTS_OUT"; fi
 trial() {  # trial TIMEOUT_S ARGS...: one real trial, its output appended to the log
   local limit=$1; shift
   echo "=== $(date +%T) $*" | tee -a "$out/log.txt"
+  # the trial's output goes to the log; an emulated trial's progress by rank (stderr) to the console too
   timeout "$limit" $py -m bench run --mode "${MODE:-real}" --device "${DEVICE:-h100-80g}" --world-size "${WS:-1}" --model "${MODEL:-$model}" \
-      --json --out "$out/real.jsonl" "$@" >>"$out/log.txt" 2>&1
-  echo "--- rc=$? $(date +%T)" | tee -a "$out/log.txt"
+      --json --out "$out/real.jsonl" "$@" 2>&1 | tee -a "$out/log.txt" | grep --line-buffered '^\[emulated\] rank'
+  echo "--- rc=${PIPESTATUS[0]} $(date +%T)" | tee -a "$out/log.txt"
   tail -n 1 "$out/real.jsonl" 2>/dev/null | $py -c '
 import json, sys
 r = json.loads(sys.stdin.read() or "{}"); f = r.get("figures") or {}
 gib = lambda b: "%.2f" % ((b or 0) / 2**30)
 print("   last row:", r.get("method"), r.get("seq_len"), r.get("status"), "allocated", gib(f.get("peak_bytes")),
-      "reserved", gib(f.get("peak_reserved_bytes")), "GiB; step", f.get("step_time_s"), (r.get("message") or "")[:300])'
+      "reserved", gib(f.get("peak_reserved_bytes")), "GiB; step", f.get("step_time_s"), (r.get("message") or "")[:300])
+if f.get("rank_peaks"):
+    reserved = dict(map(tuple, f.get("rank_reserved_peaks") or []))
+    print("   worst rank", f.get("worst_rank"), "of ranks (allocated/reserved GiB):",
+          ", ".join("%d: %s/%s" % (k, gib(v), gib(reserved.get(k))) for k, v in f["rank_peaks"]))'
 }
 
 emu_trial() {  # emu_trial WS MODEL TAG TIMEOUT_S ARGS...: an emulated trial (rank 0 of WS), segments tagged TAG
@@ -126,6 +133,21 @@ for phase in "$@"; do
       emu_trial 8 "$model" "yc-usp 3M ws8 4l rope" 90 --method yc-usp --opt attn_type=fa3 --opt ulysses_degree=8 \
         --seq-len 3M $rope
       emu_trial 8 "$model" "upipe 3M ws8 4l rope" 90 --method upipe --seq-len 3M $rope ;;
-    *) echo "unknown phase $phase (env kernels varlen docs64 mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope)"; exit 2 ;;
+    emuranks)  # does the simulation get a rank other than 0 right? Emulated on every deciding rank in turn
+      # (bench.measure.run._emulated; CPAB_SIM_RANKS must not be 0), the attention arithmetic skipped, the
+      # 4-block model at 1M tokens on 8 ranks: our zigzag `ring` (of the zigzag rings, the one whose simulation
+      # puts the most between rank 0 and its worst rank: 26.94 against 31.94 GiB reserved under the paper stack
+      # on h200-141g; yunchang's and ring-flash-attn's 28.44 against 28.93), Ulysses as the symmetric control
+      # (one rank), then the ring with a prolong64k draw (seed 0). $EMURANKS_MODEL and $EMURANKS_LEN (default
+      # the 4-block model, 1M) shrink it for a dry run on a CPU (DEVICE=cpu EMURANKS_MODEL=tiny-llama EMURANKS_LEN=4K)
+      if [ "${CPAB_SIM_RANKS:-deciding}" != deciding ]; then
+        echo "emuranks: CPAB_SIM_RANKS=$CPAB_SIM_RANKS would measure one rank; unset it"; exit 2
+      fi
+      ranks="--attention-math skip --offload-keep first --rope-table none --warmup 1 --iters 1 --smoke"
+      len=${EMURANKS_LEN:-1M} emodel=${EMURANKS_MODEL:-$model}
+      emu_trial 8 "$emodel" "ring $len ws8 4l ranks" 170 --method ring --seq-len "$len" $ranks
+      emu_trial 8 "$emodel" "ulysses $len ws8 4l ranks" 60 --method ulysses --seq-len "$len" $ranks
+      emu_trial 8 "$emodel" "ring $len ws8 4l ranks docs" 170 --method ring --seq-len "$len" --docs prolong64k:0 $ranks ;;
+    *) echo "unknown phase $phase (env kernels varlen docs64 mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope emuranks)"; exit 2 ;;
   esac
 done
