@@ -139,15 +139,17 @@ for phase in "$@"; do
       # puts the most between rank 0 and its worst rank: 26.94 against 31.94 GiB reserved under the paper stack
       # on h200-141g; yunchang's and ring-flash-attn's 28.44 against 28.93), Ulysses as the symmetric control
       # (one rank), then the ring with a prolong64k draw (seed 0). $EMURANKS_MODEL and $EMURANKS_LEN (default
-      # the 4-block model, 1M) shrink it for a dry run on a CPU (DEVICE=cpu EMURANKS_MODEL=tiny-llama EMURANKS_LEN=4K)
+      # the 4-block model, 1M) shrink it for a dry run on a CPU (DEVICE=cpu EMURANKS_MODEL=tiny-mha EMURANKS_LEN=1K
+      # OMP_NUM_THREADS=1). The caps (190 + 50 + 150 s) fit one device call of 400 s; a ring killed at its cap
+      # writes no row, but each rank's peaks are on the console and in the log as it finishes
       if [ "${CPAB_SIM_RANKS:-deciding}" != deciding ]; then
         echo "emuranks: CPAB_SIM_RANKS=$CPAB_SIM_RANKS would measure one rank; unset it"; exit 2
       fi
       ranks="--attention-math skip --offload-keep first --rope-table none --warmup 1 --iters 1 --smoke"
       len=${EMURANKS_LEN:-1M} emodel=${EMURANKS_MODEL:-$model}
-      emu_trial 8 "$emodel" "ring $len ws8 4l ranks" 170 --method ring --seq-len "$len" $ranks
-      emu_trial 8 "$emodel" "ulysses $len ws8 4l ranks" 60 --method ulysses --seq-len "$len" $ranks
-      emu_trial 8 "$emodel" "ring $len ws8 4l ranks docs" 170 --method ring --seq-len "$len" --docs prolong64k:0 $ranks ;;
+      emu_trial 8 "$emodel" "ring $len ws8 4l ranks" 190 --method ring --seq-len "$len" $ranks
+      emu_trial 8 "$emodel" "ulysses $len ws8 4l ranks" 50 --method ulysses --seq-len "$len" $ranks
+      emu_trial 8 "$emodel" "ring $len ws8 4l ranks docs" 150 --method ring --seq-len "$len" --docs prolong64k:0 $ranks ;;
     *) echo "unknown phase $phase (env kernels varlen docs64 mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope emuranks)"; exit 2 ;;
   esac
 done
