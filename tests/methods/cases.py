@@ -138,9 +138,7 @@ def compare_with_reference(group, block, ref, dt: torch.dtype, docs: methods.Doc
     neither call gets positions, so both use the per-document ones."""
     x = torch.randn(BATCH, SEQ_LEN, block.spec.dim).to(dt)
     dy = torch.randn(BATCH, SEQ_LEN, block.spec.dim).to(dt)
-    x_ref = x.float().clone().requires_grad_()
-    y_ref = ref(x_ref) if docs is None else ref(x_ref, docs=docs)
-    y_ref.backward(dy.float())
+    y_ref, dx_ref, ref_grads = reference_step(group, ref, x, dy, docs)
 
     if docs is None:
         x_loc = block.shard(x, dim=1).detach().clone().requires_grad_()
@@ -154,16 +152,42 @@ def compare_with_reference(group, block, ref, dt: torch.dtype, docs: methods.Doc
 
     errors = {
         "out": rel_err(block.unshard(y_loc.detach(), dim=1, docs=docs), y_ref),
-        "dx": rel_err(block.unshard(x_loc.grad, dim=1, docs=docs), x_ref.grad),
+        "dx": rel_err(block.unshard(x_loc.grad, dim=1, docs=docs), dx_ref),
     }
-    ref_grads = dict(ref.named_parameters())
     for name, p in block.named_parameters():
         assert p.grad is not None, f"no gradient for {name}"
         grad = p.grad.detach().float().clone()
         # a method that splits no sequence (no-cp) has the whole gradient on every rank already
         errors["d_" + name] = rel_err(all_reduce_sum_(grad, group) if block.splits_sequence else grad,
-                                      ref_grads[name].grad)
+                                      ref_grads[name])
     return errors
+
+
+def reference_step(group, ref: AttentionBlock, x: torch.Tensor, dy: torch.Tensor,
+                   docs: methods.Documents | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The fp32 reference's output, input gradient and weight gradients (by name) for the whole ``x`` and
+    ``dy``: computed on the group's first rank and broadcast to the others, which hold the same ``ref``,
+    ``x`` and ``dy`` (same seed, same weights), so every rank compares its own results with the same
+    reference while only one computes it (the ranks of the test pool share the machine's cores, so a
+    reference per rank multiplied its cost by the world size)."""
+    size, rank = world(group)
+    names = [name for name, _ in ref.named_parameters()]
+    if rank == 0:
+        x_ref = x.float().clone().requires_grad_()
+        y_ref = ref(x_ref) if docs is None else ref(x_ref, docs=docs)
+        y_ref.backward(dy.float())
+        params = dict(ref.named_parameters())
+        missing = [name for name in names if params[name].grad is None]
+        assert not missing, f"the reference has no gradient for {missing}"
+        results = [y_ref.detach(), x_ref.grad, *(params[name].grad for name in names)]
+    else:
+        params = dict(ref.named_parameters())
+        results = [torch.empty(x.shape), torch.empty(x.shape), *(torch.empty(params[name].shape) for name in names)]
+    if size > 1:
+        source = torch.distributed.get_global_rank(group, 0)
+        for t in results:
+            torch.distributed.broadcast(t, src=source, group=group)
+    return results[0], results[1], dict(zip(names, results[2:], strict=True))
 
 
 def check_documents_against_reference(
