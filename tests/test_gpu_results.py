@@ -62,24 +62,44 @@ def test_comparison_covers_every_real_trial(folder, name, mode):
         assert any(line.startswith(f"| {method}") and cells in line for line in lines), (method, seq, ws)
 
 
-def test_compare_from_rows_rerenders_the_committed_table_and_refuses_a_mismatch(tmp_path):
+def compare(argv: list[str], capsys) -> tuple[int, str]:
+    """``scripts/gpu/compare.py`` with ``argv``, in this process (its simulations stay subprocesses):
+    the exit status and what it wrote to stderr. A refusal is ``sys.exit(message)``: status 1, the
+    message on stderr and no traceback, as the command line shows it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_compare", ROOT / "scripts" / "gpu" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    old_argv, sys.argv = sys.argv, ["compare.py", *argv]
+    capsys.readouterr()
+    try:
+        module.main()
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 1
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    finally:
+        sys.argv = old_argv
+    return status, capsys.readouterr().err
+
+
+def test_compare_from_rows_rerenders_the_committed_table_and_refuses_a_mismatch(tmp_path, capsys):
     """``compare.py --from-rows`` gives the committed table from the stored simulated rows, and a
     one-line error (not a StopIteration, not a mispairing) when they are not one per trial and pool."""
     import shutil
-    import subprocess
 
     for name in ("real.jsonl", "simulated.jsonl", "kernels.ndjson"):
         shutil.copy(FOLDER / name, tmp_path / name)
-    script = [sys.executable, str(ROOT / "scripts" / "gpu" / "compare.py"), str(tmp_path), "--from-rows"]
-    out = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    status, err = compare([str(tmp_path), "--from-rows"], capsys)
+    assert status == 0, err
     assert (tmp_path / "compare.md").read_text() == (FOLDER / "compare.md").read_text()
-    out = subprocess.run(script + ["--pools", "shared"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode != 0 and "not one per real trial and pool" in out.stderr
-    assert "Traceback" not in out.stderr
+    status, err = compare([str(tmp_path), "--from-rows", "--pools", "shared"], capsys)
+    assert status != 0 and "not one per real trial and pool" in err and len(err.strip().splitlines()) == 1
     (tmp_path / "simulated.jsonl").unlink()
-    out = subprocess.run(script, capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode != 0 and "--from-rows needs" in out.stderr and "Traceback" not in out.stderr
+    status, err = compare([str(tmp_path), "--from-rows"], capsys)
+    assert status != 0 and "--from-rows needs" in err and len(err.strip().splitlines()) == 1
 
 
 def _emulated_ring_row() -> dict:
@@ -98,18 +118,16 @@ def _emulated_ring_row() -> dict:
                         "rank_reserved_peaks": [[0, 28 * mib], [1, 30 * mib]]}}
 
 
-@pytest.mark.slow  # two simulations and three runs of compare.py, each a subprocess
-def test_compare_sets_each_emulated_rank_beside_its_simulation(tmp_path):
+@pytest.mark.slow  # two simulations, each a subprocess
+def test_compare_sets_each_emulated_rank_beside_its_simulation(tmp_path, capsys):
     """An emulated row with ``rank_peaks``: compare.py simulates each of its ranks alone
     (``simulated_ranks``), takes the twin of the row's own worst rank, renders a per-rank table with
     the real and simulated bytes, re-renders it from the stored rows, and refuses a short file."""
-    import subprocess
-
     row = _emulated_ring_row()
     (tmp_path / "real.ndjson").write_text(json.dumps(row) + "\n")
-    script = [sys.executable, str(ROOT / "scripts" / "gpu" / "compare.py"), str(tmp_path), "--pools", "per-stream"]
-    out = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    argv = [str(tmp_path), "--pools", "per-stream"]
+    status, err = compare(argv, capsys)
+    assert status == 0, err[-2000:]
     ranks = [json.loads(line) for line in (tmp_path / "simulated_ranks.ndjson").read_text().splitlines()]
     twins = [json.loads(line) for line in (tmp_path / "simulated.ndjson").read_text().splitlines()]
     assert [r["figures"]["worst_rank"] for r in ranks] == [0, 1]
@@ -125,10 +143,10 @@ def test_compare_sets_each_emulated_rank_beside_its_simulation(tmp_path):
                 f"{sim['peak_reserved_bytes'] / 2**30:.2f} |") in text, text
     assert "- ring, 2 ranks, 1K: the worst rank over rank 0: allocated real rank 1 +0.00 GiB" in text
     rendered = text
-    again = subprocess.run(script + ["--from-rows"], capture_output=True, text=True, cwd=ROOT)
-    assert again.returncode == 0, again.stderr
+    status, err = compare(argv + ["--from-rows"], capsys)
+    assert status == 0, err
     assert (tmp_path / "compare.md").read_text() == rendered
     (tmp_path / "simulated_ranks.ndjson").write_text(json.dumps(ranks[0]) + "\n")
-    short = subprocess.run(script + ["--from-rows"], capture_output=True, text=True, cwd=ROOT)
-    assert short.returncode != 0 and "not one per rank of the real rows' rank_peaks" in short.stderr
-    assert "Traceback" not in short.stderr
+    status, err = compare(argv + ["--from-rows"], capsys)
+    assert status != 0 and "not one per rank of the real rows' rank_peaks" in err
+    assert len(err.strip().splitlines()) == 1
