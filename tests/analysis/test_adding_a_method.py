@@ -7,9 +7,9 @@ working folder of their own holding what a user's checkout has at those paths, w
 matrix's gloo ranks, the sweep's bench jobs) cannot see a method registered in this process,
 and copying the file into methods/ would leak it into other runs in the same checkout (and
 leave it behind if the test is killed). So the module goes into a temporary folder with a
-``sitecustomize.py`` that imports it, first on ``PYTHONPATH``: every Python process started
-with that environment imports it at start-up and the method registers there too. In this
-process it is imported directly and unregistered at the end.
+``sitecustomize.py`` (``SITECUSTOMIZE``), first on ``PYTHONPATH``: every Python process started
+with that environment imports the module as soon as it has imported ``methods``, and the method
+registers there too. In this process it is imported directly and unregistered at the end.
 """
 from __future__ import annotations
 
@@ -35,6 +35,47 @@ NAME = "ulysses-headgroups"
 MODULE = "ulysses_headgroups"
 
 
+# The plugin's sitecustomize.py. ``bench`` at start-up, before anything imports torch (the simulated
+# CUDA device must load first; importing bench does not import torch). The method's module once
+# ``methods`` is imported: a process can only look a method up through ``methods``, so the method
+# is registered wherever it can be asked for, and a process that never imports ``methods`` (a
+# sweep job's process, which only starts ``python -m bench``; jupytext; papermill) does not
+# import torch for it.
+SITECUSTOMIZE = f"""\
+import importlib.abc
+import importlib.machinery
+import sys
+
+import bench  # noqa: F401
+
+
+class _RegisterAfterMethods(importlib.abc.MetaPathFinder):
+    \"\"\"Finds ``methods`` on sys.path as usual, and imports {MODULE} (registering {NAME}) once
+    ``methods`` has run. It stays in place until then: a spec found but not loaded (runpy's look-up of
+    ``python -m methods``) must not use it up.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "methods":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            import {MODULE}  # noqa: F401
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _RegisterAfterMethods())
+"""
+
+
 def doc_file(path: str) -> str:
     """The fenced block that follows ``<!-- file: PATH -->`` in the page."""
     text = DOC.read_text()
@@ -48,9 +89,7 @@ def plugin(tmp_path_factory):
     """The example method as a module in a temporary folder, importable by every subprocess."""
     folder = tmp_path_factory.mktemp("plugin")
     (folder / f"{MODULE}.py").write_text(doc_file(f"methods/{MODULE}.py"))
-    # bench first: the simulated CUDA device must load before the module imports torch
-    (folder / "sitecustomize.py").write_text(
-        f"import bench  # noqa: F401\nimport {MODULE}  # noqa: F401  (registers {NAME})\n")
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
     spec = importlib.util.spec_from_file_location(MODULE, folder / f"{MODULE}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[MODULE] = module

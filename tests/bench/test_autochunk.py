@@ -118,10 +118,12 @@ def test_upipe_best_in_sweeps():
 @pytest.mark.parametrize("mode", ["real", "emulated"])
 def test_upipe_best_runs_in_the_measuring_modes(mode, capsys):
     """upipe-best with real ranks (2 gloo processes) and emulated (one rank, fake peers) on CPU:
-    auto resolves U by simulation against the CPU preset, then the step really runs with it."""
+    auto resolves U by simulation against the CPU preset, then the step really runs with it. At 1K
+    (512 tokens per rank): the choice and the step go through the same code at any length, and the
+    step's cost (per-op dispatch through the memory tracker, tiles, chunks) grows with it."""
     import json
 
-    rc = cli.main(["run", "--method", "upipe-best", "--model", MODEL, "--seq-len", "2K", "--world-size", "2",
+    rc = cli.main(["run", "--method", "upipe-best", "--model", MODEL, "--seq-len", "1K", "--world-size", "2",
                    "--mode", mode, "--device", "cpu", "--warmup", "1", "--iters", "1", "--smoke", "--no-save",
                    "--json"])
     out, err = capsys.readouterr()

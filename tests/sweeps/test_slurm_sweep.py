@@ -123,11 +123,13 @@ def test_cancel_then_resume_submits_only_missing_trials(tmp_path, cancel_after, 
     """The user stops a sweep (SIGINT) with one trial done, one in its job and one not yet
     submitted, and cancels its jobs; the same command again submits only the two without a row.
     The 512 and 1K trials are held back ($CPAB_SWEEP_HOLD, sweeps.jobs) until the stop, so it
-    always finds them unfinished, however fast the trials run. One-rank trials (one task per job,
-    fewer processes to start; the two-task job is test_two_task_gloo_trial_through_slurm's)."""
+    always finds them unfinished, however fast the trials run. One-rank simulated trials: what is
+    checked is which trials the runner submits, skips and records, which does not depend on the
+    mode, and a simulated trial runs in its bench process (no rank to spawn, no step to time). A
+    real trial through Slurm is test_two_task_gloo_trial_through_slurm's."""
     name = f"slurm-cancel-{tmp_path.name[-12:]}"
     cancel_after(name)
-    path = spec_file(tmp_path, name, seq_lens=["256", "512", "1K"], world_sizes=[1])
+    path = spec_file(tmp_path, name, seq_lens=["256", "512", "1K"], world_sizes=[1], mode="simulated")
     rows_path, jobs_path = tmp_path / "rows.jsonl", tmp_path / "rows.jobs.json"
     hold = tmp_path / "hold"
     hold.mkdir()
