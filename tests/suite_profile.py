@@ -12,9 +12,11 @@ seen only some of them.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +37,10 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_sessionfinish(session) -> None:
+    out = os.environ.get("CPAB_MODULE_SECONDS_OUT")  # the scheduler's table (tests/xdist_modules.py)
+    if out and _modules and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller's sums, all workers
+        table = {module: round(seconds, 1) for module, seconds in sorted(_modules.items())}
+        Path(out).write_text(json.dumps(table, indent=0) + "\n")
     split = _per_module.split() if session.config.getvalue("dist") in MODULE_SCHEDULED else {}
     if split:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -14,8 +14,9 @@ two workers.
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 # the --dist modes scheduled by module here (tests/conftest.py, pytest_xdist_make_scheduler)
 MODULE_SCHEDULED = ("loadscope", "loadgroup")
@@ -25,6 +26,32 @@ MODULE_SCHEDULED = ("loadscope", "loadgroup")
 SAME_WORKER = {
     "tests/sweeps/test_slurm_cluster.py": "slurm", "tests/sweeps/test_slurm_sweep.py": "slurm",
 }
+
+
+# Seconds each module took in a full run (tests/suite_profile.py writes them where
+# $CPAB_MODULE_SECONDS_OUT names a file): the scheduler hands out the longest modules first, so the
+# run does not end with one worker busy on a long module the other could have shared the time of.
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+# a module missing from MODULE_SECONDS (a new one) is expected to take this much per test
+SECONDS_PER_NEW_TEST = 0.5
+
+
+def load_module_seconds(path: Path = MODULE_SECONDS) -> dict[str, float]:
+    """``MODULE_SECONDS``'s table (module -> seconds); empty where the file is missing."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def longest_first(work: dict[str, dict], seconds: dict[str, float]) -> list[str]:
+    """The scopes of ``work`` (scope -> its node ids) by expected seconds, the longest first: a scope's
+    modules' seconds from ``seconds``, ``SECONDS_PER_NEW_TEST`` per test for a module not in it; ties
+    keep their order in ``work``."""
+    def expected(scope: str) -> float:
+        per_module: dict[str, int] = defaultdict(int)
+        for nodeid in work[scope]:
+            per_module[module_of(nodeid)] += 1
+        return sum(seconds.get(module, SECONDS_PER_NEW_TEST * n) for module, n in per_module.items())
+
+    return sorted(work, key=expected, reverse=True)
 
 
 def module_of(nodeid: str) -> str:
@@ -40,13 +67,24 @@ def scope_of(nodeid: str) -> str:
 
 def module_scheduler(config, log):
     """xdist's ``--dist loadscope`` scheduler with modules (and ``SAME_WORKER`` groups) as the scopes, test
-    classes included in their module's scope. xdist is imported here, so that this module (which
-    tests/conftest.py imports) loads where xdist is not installed."""
+    classes included in their module's scope, handed out the longest first (``longest_first``). xdist is
+    imported here, so that this module (which tests/conftest.py imports) loads where xdist is not
+    installed."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the queue is complete at the first assignment: order it once
+                seconds = load_module_seconds()
+                for scope in longest_first(dict(self.workqueue), seconds):
+                    self.workqueue.move_to_end(scope)
+                self.ordered = True
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 
