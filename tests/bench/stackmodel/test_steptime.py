@@ -107,7 +107,7 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
     DeepSpeed TiledMLP and TorchTitan's RoPE table do, and ``as_paper_runs`` sets exactly those (what the
     counts are collected with)."""
     paper = _counts("upipe", 8192, 4, shared=True, stack="paper")
-    plain = _counts("upipe", 8192, 4, stack="lean")
+    plain = _counts("upipe", 8192, 4, shared=True, stack="lean")  # the default stack: also the critical-path test's
     # DeepSpeed's TiledMLP and ours both recompute each tile's forward in backward: the same matmuls
     assert plain.flops_matmul == paper.flops_matmul
     assert plain.memory_bound.bytes != paper.memory_bound.bytes  # but not the same elementwise work
@@ -486,7 +486,7 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
 def test_collectives_the_attention_issues_are_on_the_critical_path():
     """torch's CP all-gathers K/V itself (blocking its ring); FSDP's all-gathers are issued by the step."""
     cp = _counts("torch-cp", 8192, 4)
-    up = _counts("upipe", 8192, 4)
+    up = _counts("upipe", 8192, 4, shared=True)  # the lean stack's: also the paper-stack counts test's
     assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls > 0
     assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls \
         < cp.collectives[Collective("all_gather", 4, 4)].calls  # FSDP's stay overlapped
