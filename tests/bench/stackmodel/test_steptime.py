@@ -65,9 +65,11 @@ def _simulated_once(trial: Trial) -> Measurement:
     return _SHARED[trial]
 
 
-def _counts(method: str, seq_len: int, world: int, shared: bool = False, **step) -> StepCounts:
-    """The step counts of a simulated tiny-llama trial; ``shared``: through ``_simulated_once``."""
-    trial = Trial.make(method, "tiny-llama", seq_len, world, mode="simulated", device="h100-80g",
+def _counts(method: str, seq_len: int, world: int, shared: bool = False, model: str = "tiny-llama",
+            **step) -> StepCounts:
+    """The step counts of a simulated trial of ``model`` (tiny-llama, or a model file with fewer blocks:
+    ``_tiny_llama_layers``); ``shared``: through ``_simulated_once``."""
+    trial = Trial.make(method, model, seq_len, world, mode="simulated", device="h100-80g",
                        step=StepConfig(**step))
     r = _simulated_once(trial) if shared else guarded(measure_simulated, trial)
     assert r.status == "ok", r.message
@@ -120,18 +122,21 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
 
 
 @pytest.mark.parametrize("method", ["ulysses", "upipe"])
-def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
+def test_tiles_a_simulation_skips_are_counted(method, monkeypatch, tmp_path):
     """Under simulation the tiled MLP and norms, the chunked loss and UPipe's tiled norm run a few
     tiles for all (memory is the same); the counts must be those of a step that runs every tile
-    (the simulation without ``methods.core.tiling.compressing_repeats``)."""
+    (the simulation without ``methods.core.tiling.compressing_repeats``). Three blocks: the first and
+    last keep their checkpoints on the device, the middle one offloads (its host copies are counted)."""
     import contextlib
 
     from bench.measure import simulate
 
     step = dict(mlp_tiles=8, loss_chunk=512)
-    skipped = _counts(method, 8192, 2, **step)
+    model = _tiny_llama_layers(tmp_path, 3)
+    skipped = _counts(method, 8192, 2, model=model, **step)
+    assert skipped.to_flat()["host.offload.d2h_bytes"] > 0
     monkeypatch.setattr(simulate, "compressing_repeats", contextlib.nullcontext)
-    every = _counts(method, 8192, 2, **step)
+    every = _counts(method, 8192, 2, model=model, **step)
     for key in ("flops.matmul", "flops.attention", "bytes.memory_bound", "host.offload.d2h_bytes"):
         assert skipped.to_flat()[key] == pytest.approx(every.to_flat()[key], rel=1e-9), key
 
@@ -149,7 +154,9 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     (``methods.core.tiling.repeated``, compressing under ``compressing_repeats``); every figure must equal
     a simulation that runs them all (the simulation without that policy): device, reserved and host
     peaks, the categories, and every count (FLOPs, memory traffic, host copies, collectives, chunk passes).
-    Three blocks: the first and last keep their checkpoints on the device, the middle one offloads."""
+    Three blocks: the first and last keep their checkpoints on the device, the middle one offloads.
+    2048 tokens: as many chunk pairs (8 chunks) as at any length, and few MLP and norm tiles (the paper's
+    rule: local tokens / dim), which the simulation that runs every item would otherwise run one by one."""
     import contextlib
 
     from bench.measure import simulate as simulate_module
@@ -158,7 +165,7 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     model = _tiny_llama_layers(tmp_path, 3)
 
     def simulate():
-        trial = Trial.make("fpdt", model, 8192, 2, options={"num_chunks": 8}, mode="simulated",
+        trial = Trial.make("fpdt", model, 2048, 2, options={"num_chunks": 8}, mode="simulated",
                            device="h100-80g", step=StepConfig(stack=stack))
         r = guarded(measure_simulated, trial)
         assert r.status == "ok", r.message
