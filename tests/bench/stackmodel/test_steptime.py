@@ -65,11 +65,9 @@ def _simulated_once(trial: Trial) -> Measurement:
     return _SHARED[trial]
 
 
-def _counts(method: str, seq_len: int, world: int, shared: bool = False, model: str = "tiny-llama",
-            **step) -> StepCounts:
-    """The step counts of a simulated trial of ``model`` (tiny-llama, or a model file with fewer blocks:
-    ``_tiny_llama_layers``); ``shared``: through ``_simulated_once``."""
-    trial = Trial.make(method, model, seq_len, world, mode="simulated", device="h100-80g",
+def _counts(method: str, seq_len: int, world: int, shared: bool = False, **step) -> StepCounts:
+    """The step counts of a simulated tiny-llama trial; ``shared``: through ``_simulated_once``."""
+    trial = Trial.make(method, "tiny-llama", seq_len, world, mode="simulated", device="h100-80g",
                        step=StepConfig(**step))
     r = _simulated_once(trial) if shared else guarded(measure_simulated, trial)
     assert r.status == "ok", r.message
@@ -122,21 +120,18 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
 
 
 @pytest.mark.parametrize("method", ["ulysses", "upipe"])
-def test_tiles_a_simulation_skips_are_counted(method, monkeypatch, tmp_path):
+def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
     """Under simulation the tiled MLP and norms, the chunked loss and UPipe's tiled norm run a few
     tiles for all (memory is the same); the counts must be those of a step that runs every tile
-    (the simulation without ``methods.core.tiling.compressing_repeats``). Three blocks: the first and
-    last keep their checkpoints on the device, the middle one offloads (its host copies are counted)."""
+    (the simulation without ``methods.core.tiling.compressing_repeats``)."""
     import contextlib
 
     from bench.measure import simulate
 
     step = dict(mlp_tiles=8, loss_chunk=512)
-    model = _tiny_llama_layers(tmp_path, 3)
-    skipped = _counts(method, 8192, 2, model=model, **step)
-    assert skipped.to_flat()["host.offload.d2h_bytes"] > 0
+    skipped = _counts(method, 8192, 2, **step)
     monkeypatch.setattr(simulate, "compressing_repeats", contextlib.nullcontext)
-    every = _counts(method, 8192, 2, model=model, **step)
+    every = _counts(method, 8192, 2, **step)
     for key in ("flops.matmul", "flops.attention", "bytes.memory_bound", "host.offload.d2h_bytes"):
         assert skipped.to_flat()[key] == pytest.approx(every.to_flat()[key], rel=1e-9), key
 
