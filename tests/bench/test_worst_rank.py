@@ -109,17 +109,27 @@ def _memory(m: Measurement) -> tuple:
     return m.status, m.peak_bytes, m.peak_reserved_bytes, m.peak_by_category, m.host_peak_bytes
 
 
+@pytest.fixture(scope="module")
+def three_blocks(tmp_path_factory) -> str:
+    """``tiny-llama`` with three blocks, as a model file, for the symmetry checks: a first, a middle and
+    a last block, so every checkpoint placement a stack makes (a kept first block, offloaded middle
+    ones, a last block kept or not), where each further block is one more of the same per rank."""
+    path = tmp_path_factory.mktemp("models") / "tiny3.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 3}))
+    return str(path)
+
+
 @pytest.mark.parametrize("method", ["ulysses", "upipe", "fpdt", "offload", "no-cp"])
-def test_a_symmetric_method_holds_the_same_on_every_rank(method):
-    trial = Trial.make(method, "tiny-llama", SEQ, WORLD, mode="simulated", device="h100-80g")
+def test_a_symmetric_method_holds_the_same_on_every_rank(method, three_blocks):
+    trial = Trial.make(method, three_blocks, SEQ, WORLD, mode="simulated", device="h100-80g")
     trial.validate()
     first = _memory(measure_simulated(trial, rank=0))
     assert first[0] == "ok"
     assert _memory(measure_simulated(trial, rank=WORLD - 1)) == first
 
 
-def test_the_ranks_of_a_usp_ulysses_group_hold_the_same():
-    trial = Trial.make("usp", "tiny-llama", SEQ, WORLD, {"ulysses_degree": 2}, mode="simulated",
+def test_the_ranks_of_a_usp_ulysses_group_hold_the_same(three_blocks):
+    trial = Trial.make("usp", three_blocks, SEQ, WORLD, {"ulysses_degree": 2}, mode="simulated",
                        device="h100-80g")
     trial.validate()
     each = [_memory(measure_simulated(trial, rank=r)) for r in range(WORLD)]

@@ -17,6 +17,7 @@ import pytest
 
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
+from bench.model.config import get_config
 from bench.stackmodel import stack
 from bench.stackmodel.counts import Collective, HostCopy, StepCounts, Traffic
 from bench.stackmodel.hardware import get_device, get_link
@@ -61,11 +62,15 @@ def test_every_committed_count_round_trips_byte_for_byte():
         assert StepCounts.from_flat(again) == typed, where
 
 
-def test_a_simulated_steps_counts_round_trip():
+def test_a_simulated_steps_counts_round_trip(tmp_path):
     """torch's CP (the attention's own all-gathers, host copies of neither kind) and FPDT (its chunk
-    passes, its own host copies): every kind of record a step makes, through the flat form and back."""
+    passes, its own host copies): every kind of record a step makes, through the flat form and back.
+    Two blocks of ``tiny-llama``: every block makes the same kinds of record (its collectives, its
+    checkpoint's host copies, FPDT's chunk passes and copies), so more blocks add counts, not kinds."""
+    model = tmp_path / "tiny-llama-2l.json"
+    model.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 2}))
     for method, options in (("torch-cp", {}), ("fpdt", {"num_chunks": 4})):
-        trial = Trial.make(method, "tiny-llama", 4096, 2, options, mode="simulated", device="h100-80g",
+        trial = Trial.make(method, str(model), 4096, 2, options, mode="simulated", device="h100-80g",
                            step=StepConfig(stack="paper"))
         r = guarded(measure_simulated, trial)
         assert r.status == "ok", r.message

@@ -75,13 +75,17 @@ def test_the_zigzag_ring_is_unbalanced_under_skewed_documents_and_head_parallel_
     assert idle == pytest.approx((max(zigzag.flops) - sum(zigzag.flops) / 4) / 1e12)
 
 
-def test_a_simulated_row_with_documents_records_the_work_and_the_slowest_rank(capsys):
-    args = ["run", "--method", "ring", "--model", "tiny-llama", "--seq-len", "4K", "--world-size", "4", "--json"]
+def test_a_simulated_row_with_documents_records_the_work_and_the_slowest_rank(capsys, tmp_path):
+    """Two blocks of ``tiny-llama`` (its attention, as ``SPEC``): the row's work is every block's."""
+    layers = 2
+    model = tmp_path / "tiny-llama-2l.json"
+    model.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": layers}))
+    args = ["run", "--method", "ring", "--model", str(model), "--seq-len", "4K", "--world-size", "4", "--json"]
     assert main(args + ["--docs-lengths", ",".join(map(str, SKEWED.lengths))]) == 0
     assert main(args) == 0
     docs_row, plain_row = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:])
     work = docs_row["figures"]["doc_work"]
-    want = rank_work("ring", SPEC, 4, SKEWED, n_layers=get_config("tiny-llama").n_layers)
+    want = rank_work("ring", SPEC, 4, SKEWED, n_layers=layers)
     assert work["pairs"] == list(want.pairs) and work["imbalance"] == pytest.approx(want.imbalance, rel=1e-6)
     assert work["idle_s"] > 0 and work["slowest_rank"] == want.slowest_rank
     assert any("slowest rank's attention" in n for n in docs_row["notes"])

@@ -107,7 +107,7 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
     DeepSpeed TiledMLP and TorchTitan's RoPE table do, and ``as_paper_runs`` sets exactly those (what the
     counts are collected with)."""
     paper = _counts("upipe", 8192, 4, shared=True, stack="paper")
-    plain = _counts("upipe", 8192, 4, stack="lean")
+    plain = _counts("upipe", 8192, 4, shared=True, stack="lean")  # the default stack: also the critical-path test's
     # DeepSpeed's TiledMLP and ours both recompute each tile's forward in backward: the same matmuls
     assert plain.flops_matmul == paper.flops_matmul
     assert plain.memory_bound.bytes != paper.memory_bound.bytes  # but not the same elementwise work
@@ -149,7 +149,9 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     (``methods.core.tiling.repeated``, compressing under ``compressing_repeats``); every figure must equal
     a simulation that runs them all (the simulation without that policy): device, reserved and host
     peaks, the categories, and every count (FLOPs, memory traffic, host copies, collectives, chunk passes).
-    Three blocks: the first and last keep their checkpoints on the device, the middle one offloads."""
+    Three blocks: the first and last keep their checkpoints on the device, the middle one offloads.
+    2048 tokens: as many chunk pairs (8 chunks) as at any length, and few MLP and norm tiles (the paper's
+    rule: local tokens / dim), which the simulation that runs every item would otherwise run one by one."""
     import contextlib
 
     from bench.measure import simulate as simulate_module
@@ -158,7 +160,7 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     model = _tiny_llama_layers(tmp_path, 3)
 
     def simulate():
-        trial = Trial.make("fpdt", model, 8192, 2, options={"num_chunks": 8}, mode="simulated",
+        trial = Trial.make("fpdt", model, 2048, 2, options={"num_chunks": 8}, mode="simulated",
                            device="h100-80g", step=StepConfig(stack=stack))
         r = guarded(measure_simulated, trial)
         assert r.status == "ok", r.message
@@ -486,7 +488,7 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
 def test_collectives_the_attention_issues_are_on_the_critical_path():
     """torch's CP all-gathers K/V itself (blocking its ring); FSDP's all-gathers are issued by the step."""
     cp = _counts("torch-cp", 8192, 4)
-    up = _counts("upipe", 8192, 4)
+    up = _counts("upipe", 8192, 4, shared=True)  # the lean stack's: also the paper-stack counts test's
     assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls > 0
     assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls \
         < cp.collectives[Collective("all_gather", 4, 4)].calls  # FSDP's stay overlapped
