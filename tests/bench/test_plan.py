@@ -358,9 +358,10 @@ def test_bad_arguments(argv, capsys):
 def test_search_stops_at_the_host_memory_budget(planned, tmp_path, monkeypatch):
     """With ample device memory, offloads beyond the preset's host bytes per GPU end the search:
     the answer is the longest length whose extrapolated host peak fits, and one step more fails
-    (exactly extrapolated again, from the simulations the search cached: ``SimCache``). The search
-    starts at 1M, whose host peak is the tiny plan's (its cached simulations), doubles to 2M (over the
-    budget) and bisects down to 1M in steps of 256K."""
+    (exactly extrapolated again, from the simulations the search cached: ``SimCache``). The budget is
+    set from the tiny plan's 1M host peak (read from its cache); the search runs on this test's own
+    device preset, which is part of a simulation's key, so it simulates its probes itself: it starts
+    at 1M, doubles to 2M (over the budget) and bisects down to 1M in steps of 256K."""
     from bench.stackmodel import hardware
 
     from_plan(planned, tmp_path, monkeypatch)
