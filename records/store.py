@@ -1,12 +1,15 @@
 """Rows on disk: JSON Lines, appended atomically, re-validated on read.
 
-Appending is atomic per row: the file is opened ``O_APPEND``, locked with
-``fcntl.flock(LOCK_EX)`` and each row goes out as **one** ``os.write`` of one complete
-line, so a writer killed at any instant leaves whole lines only, and concurrent writers
-(processes or threads) never interleave or lose rows. If the file does not end with a
-newline (written by something else and cut short), a newline is written first so the new
-row starts on its own line. ``read_rows`` skips lines that do not parse or do not validate,
-reporting each with its line number (or raises, with ``on_error="raise"``).
+Appending: the file is opened ``O_APPEND``, locked with ``fcntl.flock(LOCK_EX)`` and each row
+goes out as **one** ``os.write`` of one complete line ending in a newline, so concurrent writers
+(processes or threads) never interleave or lose rows. A writer killed during its write can leave a
+prefix of its line (Linux checks for a fatal signal between the pages of one write, so a row longer
+than a page can be cut), never a line that looks whole: a row is complete only with its newline, and
+that is its last byte. So a file's lines are whole rows except, at most, an unterminated last line,
+which ``read_rows`` reports but never counts (a write in progress, or a writer killed mid-write, even
+with ``on_error="raise"``), and which the next ``append_rows`` removes under its lock, where no live
+writer can be in the middle of a write. ``read_rows`` skips lines that do not parse or do not
+validate, reporting each with its line number (or raises, with ``on_error="raise"``).
 """
 from __future__ import annotations
 
@@ -40,9 +43,7 @@ def append_rows(path: str | os.PathLike, rows: Iterable[Row | dict]) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                os.write(fd, b"\n")  # a foreign partial line must not swallow ours
+            _drop_unterminated_tail(fd)  # a killed writer's part of a row must not swallow ours
             for line in lines:
                 written = os.write(fd, line)
                 if written != len(line):
@@ -52,6 +53,22 @@ def append_rows(path: str | os.PathLike, rows: Iterable[Row | dict]) -> int:
     finally:
         os.close(fd)
     return len(lines)
+
+
+def _drop_unterminated_tail(fd: int, block: int = 1 << 16) -> None:
+    """Truncate what follows the last newline of the open file ``fd`` (a part of a row, whose writer
+    was killed: ``append_rows``'s caller holds the lock, so no writer is in the middle of a write)."""
+    size = end = os.fstat(fd).st_size
+    if not size or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    while end > 0:
+        start = max(0, end - block)
+        found = os.pread(fd, end - start, start).rfind(b"\n")
+        if found >= 0:
+            os.ftruncate(fd, start + found + 1)
+            return
+        end = start
+    os.ftruncate(fd, 0)  # no newline at all: the file is one cut-off row
 
 
 @dataclass
@@ -64,12 +81,18 @@ class BadLine:
         return f"{self.path}:{self.line_no}: {self.error}"
 
 
+class _Unterminated(RowError):
+    """The last line has no newline: not a row (yet), never an error to raise."""
+
+
 def read_rows(path: str | os.PathLike, on_error: str = "warn", bad: list | None = None) -> list[Row]:
     """All valid rows of a JSON Lines file (missing file: none).
 
     A line that is not JSON or not a valid row is skipped and reported: ``on_error="warn"``
     prints it to stderr, ``"skip"`` only appends a ``BadLine`` to ``bad`` (when given),
-    ``"raise"`` raises ``RowError`` naming the file, line and field.
+    ``"raise"`` raises ``RowError`` naming the file, line and field. An unterminated last line is
+    never a row and never raises: a write in progress, or a writer killed mid-write (the module's
+    docstring); it is reported as the other bad lines are under ``"warn"`` and ``"skip"``.
     """
     if on_error not in ("warn", "skip", "raise"):
         raise ValueError(f"on_error must be 'warn', 'skip' or 'raise', got {on_error!r}")
@@ -82,13 +105,14 @@ def read_rows(path: str | os.PathLike, on_error: str = "warn", bad: list | None 
             if not raw.strip():
                 continue
             try:
-                text = raw.decode()
-                if not text.endswith("\n"):
-                    raise RowError("incomplete last line (no newline): a writer was cut off")
-                rows.append(validate_row(json.loads(text)))
+                if not raw.endswith(b"\n"):  # the last line: a row's write in progress or cut off
+                    raise _Unterminated("incomplete last line (no newline): a write in progress or a writer "
+                                        "killed mid-write; the next append removes it")
+                rows.append(validate_row(json.loads(raw.decode())))
             except (UnicodeDecodeError, json.JSONDecodeError, RowError, TypeError) as err:
-                issue = BadLine(str(path), no, f"{type(err).__name__}: {err}")
-                if on_error == "raise":
+                issue = BadLine(str(path), no, f"{RowError.__name__}: {err}" if isinstance(err, _Unterminated)
+                                else f"{type(err).__name__}: {err}")
+                if on_error == "raise" and not isinstance(err, _Unterminated):
                     raise RowError(str(issue)) from None
                 if bad is not None:
                     bad.append(issue)

@@ -109,9 +109,30 @@ def test_reader_skips_and_reports_corrupt_lines(tmp_path, capsys):
     assert err.count("warning: skipping corrupt row") == 3 and f"{path}:2:" in err
     with pytest.raises(RowError, match=r"rows\.jsonl:2: "):
         read_rows(path, on_error="raise")
-    # appending after a cut-off line starts on a fresh line: nothing is glued to the fragment
+    # appending after a cut-off line removes the fragment (a killed writer's part of a row) under its lock:
+    # nothing is glued to it, and the file's bad lines are the two in its middle
     append_rows(path, [make_row(seq_len=4096)])
-    assert [r.seq_len for r in read_rows(path, on_error="skip")] == [1024, 2048, 4096]
+    bad = []
+    assert [r.seq_len for r in read_rows(path, on_error="skip", bad=bad)] == [1024, 2048, 4096]
+    assert [b.line_no for b in bad] == [2, 3] and b'{"half": ' not in path.read_bytes()
+
+
+def test_an_unterminated_last_line_is_never_a_row_and_never_raises(tmp_path):
+    """A row is complete with its newline, its last byte: a line without one is a write in progress or a
+    writer killed mid-write (one write of a row longer than a page can be cut by SIGKILL), so even
+    ``on_error="raise"`` passes over it, and the next append drops it (here the whole file was one)."""
+    path = tmp_path / "rows.jsonl"
+    line = json.dumps(make_row(seq_len=1024).to_dict()) + "\n"
+    path.write_text(line[: len(line) // 2])
+    assert read_rows(path, on_error="raise") == []
+    append_rows(path, [make_row(seq_len=2048)])
+    path.write_bytes(path.read_bytes() + line.encode()[:-1])  # all of a row but its newline
+    bad = []
+    assert [r.seq_len for r in read_rows(path, on_error="raise")] == [2048]
+    assert [r.seq_len for r in read_rows(path, on_error="skip", bad=bad)] == [2048]
+    assert len(bad) == 1 and bad[0].line_no == 2 and "incomplete last line" in bad[0].error
+    append_rows(path, [make_row(seq_len=4096)])
+    assert [r.seq_len for r in read_rows(path, on_error="raise")] == [2048, 4096]
 
 
 def test_finished_keys(tmp_path):
