@@ -185,10 +185,12 @@ def test_writer_killed_mid_loop_leaves_whole_rows(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    rows = read_rows(path, on_error="raise")  # every line is whole and valid
+    rows = read_rows(path, on_error="raise")  # every line is whole and valid, but an unterminated last one
     assert len(rows) > 50
     assert [r.seq_len for r in rows] == list(range(1, len(rows) + 1))
+    append_rows(path, [make_row(seq_len=len(rows) + 1)])  # the next writer goes on from the whole rows
     assert path.read_bytes().endswith(b"\n")
+    assert [r.seq_len for r in read_rows(path, on_error="raise")] == list(range(1, len(rows) + 2))
 
 
 def _spread_row(times=(2.0, 1.0, 4.0, 3.0, 1.5), **figs):
