@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -114,8 +115,14 @@ def _worker(rank: int, size: int, port: int, backend: str, threads: int, fn, arg
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        except RuntimeError as err:
+            if GLOO_CONNECT_FAILED in str(err):  # the parent may spawn the ranks again (spawn)
+                results.put((rank, False, f"{GLOO_CONNECT_FAILED}: {traceback.format_exc()}"))
+                return
+            raise
         value = fn(dist.group.WORLD, *args)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -127,12 +134,36 @@ def _worker(rank: int, size: int, port: int, backend: str, threads: int, fn, arg
         pass
 
 
+# gloo's message when its full mesh of pairs between the ranks could not be connected (a peer's socket
+# closed during the handshake). Seen on a loaded host with other jobs' gloo groups forming at the same
+# time; it happens before any of the task's work, so the ranks can be spawned again.
+GLOO_CONNECT_FAILED = "Gloo connectFullMesh failed"
+SPAWN_ATTEMPTS = 2
+
+
 def spawn(world_size: int, fn: Callable, *args, backend: str = "gloo",
           timeout_s: float = DEFAULT_TIMEOUT_S, threads: int | None = None) -> list:
     """Run ``fn(group, *args)`` on ``world_size`` freshly spawned local ranks; results by rank.
 
-    ``fn`` must be importable by name (module level) since ranks are spawned, not forked.
+    ``fn`` must be importable by name (module level) since ranks are spawned, not forked. Where gloo
+    could not connect the ranks to each other (``GLOO_CONNECT_FAILED``, before ``fn`` ran anywhere),
+    the ranks are spawned again, up to ``SPAWN_ATTEMPTS`` times in all, saying so on stderr.
     """
+    for attempt in range(1, SPAWN_ATTEMPTS + 1):
+        try:
+            return _spawn_once(world_size, fn, *args, backend=backend, timeout_s=timeout_s, threads=threads)
+        except RankError as err:
+            if GLOO_CONNECT_FAILED not in str(err) or attempt == SPAWN_ATTEMPTS:
+                raise
+            print(f"launch: gloo could not connect the {world_size} ranks (rank {err.rank}: "
+                  f"{GLOO_CONNECT_FAILED}); spawning them again ({attempt + 1}/{SPAWN_ATTEMPTS})",
+                  file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(world_size: int, fn: Callable, *args, backend: str, timeout_s: float,
+                threads: int | None) -> list:
+    """One attempt of ``spawn``."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

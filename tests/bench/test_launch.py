@@ -45,3 +45,39 @@ def test_launched_env(monkeypatch):
     assert not launch.is_rank_zero()
     with pytest.raises(ValueError, match="launched as one of 4 ranks"):
         launch.run_ranks(2, _rank_info, "x")
+
+
+def test_spawn_again_when_gloo_cannot_connect_the_ranks(monkeypatch, capsys):
+    """gloo's full mesh failing to connect (before the task ran) spawns the ranks again, once, and says so;
+    any other failure, or the same one twice, is the error."""
+    calls = []
+
+    def flaky(world_size, fn, *args, **kw):
+        calls.append(world_size)
+        if len(calls) == 1:
+            raise launch.RankError(f"rank 1 raised:\n{launch.GLOO_CONNECT_FAILED}: Connection closed by peer", 1)
+        return ["ok"] * world_size
+
+    monkeypatch.setattr(launch, "_spawn_once", flaky)
+    assert launch.spawn(2, _rank_info, "x") == ["ok", "ok"] and calls == [2, 2]
+    assert "gloo could not connect the 2 ranks (rank 1" in capsys.readouterr().err
+
+    def always(world_size, fn, *args, **kw):
+        calls.append(world_size)
+        raise launch.RankError(f"rank 0 raised:\n{launch.GLOO_CONNECT_FAILED}", 0)
+
+    calls.clear()
+    monkeypatch.setattr(launch, "_spawn_once", always)
+    with pytest.raises(launch.RankError, match=launch.GLOO_CONNECT_FAILED):
+        launch.spawn(2, _rank_info, "x")
+    assert len(calls) == launch.SPAWN_ATTEMPTS
+
+    def other(world_size, fn, *args, **kw):
+        calls.append(world_size)
+        raise launch.RankError("rank 1 raised:\nboom", 1)
+
+    calls.clear()
+    monkeypatch.setattr(launch, "_spawn_once", other)
+    with pytest.raises(launch.RankError, match="boom"):
+        launch.spawn(2, _rank_info, "x")
+    assert calls == [2]
