@@ -25,10 +25,12 @@ only: the ``methods`` package never imports this file.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import sys
 import types
+from collections.abc import Iterator
 
 import torch
 
@@ -212,6 +214,19 @@ def install_if_missing() -> bool:
     sys.modules["flash_attn"] = pkg
     sys.modules["flash_attn.flash_attn_interface"] = iface
     return True
+
+
+@contextlib.contextmanager
+def installed_for_the_call() -> Iterator[None]:
+    """The stand-in registered for the ``with`` block where it is not already, and removed after it
+    only then: for a rank of a pool whose ranks do not install it (tests/bench's), running a library
+    wrapper that imports flash-attn."""
+    added = not is_installed() and install_if_missing()
+    try:
+        yield
+    finally:
+        if added:
+            uninstall()
 
 
 def uninstall() -> None:

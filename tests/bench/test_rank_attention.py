@@ -24,7 +24,7 @@ from bench.training.config import StepConfig
 from methods.core import kernels
 from records.schema import RowError, validate_row
 from records.workloads.spec import DocsSpec
-from tests.flash_attn_standin import install_if_missing, uninstall
+from tests.flash_attn_standin import installed_for_the_call
 
 aten = torch.ops.aten
 # the torch kernel's CPU attention ops (methods.core.kernels.TorchKernel): what an attention computed
@@ -62,13 +62,9 @@ def rank_with_op_count(group, trial: Trial):
 
 
 def rank_with_flash_standin(group, trial: Trial):
-    """``real_rank`` with the flash-attn stand-in installed for the call (the library wrappers need it)."""
-    added = install_if_missing()
-    try:
+    """``real_rank`` with the flash-attn stand-in on the rank for the call (the library wrappers need it)."""
+    with installed_for_the_call():
         return real_rank(group, trial)
-    finally:
-        if added:
-            uninstall()
 
 
 def real_trial(method: str, seq_len: int, world_size: int, docs: DocsSpec | None = None, options=None,

@@ -202,16 +202,12 @@ def on_ranks(pool, method: str, levers: dict, dtype: str = "fp32", options: dict
 
 
 def cp_step_with_flash_standin(group, *args) -> dict:
-    """``cp_step`` with the flash-attn stand-in installed on the rank for the call (a library wrapper
-    that imports flash-attn, as ring-flash-attn does; this pool's ranks do not install it)."""
-    from tests.flash_attn_standin import install_if_missing, uninstall
+    """``cp_step`` with the flash-attn stand-in on the rank for the call (a library wrapper that imports
+    flash-attn, as ring-flash-attn does; this pool's ranks do not install it)."""
+    from tests.flash_attn_standin import installed_for_the_call
 
-    added = install_if_missing()
-    try:
+    with installed_for_the_call():
         return cp_step(group, *args)
-    finally:
-        if added:
-            uninstall()
 
 
 def reference_step(method: str, docs: methods.Documents | None = None) -> dict:
