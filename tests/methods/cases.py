@@ -171,23 +171,21 @@ def reference_step(group, ref: AttentionBlock, x: torch.Tensor, dy: torch.Tensor
     reference while only one computes it (the ranks of the test pool share the machine's cores, so a
     reference per rank multiplied its cost by the world size)."""
     size, rank = world(group)
-    names = [name for name, _ in ref.named_parameters()]
+    params = dict(ref.named_parameters())
     if rank == 0:
         x_ref = x.float().clone().requires_grad_()
         y_ref = ref(x_ref) if docs is None else ref(x_ref, docs=docs)
         y_ref.backward(dy.float())
-        params = dict(ref.named_parameters())
-        missing = [name for name in names if params[name].grad is None]
+        missing = [name for name, p in params.items() if p.grad is None]
         assert not missing, f"the reference has no gradient for {missing}"
-        results = [y_ref.detach(), x_ref.grad, *(params[name].grad for name in names)]
+        results = [y_ref.detach(), x_ref.grad, *(p.grad for p in params.values())]
     else:
-        params = dict(ref.named_parameters())
-        results = [torch.empty(x.shape), torch.empty(x.shape), *(torch.empty(params[name].shape) for name in names)]
+        results = [torch.empty(x.shape), torch.empty(x.shape), *(torch.empty(p.shape) for p in params.values())]
     if size > 1:
         source = torch.distributed.get_global_rank(group, 0)
         for t in results:
             torch.distributed.broadcast(t, src=source, group=group)
-    return results[0], results[1], dict(zip(names, results[2:], strict=True))
+    return results[0], results[1], dict(zip(params, results[2:], strict=True))
 
 
 def check_documents_against_reference(
