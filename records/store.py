@@ -81,10 +81,6 @@ class BadLine:
         return f"{self.path}:{self.line_no}: {self.error}"
 
 
-class _Unterminated(RowError):
-    """The last line has no newline: not a row (yet), never an error to raise."""
-
-
 def read_rows(path: str | os.PathLike, on_error: str = "warn", bad: list | None = None) -> list[Row]:
     """All valid rows of a JSON Lines file (missing file: none).
 
@@ -100,24 +96,28 @@ def read_rows(path: str | os.PathLike, on_error: str = "warn", bad: list | None 
     if not path.exists():
         return []
     rows: list[Row] = []
+
+    def report(issue: BadLine) -> None:
+        if bad is not None:
+            bad.append(issue)
+        if on_error == "warn":
+            print(f"warning: skipping corrupt row {issue}", file=sys.stderr)
+
     with open(path, "rb") as f:
         for no, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
+            if not raw.endswith(b"\n"):  # the last line: a row's write in progress or cut off; never raised
+                report(BadLine(str(path), no, "RowError: incomplete last line (no newline): a write in progress "
+                                              "or a writer killed mid-write; the next append removes it"))
+                continue
             try:
-                if not raw.endswith(b"\n"):  # the last line: a row's write in progress or cut off
-                    raise _Unterminated("incomplete last line (no newline): a write in progress or a writer "
-                                        "killed mid-write; the next append removes it")
                 rows.append(validate_row(json.loads(raw.decode())))
             except (UnicodeDecodeError, json.JSONDecodeError, RowError, TypeError) as err:
-                issue = BadLine(str(path), no, f"{RowError.__name__}: {err}" if isinstance(err, _Unterminated)
-                                else f"{type(err).__name__}: {err}")
-                if on_error == "raise" and not isinstance(err, _Unterminated):
+                issue = BadLine(str(path), no, f"{type(err).__name__}: {err}")
+                if on_error == "raise":
                     raise RowError(str(issue)) from None
-                if bad is not None:
-                    bad.append(issue)
-                if on_error == "warn":
-                    print(f"warning: skipping corrupt row {issue}", file=sys.stderr)
+                report(issue)
     return rows
 
 
