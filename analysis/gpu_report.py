@@ -166,14 +166,14 @@ def compare_markdown(folder: Path, real_rows: list[dict], by_trial: dict[tuple, 
         f"Real: `bash scripts/gpu/validate.sh OUT ...` on {device_name} "
         f"(torch {real_rows[0]['env']['torch']}), `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
         f"{levers}. "
-        + (("Mode `emulated` (column ws): each deciding rank of a `ws`-rank job in turn on one GPU (rank 0 "
-            "alone for a method whose ranks are symmetric), with a fake process group: kernels, allocator and "
-            "host offloads are real, collectives return at once (their output buffers are still allocated), so "
-            "the memory is each rank's; the row's figures are its worst rank's (by allocated peak), simulated "
-            "on that rank; the time compared is that rank's measured compute " if by_ranks else
-            "Mode `emulated` (column ws): rank 0 of a `ws`-rank job on one GPU, with a fake process group: "
-            "kernels, allocator and host offloads are real, collectives return at once (their output buffers "
-            "are still allocated), so the memory is rank 0's; the time compared is the measured compute ")
+        + ("Mode `emulated` (column ws): "
+           + ("each deciding rank of a `ws`-rank job in turn on one GPU (rank 0 alone for a method whose ranks "
+              "are symmetric)" if by_ranks else "rank 0 of a `ws`-rank job on one GPU")
+           + ", with a fake process group: kernels, allocator and host offloads are real, collectives return at "
+           "once (their output buffers are still allocated), so the memory is "
+           + ("each rank's; the row's figures are its worst rank's (by allocated peak), simulated on that rank; "
+              "the time compared is that rank's measured compute " if by_ranks else
+              "rank 0's; the time compared is the measured compute ")
            + "against the model's compute part (no communication"
            + ("; where the attention was skipped, without the attention kernels" if skips else "") + "). "
            if emulated else "")
