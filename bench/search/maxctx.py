@@ -1,11 +1,16 @@
-"""Maximum context: the longest sequence that fits, by doubling then bisection.
+"""Maximum context: the longest sequence that fits, by a bracket narrowed on the memory's load.
 
 Lengths are multiples of the step ``g = lcm(granularity, seq_multiple)`` where
 ``seq_multiple`` is the method's layout granularity at that world size (so every trial is
-a valid length). From ``start`` the length doubles while trials fit (up to ``max_seq_len``);
-after the first failure it bisects between the longest fit and the shortest failure until
-they are one step apart. The answer is exact to ``g``: ``max_context`` fits and
-``max_context + g`` does not (or is beyond the search limit, which the final row says).
+a valid length). From ``start``, each next length is where the binding budget's load (peak over
+usable memory, device or host: ``row_load``) reaches 1 on the secant through the two nearest
+probes, kept inside the bracket between the longest fit and the shortest failure, with a doubling
+or bisection step instead whenever a probe has no load or the secant stops halving the bracket
+(``load_guided``); memory that grows about linearly with the length is bracketed in a few probes.
+The search ends when the bracket is one step wide, so the answer is exact to ``g`` whatever the
+proposals were: ``max_context`` fits and ``max_context + g`` does not (or is beyond the search
+limit, which the final row says). ``search(..., propose=doubling)`` is the plain doubling (up to
+``max_seq_len``) and bisection.
 
 Isolation: every trial in real or emulated mode runs in its own process (real mode then
 spawns its ranks from there), so an out-of-memory error, or the out-of-memory killer,
@@ -32,7 +37,7 @@ from records import Figures, GiB, Kind, Row, human, validate_row
 
 from ..measure import launch
 from ..measure.result import failed
-from ..measure.run import build_row
+from ..measure.run import budgeted_peak, build_row
 from ..measure.trial import Trial
 from .autochunk import run
 
@@ -114,7 +119,7 @@ def secant_on_load(k: int, point: Any, points: dict, lo: int, hi: int, k_max: in
     """The next multiple where the load (the binding budget's fill, ``point.load``: 1.0 is full)
     reaches 1, on the secant through the two probes nearest ``k``; from one probe, proportional
     (memory grows at least linearly), one step past it. Kept inside the bracket."""
-    near = sorted(points, key=lambda j: abs(j - k))[:2]
+    near = sorted((j for j in points if getattr(points[j], "load", None) is not None), key=lambda j: abs(j - k))[:2]
     if len(near) == 2 and points[near[0]].load != points[near[1]].load:
         (k1, p1), (k2, p2) = [(j, points[j].load) for j in near]
         nxt = math.floor(k1 + (1.0 - p1) * (k2 - k1) / (p2 - p1))
@@ -122,6 +127,27 @@ def secant_on_load(k: int, point: Any, points: dict, lo: int, hi: int, k_max: in
         nxt = math.floor(k / max(1e-9, point.load)) + (1 if point.status == "ok" else 0)
     nxt = min(max(nxt, lo + 1), hi - 1)
     return (lo + hi) // 2 if nxt in points else nxt
+
+
+def load_guided() -> Propose:
+    """``secant_on_load`` guarded by bisection. A probe without a load (a real out-of-memory error
+    records no peak) is followed by ``doubling``'s step, and so is a secant step that did not halve the
+    bracket once a failure bounds it: a load far from linear in the length (a step in it) would
+    otherwise have the secant creep along one end; guarded, it costs at most two probes per halving.
+    Memory that grows about linearly with the length is bracketed in two or three probes, against
+    doubling's ``log2`` of the range plus the bisection's. The answer is the same, exact to the step,
+    since the search ends only on a bracket one step wide."""
+    widths: list[int] = []  # the bracket's width after the last secant step, once a failure bounds it
+
+    def propose(k: int, point: Any, points: dict, lo: int, hi: int, k_max: int) -> int:
+        slow = bool(widths) and hi - lo > widths[-1] // 2
+        if slow or getattr(point, "load", None) is None:
+            widths.clear()
+            return doubling(k, point, points, lo, hi, k_max)
+        widths[:] = [hi - lo] if hi <= k_max else []
+        return secant_on_load(k, point, points, lo, hi, k_max)
+
+    return propose
 
 
 def bracket(probe: Callable[[int], Any], points: dict, k_max: int, k: int, propose: Propose = doubling,
@@ -157,15 +183,45 @@ def bracket(probe: Callable[[int], Any], points: dict, k_max: int, k: int, propo
         k = (lo + hi) // 2
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One probe of ``search``: its row, and the load of the budget that binds (``row_load``)."""
+
+    row: Row
+    load: float | None
+
+    @property
+    def status(self) -> str:
+        return self.row.status
+
+
+def row_load(trial: Trial, row: Row) -> float | None:
+    """How full the binding budget is at ``row`` (1.0: exactly full): the peak judged against the
+    device's usable bytes (``budgeted_peak``: the modelled reserved peak on the paper stack), or the
+    host peak against the host memory offloads may fill, whichever is fuller; at least just over 1 for
+    an out-of-memory row. None when the row has no peak to judge (a real out-of-memory error)."""
+    f = row.figures
+    _, peak = budgeted_peak(trial, f)
+    if peak is None or not f.usable_bytes:
+        return None
+    load = peak / f.usable_bytes
+    if f.host_usable_bytes and f.host_peak_bytes is not None:
+        load = max(load, f.host_peak_bytes / f.host_usable_bytes)
+    return max(load, 1.0 + 1e-9) if row.status == "oom" else load
+
+
 def search(
     trial: Trial,
     runner: Callable[[Trial], Row] = default_runner,
     on_row: Callable[[Row], None] | None = None,
     progress: TextIO | None = sys.stderr,
+    propose: Propose | None = None,
 ) -> Row:
     """Run the max-context search ``trial`` (kind ``max_context``); returns the final row.
 
-    ``on_row`` receives every probe's row as it finishes (to append it to a file).
+    ``on_row`` receives every probe's row as it finishes (to append it to a file). ``propose`` picks
+    each next length (default ``load_guided()``: the secant on the rows' load, guarded by bisection;
+    ``doubling`` gives the plain doubling and bisection).
     """
     if trial.kind != Kind.MAX_CONTEXT:
         raise ValueError(f"search needs a max_context trial, got kind {trial.kind!r}")
@@ -175,14 +231,15 @@ def search(
     trial.probe(step).validate()
     k_max = max_seq_len // step
     k = min(k_max, max(1, math.ceil((start or step) / step)))
-    rows: dict[int, Row] = {}
+    probes: dict[int, Probe] = {}
     last: list[Row] = []
     label = (f"[max-context {trial.mode} {trial.world_size}x{trial.device} {trial.method} "
              f"{trial.model}]")
 
-    def attempt(k: int) -> Row:
+    def attempt(k: int) -> Probe:
         t0 = time.perf_counter()
-        row = runner(trial.probe(k * step))
+        probed = trial.probe(k * step)
+        row = runner(probed)
         last[:] = [row]
         if on_row is not None:
             on_row(row)
@@ -191,13 +248,14 @@ def search(
             usable = row.figures.usable_bytes
             mem = f"peak {peak / GiB:.2f} of {usable / GiB:.2f} GiB usable" if peak is not None and usable else ""
             detail = row.message if row.status != "ok" else mem
-            print(f"{label} trial {len(rows) + 1}: {human(k * step)} -> {row.status} {detail} "
+            print(f"{label} trial {len(probes) + 1}: {human(k * step)} -> {row.status} {detail} "
                   f"[{time.perf_counter() - t0:.1f}s]", file=progress, flush=True)
-        return row
+        return Probe(row, row_load(probed, row))
 
-    lo, hi, stop = bracket(attempt, rows, k_max, k, doubling)
-    best = rows.get(lo)
-    return _final_row(trial, lo * step, best, stop or (last[0] if best is None else None), len(rows),
+    lo, hi, stop = bracket(attempt, probes, k_max, k, propose or load_guided())
+    best = probes[lo].row if lo in probes else None
+    stop_row = stop.row if stop is not None else None
+    return _final_row(trial, lo * step, best, stop_row or (last[0] if best is None else None), len(probes),
                       limit_reached=(hi > k_max))
 
 

@@ -1,15 +1,19 @@
-"""Max-context search: doubling then bisection to the stated step, every trial a row, OOMs
-included; errors stop the search with a lower bound; trials isolated so a dying trial is a row."""
+"""Max-context search: exact to the stated step, every trial a row, OOMs included; the secant on the
+load (the default) gives doubling and bisection's answer in fewer probes, and falls back on them where
+a probe has no load or the load is far from linear; errors stop the search with a lower bound; trials
+isolated so a dying trial is a row."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import signal
 
+import pytest
+
 from bench.measure.result import Measurement, failed
 from bench.measure.run import build_row
 from bench.measure.trial import Search, Trial
-from bench.search.maxctx import run_isolated, search
+from bench.search.maxctx import doubling, run_isolated, search
 from bench.training.config import StepConfig
 from records import human
 
@@ -44,7 +48,7 @@ def searching(t: Trial, granularity: int, max_seq_len: int, start: int | None = 
 def test_doubling_then_bisection_is_exact_to_the_step():
     seen, rows = [], []
     final = search(searching(trial(), 128 * K, 16 << 20), runner=fake_runner(5_000_000, seen=seen),
-                   on_row=rows.append, progress=None)
+                   on_row=rows.append, progress=None, propose=doubling)
     assert final.kind == "max_context" and final.status == "ok"
     assert final.figures.max_context == 5_000_000 // (128 * K) * 128 * K  # 4.75M
     assert seen[:7] == [128 * K * 2**i for i in range(7)]  # 128K ... 8M, the first failure
@@ -54,6 +58,54 @@ def test_doubling_then_bisection_is_exact_to_the_step():
     assert final.figures.peak_bytes == final.figures.max_context  # figures of the longest fit
     assert any("exact to 131072 tokens" in n for n in final.notes)
     assert final.search == {"granularity": 128 * K, "step": 128 * K, "max_seq_len": 16 << 20, "start": None}
+
+
+GIB = 1 << 30
+
+
+def memory_runner(peak_of, seen: list):
+    """A runner whose peak is ``peak_of(seq_len)`` bytes, judged against the device's usable memory by
+    ``build_row`` (rows past it are ``oom`` with their peak, as simulated ones are)."""
+
+    def run(t: Trial):
+        seen.append(t.seq_len)
+        return build_row(t, Measurement(peak_bytes=int(peak_of(t.seq_len))), 0.0)
+
+    return run
+
+
+@pytest.mark.parametrize("shape", ["linear", "steps"])
+def test_the_secant_on_the_load_finds_doublings_answer(shape):
+    """Same answers as doubling and bisection, for fits anywhere in the range. On memory linear in the
+    length (a fixed part plus bytes per token): never more probes, and half of them over the four cases.
+    On a load with a step in it (flat, then a jump: the secant alone would creep along one end): at most
+    twice its probes."""
+    usable = build_row(trial().probe(1 << 20), Measurement(peak_bytes=1), 0.0).figures.usable_bytes
+    total = {"doubling": 0, "secant": 0}
+    for per_token in (3_000, 7_777, 20_000, 61_000):
+        if shape == "linear":
+            peak_of = lambda s, b=per_token: 9 * GIB + b * s  # noqa: E731
+        else:
+            peak_of = lambda s, b=per_token: (usable // 2 if s * b < usable - 9 * GIB else usable + 1)  # noqa: E731
+        answers, probes = {}, {}
+        for name, propose in (("doubling", doubling), ("secant", None)):
+            seen: list[int] = []
+            final = search(searching(trial(), 128 * K, 64 << 20, 2 << 20), runner=memory_runner(peak_of, seen),
+                           progress=None, propose=propose)
+            answers[name], probes[name] = final.figures.max_context, len(seen)
+            assert final.figures.trials == len(seen) and len(set(seen)) == len(seen)
+        assert answers["secant"] == answers["doubling"] > 0, (per_token, answers)
+        assert probes["secant"] <= (probes["doubling"] if shape == "linear" else 2 * probes["doubling"]), probes
+        for name in total:
+            total[name] += probes[name]
+    if shape == "linear":
+        assert total["secant"] <= total["doubling"] / 2, total
+
+
+def test_rows_without_a_load_fall_back_on_doubling_and_bisection():
+    """A real out-of-memory row records no peak: the search bisects past it, to the same exact answer."""
+    final = search(searching(trial(), 128 * K, 16 << 20), runner=fake_runner(5_000_000), progress=None)
+    assert final.figures.max_context == 5_000_000 // (128 * K) * 128 * K
 
 
 def test_step_respects_the_methods_sequence_multiple():
@@ -72,7 +124,8 @@ def test_limit_reached_is_a_lower_bound_and_nothing_fitting_is_zero():
 
 
 def test_an_error_stops_the_search_and_says_so():
-    final = search(searching(trial(), 128 * K, 16 << 20), runner=fake_runner(10 << 20, error_at=2 << 20), progress=None)
+    final = search(searching(trial(), 128 * K, 16 << 20), runner=fake_runner(10 << 20, error_at=2 << 20), progress=None,
+                   propose=doubling)
     assert final.status == "error" and "boom" in final.message
     assert final.figures.max_context == 1 << 20
 
