@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.init as init
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
 from torch.utils._pytree import tree_leaves
 
@@ -34,6 +34,7 @@ from ..stackmodel.simmode import SimulationMode
 from . import tape
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_ADD, _DEL, _REF, _SIZE = _UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF, _UpdateType.SIZE
 # output types tracked without flattening (MemTracker flattens every output with tree_map_only)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
 
@@ -168,9 +169,43 @@ class PeakTracker(SimulationMode, MemTracker):
         super().__exit__(*args)
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        """``MemTracker._update_snap``'s accounting, with a device's snapshot created only when it is missing
+        (``MemTracker`` builds the default, a dict over every category, on every update): an added storage
+        counts its bytes to its category and the total, a freed one takes them off (and a device whose
+        total falls to zero leaves the snapshot), a category change moves them, a resize changes them."""
         if self._tape is not None:
             self._tape.note_update(u_type, winfo, old_mem_consumed, old_reftype)
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        snap = self._curr_mem_snap
+        device = winfo.device
+        dev_snap = snap.get(device)
+        if dev_snap is None:
+            dev_snap = snap[device] = dict.fromkeys(self._ref_class, 0)
+            dev_snap[_TOTAL_KEY] = 0
+        elif _TOTAL_KEY not in dev_snap:
+            dev_snap[_TOTAL_KEY] = 0
+        mem = winfo.mem_consumed
+        if u_type is _ADD:
+            dev_snap[winfo.reftype] += mem
+            dev_snap[_TOTAL_KEY] += mem
+            return
+        if u_type is _DEL:
+            dev_snap[winfo.reftype] -= mem
+            dev_snap[_TOTAL_KEY] -= mem
+        elif u_type is _REF:
+            if old_reftype is None:
+                raise AssertionError("a category change without the old category")
+            dev_snap[old_reftype] -= mem
+            dev_snap[winfo.reftype] += mem
+            return
+        elif u_type is _SIZE:
+            if old_mem_consumed is None:
+                raise AssertionError("a resize without the old size")
+            dev_snap[winfo.reftype] += mem - old_mem_consumed
+            dev_snap[_TOTAL_KEY] += mem - old_mem_consumed
+        else:
+            raise ValueError(f"Invalid update type: {u_type}")
+        if dev_snap[_TOTAL_KEY] == 0:
+            del snap[device]
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - same signature
         if self._tape is not None:
