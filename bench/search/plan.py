@@ -604,6 +604,15 @@ def runs(e: Entry) -> bool:
     return True
 
 
+def search_cost(e: Entry) -> tuple[int, bool]:
+    """How long ``e``'s search takes, to order them: the layers one exact point simulates (its two
+    shallow models, or the whole model: ``sim_scheme``), then the ring family and FPDT before the rest
+    (their attention runs a loop per rank or per chunk)."""
+    how = sim_scheme(e.trial)
+    layers = e.trial.config().n_layers if how.whole else sum(how.layers)
+    return layers, e.method in ("ring", "usp", "usp-upipe", "fpdt")
+
+
 def _search_entry(args) -> Entry:
     entry, granularity, max_seq_len, workdir = args
     t0 = time.perf_counter()
@@ -798,7 +807,7 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     lines_before = _lines(cache) if _CACHE else 0
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as workdir:
         searched = [e for e in todo if not e.auto]
-        searched.sort(key=lambda e: e.method not in ("ring", "usp", "usp-upipe", "fpdt"))  # slowest first
+        searched.sort(key=search_cost, reverse=True)  # slowest first: the last to finish runs alone
         jobs = [(e, granularity, max_seq_len, workdir) for e in searched]
         pool = (ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                     initargs=(cache_args,))
