@@ -333,8 +333,9 @@ def our_max_context(rows: pd.DataFrame) -> pd.DataFrame:
     if len(t):
         t = t[has_paper_levers(t)]
     for (model, ws, label, ml), sub in (t.groupby(["model", "world_size", "label", "mode_label"]) if len(t) else []):
-        ok = sub[sub["status"] == "ok"]["seq_len"]
-        oom = sub[sub["status"] == "oom"]["seq_len"]
+        status, lengths = sub["status"], sub["seq_len"]  # two columns, not every column of the rows they select
+        ok = lengths[status == "ok"]
+        oom = lengths[status == "oom"]
         best = int(ok.max()) if len(ok) else 0
         lower = not len(oom) or int(oom.max()) < best
         if not len(ok) and not len(oom):
@@ -861,21 +862,24 @@ def compare_methods(rows=None, metric: str = "tokens_per_s_per_device", model: s
     cols = ["", "Method", "Model", "Ranks", "Scope", "Mode, device", "Max context (search)", "Longest run w/o OOM"] \
         + _seq_cols(lengths)
     series = {}
-    for _, r in sel.iterrows():
-        key = (r["label"], r["model"], r["world_size"], r["scope"], r["mode_label"])
-        series.setdefault(key, r["method"])
+    key_cols = ["label", "model", "world_size", "scope", "mode_label"]
+    keys = zip(*(sel[c] for c in key_cols), strict=True) if len(sel) else ()
+    for key, method in zip(keys, sel["method"] if len(sel) else (), strict=True):
+        series.setdefault(key, method)
+    # each series' rows, by one grouping instead of five comparisons over every row per series (the rows of a
+    # group keep their order; a key with a missing value matches nothing, as an equality test would not)
+    mx_by = dict(iter(mx.groupby(key_cols, sort=False))) if len(mx) else {}
+    t_by = dict(iter(t.groupby(key_cols, sort=False))) if len(t) else {}
     out = []
     for key, method in sorted(series.items(), key=lambda kv: (kv[1] != highlight, family_order(family(kv[1])), kv[0])):
         label, mdl, ws, sc, ml = key
-        m = mx[(mx["label"] == label) & (mx["model"] == mdl) & (mx["world_size"] == ws) & (mx["scope"] == sc)
-               & (mx["mode_label"] == ml)] if len(mx) else mx
+        m = mx_by.get(key, mx.iloc[:0])
         search = m[m["kind"] == "search"] if len(m) else m
         runs = m[m["kind"] == "runs"] if len(m) else m
         s_txt = MISSING if not len(search) else max_ctx_cell(search.iloc[0])
         r_txt = MISSING if not len(runs) or sc != "model" else _max_ctx_text(runs.iloc[0]["max_seq_len"],
                                                                             bool(runs.iloc[0]["lower_bound"]))
-        sub = t[(t["label"] == label) & (t["model"] == mdl) & (t["world_size"] == ws) & (t["scope"] == sc)
-                & (t["mode_label"] == ml)] if len(t) else t
+        sub = t_by.get(key, t.iloc[:0])
         out.append(["◀" if method == highlight else "", label, mdl, ws, sc, ml, s_txt, r_txt]
                    + [cell(lookup(sub, s), metric, digits) for s in lengths])
     notes = [f"Cells: {what} at each sequence length; OOM, error, fits (ran; not measured in that mode), — (no row)."
