@@ -66,7 +66,9 @@ divide, or too few groups, are simulated whole; the row's note says which.
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
 the load (the binding budget's fill, which grows smoothly with the length) proposes the next
 multiple inside the bracket [longest fit, shortest failure]; it ends when the two are one
-step apart, so the answer is exact to one step as in ``bench.search.maxctx``.
+step apart, so the answer is exact to one step as in ``bench.search.maxctx``. A ladder rung's search
+starts one step past the answer of the rung below it, once that one has ended (``run_searches``); the
+others start at ``FIRST``.
 
 Step time: a measured row from ``results/`` (mode real, same method/options/model/world
 size/device/length) when one exists; else ``bench.stackmodel.steptime``'s model (its fitted
@@ -112,6 +114,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent import futures
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,7 +397,10 @@ def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
                for k in ("peak_bytes", "host_peak_bytes"))
 
 
-def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: int = 4 << 20):
+FIRST = 4 << 20  # where a search starts without a rung below it (search_max's first probe)
+
+
+def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: int = FIRST):
     """(max_context, best Point or None, points tried, step, error Point or None): the max-context
     search (``bench.search.maxctx.bracket``) with the secant on the load, over ``extrapolated``
     points that may reuse another length's per-layer increments; the bracket's ends are made
@@ -454,6 +460,7 @@ class Entry:
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
     work: RankWork | None = None  # documents: each rank's attention work at the common length (docwork)
+    after: str | None = None  # the ladder rung below this one (its label): its answer is where this search starts
 
     @property
     def method(self) -> str:
@@ -570,7 +577,10 @@ def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, st
         base, opts = ("upipe", {}) if nodes == 1 else ("usp-upipe", {"ulysses_degree": gpus // nodes})
         name = out[0].label if nodes == 1 else f"usp-upipe u={gpus // nodes} U={gpus // nodes}"
         rungs = ladder(lambda levers: runs(entry("", base, dict(opts), **levers)))
-        out += [entry(f"{name} {label}", base, dict(opts), **levers) for label, levers in rungs]
+        below = name
+        for label, levers in rungs:
+            out.append(dataclasses.replace(entry(f"{name} {label}", base, dict(opts), **levers), after=below))
+            below = out[-1].label
         out.append(sequence_chunked(entry, granularity))
     return out
 
@@ -613,12 +623,59 @@ def search_cost(e: Entry) -> tuple[int, bool]:
     return layers, e.method in ("ring", "usp", "usp-upipe", "fpdt")
 
 
+def run_searches(searched: list[Entry], pool: ProcessPoolExecutor | None, workers: int, common: tuple):
+    """Every entry's search (``_search_entry``), yielding each entry as its search ends. A ladder rung starts
+    after the rung below it (``Entry.after``), one step past that rung's answer: a rung adds a lever that saves
+    memory, so its answer is that one's or a little longer, and a search that starts there needs three or four
+    simulations where one that starts at ``FIRST`` needs four to eight (the answer is the same: the search ends
+    on a bracket one step wide wherever it starts). Among the searches that can start, the one with the most
+    work on its chain of rungs goes first (``search_cost``), so that the longest chain does not run alone at
+    the end."""
+    by_label = {e.label: e for e in searched}
+    below = {e.label: e.after for e in searched if e.after in by_label}
+    chain: dict[str, int] = {}
+
+    def chain_cost(label: str) -> int:  # this search's cost and that of every rung above it
+        if label not in chain:
+            chain[label] = search_cost(by_label[label])[0] + sum(
+                chain_cost(up) for up, down in below.items() if down == label)
+        return chain[label]
+
+    answers: dict[str, int] = {}
+    granularity = common[0]
+
+    def start(e: Entry) -> int:
+        label = below.get(e.label)
+        while label is not None and not answers.get(label):
+            label = below.get(label)  # a rung below that found nothing (skipped): the one under it
+        return answers[label] + granularity if label is not None else FIRST
+
+    waiting = sorted(searched, key=lambda e: (chain_cost(e.label), search_cost(e)), reverse=True)
+    running: list = []  # futures, or the one job this process runs next
+    while waiting or running:
+        ready = [e for e in waiting if below.get(e.label) is None or below[e.label] in answers]
+        while ready and len(running) < (workers if pool else 1):
+            e = ready.pop(0)
+            waiting.remove(e)
+            job = (e, *common, start(e))
+            running.append(pool.submit(_search_entry, job) if pool else job)
+        if pool:
+            done = next(futures.as_completed(running))
+            result = done.result()
+        else:
+            done = running[0]
+            result = _search_entry(done)
+        running.remove(done)
+        answers[result.label] = result.max_context
+        yield result
+
+
 def _search_entry(args) -> Entry:
-    entry, granularity, max_seq_len, workdir = args
+    entry, granularity, max_seq_len, workdir, first = args
     t0 = time.perf_counter()
     try:
         entry.trial.validate(check_seq_len=False)
-        found, best, n, _, err = search_max(entry.trial, granularity, max_seq_len, workdir)
+        found, best, n, _, err = search_max(entry.trial, granularity, max_seq_len, workdir, first)
     except ValueError as e:
         entry.skipped = str(e).splitlines()[0][:160]
         return entry
@@ -807,17 +864,15 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     lines_before = _lines(cache) if _CACHE else 0
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as workdir:
         searched = [e for e in todo if not e.auto]
-        searched.sort(key=search_cost, reverse=True)  # slowest first: the last to finish runs alone
-        jobs = [(e, granularity, max_seq_len, workdir) for e in searched]
         pool = (ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                     initargs=(cache_args,))
                 if workers > 1 else None)
         try:
             found = []
-            print(f"[plan] {len(jobs)} searches on {workers} worker(s)"
+            print(f"[plan] {len(searched)} searches on {workers} worker(s)"
                   + (f", documents {docs.label} drawn per length" if docs is not None else "")
-                  + "; a line as each finishes (in order)", file=progress, flush=True)
-            for e in (pool.map(_search_entry, jobs) if pool else map(_search_entry, jobs)):
+                  + "; a line as each finishes", file=progress, flush=True)
+            for e in run_searches(searched, pool, workers, (granularity, max_seq_len, workdir)):
                 found.append(e)
                 what = e.skipped or e.error or f"max context {human(e.max_context)}"
                 print(f"[plan] {e.label}: {what} ({e.points} simulations, {e.seconds:.0f}s)",
