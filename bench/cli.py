@@ -183,7 +183,8 @@ def build_parser() -> Parser:
     run = sub.add_parser("run", help="one trial")
     _common(run)
     run.add_argument("--seq-len", type=parse_size, required=True, help="global sequence length (128K, 1M...)")
-    mc = sub.add_parser("max-context", help="longest sequence that fits (a search narrowed on the memory load, exact to the step)")
+    mc = sub.add_parser("max-context",
+                        help="longest sequence that fits (a search narrowed on the memory load, exact to the step)")
     _common(mc)
     mc.add_argument("--granularity", type=parse_size, default=128 << 10, help="answer exact to this (default 128K)")
     mc.add_argument("--max-seq-len", type=parse_size, default=16 << 20, help="search limit (default 16M)")

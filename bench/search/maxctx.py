@@ -18,16 +18,19 @@ ends that trial only; a child that dies without reporting becomes an ``oom`` (ki
 SIGKILL) or ``error`` row. Simulated trials allocate nothing and every failure is caught
 into a row, so they may run in this process (``default_runner``); the CLI isolates them
 too unless told ``--in-process`` (``isolated_runner``), since a method could keep state,
-such as cached subgroups, from one trial's process group into the next. Every trial is a row, OOMs included; a final
+such as cached subgroups, from one trial's process group into the next. An isolated simulated
+trial is forked from a fork server that imported the package once (``isolation_context``). Every trial is a row, OOMs included; a final
 ``max_context`` row carries the answer and the figures of the longest fitting trial.
 An ``error`` trial (not a memory failure) stops the search: its answer is then only a
 lower bound, and the final row says so with status ``error``.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import sys
 import time
 from collections.abc import Callable
@@ -52,11 +55,43 @@ def _child(trial: Trial, conn) -> None:
         conn.close()
 
 
+_PRELOADED = ["bench.search.maxctx"]  # what the fork server imports once (torch, the package, the methods)
+
+
+def isolation_context(trial: Trial) -> mp.context.BaseContext:
+    """Where ``run_isolated`` starts ``trial``'s process. A simulated trial: forked from a fork server that
+    imported the package (and torch) once and never runs a trial, so each probe of a search is still a
+    fresh process with no state from the last (no process group, no cached subgroup, no flash-attn stand-in
+    or library imported: the child imports those itself, as a fresh interpreter does) without paying the
+    imports again (about 5 CPU-s a probe). A real or emulated one: spawned, a new interpreter (its CUDA
+    must start in a process that never forked)."""
+    if trial.mode != "simulated":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if not _FORK_SERVER_STOPS:
+        ctx.set_forkserver_preload(_PRELOADED)
+        atexit.register(_stop_fork_server)
+        _FORK_SERVER_STOPS.append(True)
+    return ctx
+
+
+_FORK_SERVER_STOPS: list[bool] = []
+
+
+def _stop_fork_server() -> None:
+    """At exit, stop the fork server and wait for it (``ForkServer._stop``, as Python's own tests do), so that
+    the CPU time of the trials it ran counts as this process's children's (``resource.RUSAGE_CHILDREN``,
+    ``time``), as spawned trials' does; left to ``multiprocessing``, the server outlives this process."""
+    stop = getattr(getattr(mp_forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def run_isolated(trial: Trial, timeout_s: float = 3600, target: Callable = _child) -> Row:
-    """``run`` in a fresh process (spawn); a child that dies becomes a row.
+    """``run`` in a fresh process (``isolation_context``); a child that dies becomes a row.
 
     ``target(trial, conn)`` is what the child runs (tests replace it)."""
-    ctx = mp.get_context("spawn")
+    ctx = isolation_context(trial)
     parent, child = ctx.Pipe(duplex=False)
     t0 = time.perf_counter()
     proc = ctx.Process(target=target, args=(trial, child))
