@@ -1,7 +1,9 @@
 """Simulated trials of the methods that call flash-attn through a library, on the simulated
-flash-attn (bench.stackmodel.fake_flash_attn), each in a fresh ``python -m bench`` process: the
-tests' own process has the plain-torch stand-in in ``sys.modules`` (tests/conftest.py), and the
-libraries bind flash-attn's functions when first imported. A method on the suite's own kernels
+flash-attn (bench.stackmodel.fake_flash_attn), each in a fresh process (``bench.cli.main``, the
+entry point of ``python -m bench``): the tests' own process has the plain-torch stand-in in
+``sys.modules`` (tests/conftest.py), and the libraries bind flash-attn's functions when first
+imported. The fresh processes are forked from one that imported torch and the package once
+(``library_rows``): that import is most of a process's time. A method on the suite's own kernels
 (``ulysses``, which calls no flash-attn) is simulated here through the same entry point."""
 from __future__ import annotations
 
@@ -20,23 +22,83 @@ ROOT = Path(__file__).resolve().parents[3]
 WRAPPERS = ("yc-ulysses", "rfa-zigzag", "yc-ring", "yc-usp", "ds-fpdt")
 
 
-def simulate(tmp_path: Path, method: str, *args: str, here: bool = False) -> dict:
-    """The row of ``python -m bench run --mode simulated``: in a fresh process, or with ``here`` (a
-    method that calls no flash-attn) through ``bench.cli.main`` in this one."""
+def simulate(tmp_path: Path, method: str, *args: str) -> dict:
+    """The row of ``python -m bench run --mode simulated`` through ``bench.cli.main`` in this process:
+    only for a method that calls no flash-attn (the others: ``library_rows``)."""
     out = tmp_path / "rows.jsonl"
     before = out.read_text().count("\n") if out.exists() else 0
-    argv = ["run", "--method", method, "--mode", "simulated", "--out", str(out), *args]
-    if here:
-        assert not methods.get_info(method).requires, f"{method} needs a library: simulate it in a fresh process"
-        assert cli.main(argv) == 0
-    else:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-m", "bench", *argv], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not methods.get_info(method).requires, f"{method} needs a library: simulate it in a fresh process"
+    assert cli.main(_run_argv(method, out, *args)) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == before + 1
     return rows[-1]
+
+
+def _run_argv(method: str, out: Path, *args: str) -> list[str]:
+    return ["run", "--method", method, "--mode", "simulated", "--out", str(out), *args]
+
+
+WRAPPER_ARGS = ("--model", "tiny-llama", "--seq-len", "4K", "--world-size", "4")
+# Llama3-8B on 8 ranks, kernels only (no paper-stack terms): test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace
+YC_8B_ARGS = ("--model", "llama3-8b", "--seq-len", "512K", "--world-size", "8", "--scope", "attention",
+              "--stack", "lean")
+
+# ``bench.cli.main`` on each argv in a fresh process of its own, forked from one that imported ``bench`` (first,
+# as ``python -m bench`` does: the simulated CUDA device before torch) and ``bench.cli`` but no library: each trial
+# imports its libraries itself, installs the simulated flash-attn for itself and removes it after, as a
+# ``python -m bench run`` would, without importing torch and the package again. The exit codes on the last line.
+FRESH_RUNS = """
+import bench  # noqa: F401 - first: the simulated CUDA device before torch
+import json
+import os
+import sys
+import traceback
+
+from bench import cli
+
+codes = []
+for argv in json.loads(sys.argv[1]):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = cli.main(argv)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(codes), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def library_rows(tmp_path_factory) -> dict[str, dict]:
+    """The row of each library trial of this module (each wrapper on tiny-llama, and yc-ulysses on
+    Llama3-8B as ``YC_8B_ARGS``), by name, each trial in a fresh process (``FRESH_RUNS``); the
+    trials whose libraries are missing here are left out (their tests skip)."""
+    out_dir = tmp_path_factory.mktemp("library_rows")
+    runs = {m: (m, *WRAPPER_ARGS) for m in WRAPPERS if libraries_present(m)}
+    if libraries_present("yc-ulysses"):
+        runs["yc-ulysses-8b"] = ("yc-ulysses", *YC_8B_ARGS)
+    if not runs:
+        return {}
+    argvs = [_run_argv(method, out_dir / f"{name}.jsonl", *args) for name, (method, *args) in runs.items()]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", FRESH_RUNS, json.dumps(argvs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0] * len(argvs), proc.stderr[-2000:]
+    rows = {}
+    for name in runs:
+        lines = (out_dir / f"{name}.jsonl").read_text().splitlines()
+        assert len(lines) == 1, name
+        rows[name] = json.loads(lines[0])
+    return rows
 
 
 def libraries_present(method: str) -> bool:
@@ -44,17 +106,17 @@ def libraries_present(method: str) -> bool:
 
 
 @pytest.mark.parametrize("method", WRAPPERS)
-def test_wrapped_flash_attn_methods_simulate(tmp_path, method):
+def test_wrapped_flash_attn_methods_simulate(library_rows, method):
     if not libraries_present(method):
         pytest.skip(f"{method}: {methods.get_info(method).status}")
-    row = simulate(tmp_path, method, "--model", "tiny-llama", "--seq-len", "4K", "--world-size", "4")
+    row = library_rows[method]
     assert row["status"] == "ok", row.get("message")
     assert row["figures"]["peak_bytes"] > 0
     if methods.get_info(method).missing():  # no flash-attn installed here: ours served
         assert any("fake_flash_attn" in note for note in row["notes"])
 
 
-def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(tmp_path):
+def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(library_rows, tmp_path):
     """Llama3-8B on 8 ranks: both methods run the same all-to-all layout with one KV head per rank
     (G = C = 8: ``ulysses`` replicates nothing), so they differ only in the kernel. ``ulysses``'s
     torch kernel with ``kernel_workspace=fa2`` adds bench.stackmodel.workspace's flash-attn 2
@@ -63,11 +125,9 @@ def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(tmp_path):
     ``ulysses`` is lower by about that scratch (dq_accum fp32 + expanded dK/dV)."""
     if not libraries_present("yc-ulysses"):
         pytest.skip(methods.get_info("yc-ulysses").status)
-    common = ("--model", "llama3-8b", "--seq-len", "512K", "--world-size", "8", "--scope", "attention",
-              "--stack", "lean")  # kernels only: no paper-stack terms
-    yc = simulate(tmp_path, "yc-ulysses", *common)["figures"]["peak_bytes"]
-    plain = simulate(tmp_path, "ulysses", *common, here=True)["figures"]["peak_bytes"]
-    modelled = simulate(tmp_path, "ulysses", *common, "--kernel-workspace", "fa2", here=True)["figures"]["peak_bytes"]
+    yc = library_rows["yc-ulysses-8b"]["figures"]["peak_bytes"]
+    plain = simulate(tmp_path, "ulysses", *YC_8B_ARGS)["figures"]["peak_bytes"]
+    modelled = simulate(tmp_path, "ulysses", *YC_8B_ARGS, "--kernel-workspace", "fa2")["figures"]["peak_bytes"]
     assert abs(yc - modelled) <= 0.01 * modelled, (yc, modelled)
     s, h = 512 << 10, 32 // 8  # rank-local sequence and query heads during attention
     scratch = s * h * 128 * 4 + 2 * s * h * 128 * 2
