@@ -1,7 +1,9 @@
 """Simulated trials of the methods that call flash-attn through a library, on the simulated
-flash-attn (bench.stackmodel.fake_flash_attn), each in a fresh ``python -m bench`` process: the
-tests' own process has the plain-torch stand-in in ``sys.modules`` (tests/conftest.py), and the
-libraries bind flash-attn's functions when first imported. A method on the suite's own kernels
+flash-attn (bench.stackmodel.fake_flash_attn), each in a fresh process (``bench.cli.main``, the
+entry point of ``python -m bench``): the tests' own process has the plain-torch stand-in in
+``sys.modules`` (tests/conftest.py), and the libraries bind flash-attn's functions when first
+imported. The fresh processes are forked from one that imported torch and the package once
+(``fresh``): that import is most of a process's time. A method on the suite's own kernels
 (``ulysses``, which calls no flash-attn) is simulated here through the same entry point."""
 from __future__ import annotations
 
@@ -20,23 +22,94 @@ ROOT = Path(__file__).resolve().parents[3]
 WRAPPERS = ("yc-ulysses", "rfa-zigzag", "yc-ring", "yc-usp", "ds-fpdt")
 
 
-def simulate(tmp_path: Path, method: str, *args: str, here: bool = False) -> dict:
-    """The row of ``python -m bench run --mode simulated``: in a fresh process, or with ``here`` (a
-    method that calls no flash-attn) through ``bench.cli.main`` in this one."""
+def simulate(tmp_path: Path, method: str, *args: str) -> dict:
+    """The row of ``python -m bench run --mode simulated`` through ``bench.cli.main`` in this process:
+    only for a method that calls no flash-attn (the others: ``fresh``)."""
     out = tmp_path / "rows.jsonl"
     before = out.read_text().count("\n") if out.exists() else 0
-    argv = ["run", "--method", method, "--mode", "simulated", "--out", str(out), *args]
-    if here:
-        assert not methods.get_info(method).requires, f"{method} needs a library: simulate it in a fresh process"
-        assert cli.main(argv) == 0
-    else:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-m", "bench", *argv], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not methods.get_info(method).requires, f"{method} needs a library: simulate it in a fresh process"
+    assert cli.main(_run_argv(method, out, *args)) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == before + 1
     return rows[-1]
+
+
+def _run_argv(method: str, out: Path, *args: str) -> list[str]:
+    return ["run", "--method", method, "--mode", "simulated", "--out", str(out), *args]
+
+
+WRAPPER_ARGS = ("--model", "tiny-llama", "--seq-len", "4K", "--world-size", "4")
+# Llama3-8B on 8 ranks, kernels only (no paper-stack terms): test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace
+YC_8B_ARGS = ("--model", "llama3-8b", "--seq-len", "512K", "--world-size", "8", "--scope", "attention",
+              "--stack", "lean")
+
+# Each job in a fresh process of its own, forked from one that imported ``bench`` (first, as ``python -m bench``
+# does: the simulated CUDA device before torch) and ``bench.cli`` but no library: a job imports its libraries
+# itself (a trial, ``bench.cli.main`` on an argv, installs the simulated flash-attn for itself and removes it
+# after, as a ``python -m bench run`` would), without importing torch and the package again. A job is an argv,
+# or a script to run as ``python -c`` would (``{"code": ..., "argv": [...]}``). The exit codes on the last line.
+FRESH_RUNS = """
+import bench  # noqa: F401 - first: the simulated CUDA device before torch
+import json
+import os
+import sys
+import traceback
+
+from bench import cli
+
+codes = []
+for job in json.loads(sys.argv[1]):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if isinstance(job, list):
+                code = cli.main(job)
+            else:
+                sys.argv = ["-c", *job["argv"]]
+                exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
+                code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(codes), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> dict[str, dict]:
+    """What this module runs in fresh processes (``FRESH_RUNS``), by name: the row of each library trial
+    (each wrapper on tiny-llama, and ``yc-ulysses-8b``: yc-ulysses on Llama3-8B as ``YC_8B_ARGS``) and
+    ``fa3-probe``: ``FA3_PROBE``'s answer; what needs a library missing here is left out (its test skips)."""
+    out_dir = tmp_path_factory.mktemp("fresh")
+    runs = {m: (m, *WRAPPER_ARGS) for m in WRAPPERS if libraries_present(m)}
+    if libraries_present("yc-ulysses"):
+        runs["yc-ulysses-8b"] = ("yc-ulysses", *YC_8B_ARGS)
+    jobs: list = [_run_argv(method, out_dir / f"{name}.jsonl", *args) for name, (method, *args) in runs.items()]
+    probe = out_dir / "fa3-probe.json"
+    if libraries_present("yc-usp"):
+        jobs.append({"code": FA3_PROBE, "argv": [json.dumps(FA3_CASES), str(probe)]})
+    if not jobs:
+        return {}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", FRESH_RUNS, json.dumps(jobs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0] * len(jobs), proc.stderr[-2000:]
+    got = {}
+    for name in runs:
+        lines = (out_dir / f"{name}.jsonl").read_text().splitlines()
+        assert len(lines) == 1, name
+        got[name] = json.loads(lines[0])
+    if probe.exists():
+        got["fa3-probe"] = json.loads(probe.read_text())
+    return got
 
 
 def libraries_present(method: str) -> bool:
@@ -44,17 +117,17 @@ def libraries_present(method: str) -> bool:
 
 
 @pytest.mark.parametrize("method", WRAPPERS)
-def test_wrapped_flash_attn_methods_simulate(tmp_path, method):
+def test_wrapped_flash_attn_methods_simulate(fresh, method):
     if not libraries_present(method):
         pytest.skip(f"{method}: {methods.get_info(method).status}")
-    row = simulate(tmp_path, method, "--model", "tiny-llama", "--seq-len", "4K", "--world-size", "4")
+    row = fresh[method]
     assert row["status"] == "ok", row.get("message")
     assert row["figures"]["peak_bytes"] > 0
     if methods.get_info(method).missing():  # no flash-attn installed here: ours served
         assert any("fake_flash_attn" in note for note in row["notes"])
 
 
-def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(tmp_path):
+def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(fresh, tmp_path):
     """Llama3-8B on 8 ranks: both methods run the same all-to-all layout with one KV head per rank
     (G = C = 8: ``ulysses`` replicates nothing), so they differ only in the kernel. ``ulysses``'s
     torch kernel with ``kernel_workspace=fa2`` adds bench.stackmodel.workspace's flash-attn 2
@@ -63,19 +136,18 @@ def test_yc_ulysses_peak_matches_ulysses_with_the_fa2_workspace(tmp_path):
     ``ulysses`` is lower by about that scratch (dq_accum fp32 + expanded dK/dV)."""
     if not libraries_present("yc-ulysses"):
         pytest.skip(methods.get_info("yc-ulysses").status)
-    common = ("--model", "llama3-8b", "--seq-len", "512K", "--world-size", "8", "--scope", "attention",
-              "--stack", "lean")  # kernels only: no paper-stack terms
-    yc = simulate(tmp_path, "yc-ulysses", *common)["figures"]["peak_bytes"]
-    plain = simulate(tmp_path, "ulysses", *common, here=True)["figures"]["peak_bytes"]
-    modelled = simulate(tmp_path, "ulysses", *common, "--kernel-workspace", "fa2", here=True)["figures"]["peak_bytes"]
+    yc = fresh["yc-ulysses-8b"]["figures"]["peak_bytes"]
+    plain = simulate(tmp_path, "ulysses", *YC_8B_ARGS)["figures"]["peak_bytes"]
+    modelled = simulate(tmp_path, "ulysses", *YC_8B_ARGS, "--kernel-workspace", "fa2")["figures"]["peak_bytes"]
     assert abs(yc - modelled) <= 0.01 * modelled, (yc, modelled)
     s, h = 512 << 10, 32 // 8  # rank-local sequence and query heads during attention
     scratch = s * h * 128 * 4 + 2 * s * h * 128 * 2
     assert 0.75 * scratch <= yc - plain <= 1.1 * scratch, (yc, plain, scratch)
 
 
-# One fresh process: the simulated flash-attn with recorders around its FA3 entry points (before
-# yunchang binds them), then one attention block (forward + backward) of each case on rank 0.
+# In one fresh process (a job of ``FRESH_RUNS``): the simulated flash-attn with recorders around its FA3 entry
+# points (before yunchang binds them), then one attention block (forward + backward) of each case on rank 0;
+# the answer written to the file ``sys.argv[2]``.
 FA3_PROBE = """
 import bench  # noqa: F401 - first: the simulated CUDA device before torch
 import json
@@ -109,12 +181,15 @@ for name, method, options in json.loads(sys.argv[1]):
     r = guarded(measure_simulated, trial)
     out[name] = {"status": r.status, "message": r.message, "calls": list(calls),
                  "flops": r.step_counts.flops_attention if r.step_counts else None}
-print(json.dumps(out), flush=True)
+with open(sys.argv[2], "w") as f:
+    json.dump(out, f)
 os._exit(0)  # the interpreter's teardown sometimes aborts after several fake process groups (seen without yc_fa3 too)
 """
+FA3_CASES = [("ring-fa", "yc-ring", {"attn_type": "fa"}), ("ring-fa3", "yc-ring", {"attn_type": "fa3"}),
+             ("usp-fa3", "yc-usp", {"attn_type": "fa3", "ulysses_degree": 2})]
 
 
-def test_yunchang_fa3_ring_blocks_get_their_causal_flag():
+def test_yunchang_fa3_ring_blocks_get_their_causal_flag(fresh):
     """pip yunchang 0.6.4 hands flash-attn 3 causal=False on every zigzag-ring block (see
     methods.core.yc_fa3); the wrappers pass the ring's flag on, as the paper's vendored copy did.
     Rank 0 of a ring of R computes its diagonal block first, causal, then R-1 unmasked ones, in
@@ -122,13 +197,7 @@ def test_yunchang_fa3_ring_blocks_get_their_causal_flag():
     attention FLOPs equal those of its flash-attn 2 path (which always passed the flag)."""
     if not libraries_present("yc-usp"):
         pytest.skip(methods.get_info("yc-usp").status)
-    cases = [("ring-fa", "yc-ring", {"attn_type": "fa"}), ("ring-fa3", "yc-ring", {"attn_type": "fa3"}),
-             ("usp-fa3", "yc-usp", {"attn_type": "fa3", "ulysses_degree": 2})]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", FA3_PROBE, json.dumps(cases)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = fresh["fa3-probe"]
     assert all(r["status"] == "ok" for r in got.values()), got
     for name, ring in (("ring-fa3", 4), ("usp-fa3", 2)):  # yc-usp 2x2: a ring of 2
         flags = [False] * ring

@@ -65,9 +65,11 @@ def _simulated_once(trial: Trial) -> Measurement:
     return _SHARED[trial]
 
 
-def _counts(method: str, seq_len: int, world: int, shared: bool = False, **step) -> StepCounts:
-    """The step counts of a simulated tiny-llama trial; ``shared``: through ``_simulated_once``."""
-    trial = Trial.make(method, "tiny-llama", seq_len, world, mode="simulated", device="h100-80g",
+def _counts(method: str, seq_len: int, world: int, shared: bool = False, model: str = "tiny-llama",
+            **step) -> StepCounts:
+    """The step counts of a simulated trial of ``model`` (tiny-llama unless given); ``shared``: through
+    ``_simulated_once``."""
+    trial = Trial.make(method, model, seq_len, world, mode="simulated", device="h100-80g",
                        step=StepConfig(**step))
     r = _simulated_once(trial) if shared else guarded(measure_simulated, trial)
     assert r.status == "ok", r.message
@@ -120,18 +122,21 @@ def test_counts_under_the_paper_stack_equal_the_lean_stack_as_the_paper_ran():
 
 
 @pytest.mark.parametrize("method", ["ulysses", "upipe"])
-def test_tiles_a_simulation_skips_are_counted(method, monkeypatch):
+def test_tiles_a_simulation_skips_are_counted(method, monkeypatch, tmp_path):
     """Under simulation the tiled MLP and norms, the chunked loss and UPipe's tiled norm run a few
     tiles for all (memory is the same); the counts must be those of a step that runs every tile
-    (the simulation without ``methods.core.tiling.compressing_repeats``)."""
+    (the simulation without ``methods.core.tiling.compressing_repeats``). Three blocks: the middle
+    one's checkpoint is offloaded (the first and last stay on the device), so offloads are counted too."""
     import contextlib
 
     from bench.measure import simulate
 
+    model = _tiny_llama_layers(tmp_path, 3)
     step = dict(mlp_tiles=8, loss_chunk=512)
-    skipped = _counts(method, 8192, 2, **step)
+    skipped = _counts(method, 8192, 2, model=model, **step)
     monkeypatch.setattr(simulate, "compressing_repeats", contextlib.nullcontext)
-    every = _counts(method, 8192, 2, **step)
+    every = _counts(method, 8192, 2, model=model, **step)
+    assert every.host_copies[HostCopy("offload", "d2h")].bytes > 0
     for key in ("flops.matmul", "flops.attention", "bytes.memory_bound", "host.offload.d2h_bytes"):
         assert skipped.to_flat()[key] == pytest.approx(every.to_flat()[key], rel=1e-9), key
 
@@ -150,8 +155,12 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     a simulation that runs them all (the simulation without that policy): device, reserved and host
     peaks, the categories, and every count (FLOPs, memory traffic, host copies, collectives, chunk passes).
     Three blocks: the first and last keep their checkpoints on the device, the middle one offloads.
-    2048 tokens: as many chunk pairs (8 chunks) as at any length, and few MLP and norm tiles (the paper's
-    rule: local tokens / dim), which the simulation that runs every item would otherwise run one by one."""
+    6 chunks: the forward's last two segments (5 and 6 pairs) and the backward's second and third K/V
+    segments (5 and 4 pairs) are compressed, the middle pairs standing for 2 or 3, which is the mechanism
+    at any number of chunks; the pairs a loop runs, not the length, are what a simulation costs.
+    1536 tokens (divisible by 2 ranks x 6 chunks): as many chunk pairs as at any length, and few MLP and
+    norm tiles (the paper's rule: local tokens / dim), which the simulation that runs every item would
+    otherwise run one by one."""
     import contextlib
 
     from bench.measure import simulate as simulate_module
@@ -160,7 +169,7 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     model = _tiny_llama_layers(tmp_path, 3)
 
     def simulate():
-        trial = Trial.make("fpdt", model, 2048, 2, options={"num_chunks": 8}, mode="simulated",
+        trial = Trial.make("fpdt", model, 1536, 2, options={"num_chunks": 6}, mode="simulated",
                            device="h100-80g", step=StepConfig(stack=stack))
         r = guarded(measure_simulated, trial)
         assert r.status == "ok", r.message
@@ -171,8 +180,10 @@ def test_fpdt_chunk_pairs_a_simulation_skips_change_no_figure(stack, monkeypatch
     monkeypatch.setattr(tiling, "items_to_run",
                         lambda n, compress, tail=1: ran.append((n, compress, tail)) or real_items(n, compress, tail))
     skipped = simulate()
-    # loops long enough to skip pairs did run, compressed: the forward's last segment (8 pairs, the last two apart)
-    assert (8, True, 2) in ran and len(real_items(8, True, 2)) < 8
+    # loops long enough to skip pairs did run, compressed: the forward's last segment (6 pairs, the last two apart),
+    # and the backward's second K/V segment (5 pairs, the last apart)
+    assert (6, True, 2) in ran and len(real_items(6, True, 2)) < 6
+    assert (5, True, 1) in ran and len(real_items(5, True, 1)) < 5
     monkeypatch.setattr(simulate_module, "compressing_repeats", contextlib.nullcontext)
     every = simulate()
     for key in ("peak_bytes", "peak_by_category", "host_peak_bytes", "peak_reserved_bytes", "step_counts"):
@@ -477,7 +488,8 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
 
     trial = Trial.make(method, "tiny-llama", 8192, 4, mode="simulated", device="h100-80g",
                        step=StepConfig(stack="paper"))
-    counted = _simulated_once(trial)  # upipe's is also the paper-stack counts test's (simulated once)
+    # simulated once: upipe's is also the paper-stack counts test's, torch-cp's the critical-path test's
+    counted = _simulated_once(trial)
     monkeypatch.setattr(stepcount.StepCounter, "counting", lambda self: contextlib.nullcontext(self))
     monkeypatch.setattr(stepcount.StepCounter, "counts", lambda self: StepCounts())
     plain = guarded(measure_simulated, trial)
@@ -486,8 +498,10 @@ def test_counting_changes_no_memory_figure(method, monkeypatch):
 
 
 def test_collectives_the_attention_issues_are_on_the_critical_path():
-    """torch's CP all-gathers K/V itself (blocking its ring); FSDP's all-gathers are issued by the step."""
-    cp = _counts("torch-cp", 8192, 4)
+    """torch's CP all-gathers K/V itself (blocking its ring); FSDP's all-gathers are issued by the step.
+    torch-cp's trial is the paper stack's (an accounting of memory: the collectives are the same), simulated
+    once with ``test_counting_changes_no_memory_figure``'s."""
+    cp = _counts("torch-cp", 8192, 4, shared=True, stack="paper")
     up = _counts("upipe", 8192, 4, shared=True)  # the lean stack's: also the paper-stack counts test's
     assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls > 0
     assert cp.collectives[Collective("all_gather", 4, 4, attention=True)].calls \
