@@ -12,17 +12,17 @@ proposals were: ``max_context`` fits and ``max_context + g`` does not (or is bey
 limit, which the final row says). ``search(..., propose=doubling)`` is the plain doubling (up to
 ``max_seq_len``) and bisection.
 
-Isolation: every trial in real or emulated mode runs in its own process (real mode then
-spawns its ranks from there), so an out-of-memory error, or the out-of-memory killer,
-ends that trial only; a child that dies without reporting becomes an ``oom`` (killed by
-SIGKILL) or ``error`` row. Simulated trials allocate nothing and every failure is caught
-into a row, so they may run in this process (``default_runner``); the CLI isolates them
-too unless told ``--in-process`` (``isolated_runner``), since a method could keep state,
-such as cached subgroups, from one trial's process group into the next. An isolated simulated
-trial is forked from a fork server that imported the package once (``isolation_context``). Every trial is a row, OOMs included; a final
-``max_context`` row carries the answer and the figures of the longest fitting trial.
-An ``error`` trial (not a memory failure) stops the search: its answer is then only a
-lower bound, and the final row says so with status ``error``.
+Isolation: every trial in real or emulated mode runs in its own process (real mode then spawns its
+ranks from there), so an out-of-memory error, or the out-of-memory killer, ends that trial only; a
+child that dies without reporting becomes an ``oom`` (killed by SIGKILL) or ``error`` row. Simulated
+trials allocate nothing and every failure is caught into a row, so they may run in this process
+(``default_runner``); the CLI isolates them too unless told ``--in-process`` (``isolated_runner``),
+since a method could keep state, such as cached subgroups, from one trial's process group into the
+next. An isolated simulated trial is forked from a fork server that imported the package once
+(``isolation_context``). Every trial is a row, OOMs included; a final ``max_context`` row carries
+the answer and the figures of the longest fitting trial. An ``error`` trial (not a memory failure)
+stops the search: its answer is then only a lower bound, and the final row says so with status
+``error``.
 """
 from __future__ import annotations
 
