@@ -6,7 +6,7 @@
    through submitit's local executor; every trial and every search probe is reported as it ends.
    Then one workload, packed documents: ring, Ulysses and UPipe at 1M tokens of documents drawn
    from ``prolong64k`` (``DOCS_SETUP``), each the search's 1M probe with the documents added, simulated
-   in this process from 3- and 4-layer simulations extrapolated over the layers
+   one process per core from 3- and 4-layer simulations extrapolated over the layers
    (``bench.search.extrapolate.layer_extrapolated_runner``).
 2. ``analysis`` draws every table and figure from the committed rows and the demo's (labelled
    ``yours``) into ``runs/demo/figs/``.
@@ -20,6 +20,7 @@ so a second ``make demo`` only redraws the figures.
 """
 from __future__ import annotations
 
+import concurrent.futures as futures
 import csv
 import dataclasses
 import os
@@ -32,6 +33,7 @@ import methods
 from analysis.report import make_all
 from bench.measure.trial import Trial
 from bench.search.extrapolate import layer_extrapolated_runner
+from bench.search.maxctx import isolation_context
 from records import append_rows, human, read_rows, trial_key
 from records.facts import TABLE3_COLUMNS
 from records.outputs import runs_dir
@@ -99,22 +101,33 @@ def docs_trials() -> list[Trial]:
     return [dataclasses.replace(searches[m].probe(seq_len), docs=DocsSpec(distribution)) for m in chosen]
 
 
+def _docs_row(trial: Trial):
+    """One documents trial, over 3 and 4 layers extrapolated (in a worker of ``run_docs``)."""
+    return layer_extrapolated_runner()(trial)
+
+
 def run_docs(path: Path) -> int:
-    """The documents workload's trials without a row in ``path``, simulated here over 3 and 4 layers
-    and extrapolated (each appended as it ends); how many failed."""
+    """The documents workload's trials without a row in ``path``, simulated over 3 and 4 layers and
+    extrapolated, one process per core (forked from a server that imported the package once:
+    ``bench.search.maxctx.isolation_context``), each row appended as it ends; how many failed."""
     have = {trial_key(r) for r in read_rows(path, on_error="warn")} if path.exists() else set()
     todo = [t for t in docs_trials() if t.key() not in have]
+    workers = max(1, min(len(todo), os.cpu_count() or 1))
     print(f"documents: {len(DOCS_SETUP[2])} trials, {len(DOCS_SETUP[2]) - len(todo)} already have rows in {path}, "
-          f"{len(todo)} to run (in this process)", flush=True)
-    runner = layer_extrapolated_runner()
-    failed = 0
+          f"{len(todo)} to run ({workers} at a time)", flush=True)
     for trial in todo:
         trial.validate()
-        t0 = time.time()
-        row = runner(trial)
-        append_rows(path, [row])
-        failed += row.status == "error"
-        print(f"  {trial.label}: {row.status} ({time.time() - t0:.0f}s)", flush=True)
+    failed = 0
+    if not todo:
+        return failed
+    t0 = time.time()
+    with futures.ProcessPoolExecutor(workers, mp_context=isolation_context(todo[0])) as pool:
+        running = {pool.submit(_docs_row, trial): trial for trial in todo}
+        for done in futures.as_completed(running):
+            row = done.result()
+            append_rows(path, [row])
+            failed += row.status == "error"
+            print(f"  {running[done].label}: {row.status} ({time.time() - t0:.0f}s)", flush=True)
     return failed
 
 

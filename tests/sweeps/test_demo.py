@@ -5,7 +5,9 @@ import dataclasses
 
 import pytest
 
-from records import Figures, Row, append_rows, cpu_name, environment
+from bench.measure.trial import Trial
+from records import Figures, Row, append_rows, cpu_name, environment, read_rows, trial_key
+from records.workloads import DocsSpec
 from sweeps import demo
 from tests.rowfactory import make_row
 
@@ -88,3 +90,15 @@ def test_run_docs_skips_trials_that_have_rows(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo, "layer_extrapolated_runner", lambda: lambda t: pytest.fail(f"ran {t.label}"))
     assert demo.run_docs(path) == 0
     assert "3 already have rows" in capsys.readouterr().out
+
+
+def test_run_docs_runs_each_trial_in_a_worker_and_appends_its_row(tmp_path, monkeypatch, capsys):
+    """The workload's trials run in worker processes (the real ones are Llama3-8B at 1M: here a tiny one
+    with documents stands in), each row appended to the file as its trial ends."""
+    tiny = Trial.make("upipe", "tiny-llama", 4096, 2, mode="simulated", docs=DocsSpec("fixed-1K"))
+    monkeypatch.setattr(demo, "docs_trials", lambda: [tiny])
+    path = tmp_path / demo.DOCS_ROWS
+    assert demo.run_docs(path) == 0
+    (row,) = read_rows(path)
+    assert row.status == "ok" and trial_key(row) == tiny.key() and row.docs is not None
+    assert "1 to run (1 at a time)" in capsys.readouterr().out
