@@ -66,9 +66,9 @@ divide, or too few groups, are simulated whole; the row's note says which.
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
 the load (the binding budget's fill, which grows smoothly with the length) proposes the next
 multiple inside the bracket [longest fit, shortest failure]; it ends when the two are one
-step apart, so the answer is exact to one step as in ``bench.search.maxctx``. A ladder rung's search
-starts one step past the answer of the rung below it, once that one has ended (``run_searches``); the
-others start at ``FIRST``.
+step apart, so the answer is exact to one step as in ``bench.search.maxctx``. A two-level
+checkpoint rung's search starts one step past the answer of the rung below it, once that one has ended
+(``run_searches``); the others start at ``FIRST``.
 
 Step time: a measured row from ``results/`` (mode real, same method/options/model/world
 size/device/length) when one exists; else ``bench.stackmodel.steptime``'s model (its fitted
@@ -460,7 +460,7 @@ class Entry:
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
     work: RankWork | None = None  # documents: each rank's attention work at the common length (docwork)
-    after: str | None = None  # the ladder rung below this one (its label): its answer is where this search starts
+    after: str | None = None  # the ladder rung below this one (its label): where a costlier search starts
 
     @property
     def method(self) -> str:
@@ -577,10 +577,12 @@ def entries(model: str, gpus: int, nodes: int, device: str, granularity: int, st
         base, opts = ("upipe", {}) if nodes == 1 else ("usp-upipe", {"ulysses_degree": gpus // nodes})
         name = out[0].label if nodes == 1 else f"usp-upipe u={gpus // nodes} U={gpus // nodes}"
         rungs = ladder(lambda levers: runs(entry("", base, dict(opts), **levers)))
-        below = name
+        held: list[tuple[str, dict[str, Any]]] = [(name, {})]  # the entries so far, with their levers
         for label, levers in rungs:
+            # the nearest rung below whose levers this one keeps (two-level checkpoints of 2 replace those of 4)
+            below = next(n for n, kept in reversed(held) if kept.items() <= levers.items())
             out.append(dataclasses.replace(entry(f"{name} {label}", base, dict(opts), **levers), after=below))
-            below = out[-1].label
+            held.append((out[-1].label, levers))
         out.append(sequence_chunked(entry, granularity))
     return out
 
@@ -624,15 +626,17 @@ def search_cost(e: Entry) -> tuple[int, bool]:
 
 
 def run_searches(searched: list[Entry], pool: ProcessPoolExecutor | None, workers: int, common: tuple):
-    """Every entry's search (``_search_entry``), yielding each entry as its search ends. A ladder rung starts
-    after the rung below it (``Entry.after``), one step past that rung's answer: a rung adds a lever that saves
-    memory, so its answer is that one's or a little longer, and a search that starts there needs three or four
-    simulations where one that starts at ``FIRST`` needs four to eight (the answer is the same: the search ends
-    on a bracket one step wide wherever it starts). Among the searches that can start, the one with the most
-    work on its chain of rungs goes first (``search_cost``), so that the longest chain does not run alone at
-    the end."""
+    """Every entry's search (``_search_entry``), yielding each entry as its search ends. A ladder rung whose
+    simulations are costlier than those of the rung below it (``Entry.after``; ``search_cost``: the two-level
+    checkpoint rungs, 8 to 16 layers a simulation) starts after that one, one step past its answer: a rung adds
+    a lever that saves memory, so its answer is that one's or a little longer, and a search that starts there
+    needs three or four simulations where one that starts at ``FIRST`` needs about six (the answer is the same:
+    the search ends on a bracket one step wide wherever it starts). The other searches start at once, at
+    ``FIRST``: waiting would cost more than the simulations it saves them. Among the searches that can start,
+    the one with the most work on its chain goes first, so that the longest does not run alone at the end."""
     by_label = {e.label: e for e in searched}
-    below = {e.label: e.after for e in searched if e.after in by_label}
+    below = {e.label: e.after for e in searched if e.after in by_label
+             and search_cost(e)[0] > search_cost(by_label[e.after])[0]}
     chain: dict[str, int] = {}
 
     def chain_cost(label: str) -> int:  # this search's cost and that of every rung above it
