@@ -18,6 +18,7 @@ from bench.measure.result import AllocatorReplay, Measurement
 from bench.measure.run import guarded, measure_simulated, run_trial
 from bench.measure.trial import Trial
 from bench.model.config import get_config
+from bench.search import extrapolate as extrapolate_mod
 from bench.search import plan
 from bench.search.extrapolate import extrapolate, layer_extrapolated_runner
 from bench.stackmodel import hardware, stack
@@ -88,17 +89,41 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
     page = 20 << 20
     assert abs(extra.figures.peak_reserved_bytes - full.peak_reserved_bytes) <= 2 * page
     assert any("further layers held" in n and "cache releases" in n for n in extra.notes)
-    # the planner (its cache keeps no traces) simulates the steps again for the replay, and caches
-    # the outcome: a second plan over the same cache simulates nothing
+    # the planner replays the pair it has just simulated (their traces kept for it), and caches the
+    # outcome: a second plan over the same cache simulates nothing
+    replays = []
+    monkeypatch.setattr(plan, "under_pressure", lambda *a: replays.append(extrapolate_mod.under_pressure(*a))
+                        or replays[-1])
+    monkeypatch.setattr(plan, "simulated_pair", lambda *a: pytest.fail("simulated the pair again"))
     monkeypatch.setattr(plan, "_CACHE", plan.SimCache(tmp_path / "sims.ndjson"))
     point = plan.extrapolated(trial("tight"), str(tmp_path))
     assert point.status == "ok", point.message
     assert point.row.figures.peak_reserved_bytes == extra.figures.peak_reserved_bytes
+    assert len(replays) == 1 and point.row.figures.peak_reserved_bytes == replays[0].peak_reserved_bytes
     misses = plan._CACHE.misses
     monkeypatch.setattr(plan, "_CACHE", plan.SimCache(tmp_path / "sims.ndjson"))
     again = plan.extrapolated(trial("tight"), str(tmp_path))
     assert plan._CACHE.misses == 0 and plan._CACHE.hits == 3 and misses == 3
     assert again.status == "ok" and again.row.figures.peak_reserved_bytes == point.row.figures.peak_reserved_bytes
+    # the shallow simulations from the cache (no traces) but not the replay's outcome: the pair is simulated
+    # again for the replay (``simulated_pair``, which the runner above ran: here its outcome stands in, as
+    # simulating it twice more would give the same), and the outcome is cached
+    cached = tmp_path / "sims.ndjson"
+    cached.write_text("".join(line + "\n" for line in cached.read_text().splitlines()
+                              if not json.loads(line)["key"].endswith(plan.PRESSURE_KEY)))
+    pairs = []
+
+    def pair(t, how, workdir):
+        pairs.append((t, how))
+        return [Measurement(), Measurement()], replays[0]
+
+    monkeypatch.setattr(plan, "simulated_pair", pair)
+    monkeypatch.setattr(plan, "_CACHE", plan.SimCache(cached))
+    third = plan.extrapolated(trial("tight"), str(tmp_path))
+    assert [t for t, _ in pairs] == [dataclasses.replace(trial("tight"), mode="simulated")]
+    assert pairs[0][1] == plan.sim_scheme(trial("tight"))
+    assert plan._CACHE.hits == 2 and plan._CACHE.misses == 1
+    assert third.status == "ok" and third.row.figures.peak_reserved_bytes == point.row.figures.peak_reserved_bytes
 
 
 def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
