@@ -60,7 +60,8 @@ number of groups once there are enough for ``offload_keep`` to treat the first a
 as it does at any larger count (3 groups; 2 under ``offload_keep="none"``), so such a trial simulates
 ``g`` and ``g + 1`` groups (8 and 12 layers at ``K = 4`` under ``"none"``) and extrapolates to
 the model's groups the same way (``bench.search.extrapolate.scheme``, where the argument is;
-``tests/bench/test_plan.py`` checks it against a full simulation). Layers that ``K`` does not
+``tests/bench/test_plan.py`` checks it against a full simulation under ``"first_last"``,
+``tests/bench/test_extrapolate.py`` under ``"none"``). Layers that ``K`` does not
 divide, or too few groups, are simulated whole; the row's note says which.
 
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on

@@ -126,9 +126,12 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
     assert third.status == "ok" and third.row.figures.peak_reserved_bytes == point.row.figures.peak_reserved_bytes
 
 
-def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
+def test_two_level_checkpoints_extrapolate_over_groups(tmp_path, monkeypatch):
     """Under ac_group=2 the runner takes the planner's rule (``scheme``): 10 layers are 5 groups of
-    2, extrapolated from 2 and 3 groups (offload_keep none), equal to the whole model's simulation;
+    2, extrapolated from 2 and 3 groups (offload_keep none), equal to the whole model's simulation,
+    and so is the planner's own extrapolation of the same trial (``bench.search.plan.extrapolated``,
+    in every figure it carries: peaks, categories, step counts; the same check under offload_keep
+    first_last is ``tests/bench/test_plan.py::test_group_extrapolation_matches_full_simulation``);
     a model whose last group is shorter (3 layers: groups of 2 and 1) is simulated whole."""
     path = tmp_path / "tiny10.json"
     path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 10}))
@@ -140,6 +143,16 @@ def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
     assert extra.figures.peak_bytes == full.figures.peak_bytes
     assert extra.figures.host_peak_bytes == full.figures.host_peak_bytes
     assert any("two-level checkpoint groups" in n and "from 2 and 3 groups" in n for n in extra.notes)
+    monkeypatch.setattr(plan, "_CACHE", None)  # the planner's simulations of its own, none cached
+    how = plan.sim_scheme(trial)
+    assert not how.whole and how.units == 5 and how.layers == (4, 6)
+    point = plan.extrapolated(trial, str(tmp_path))
+    assert point.exact and point.status == "ok"
+    assert point.peak_bytes == full.figures.peak_bytes and point.host_peak_bytes == full.figures.host_peak_bytes
+    assert point.row.figures.peak_by_category == full.figures.peak_by_category
+    got, want = point.step_counts.to_flat(), full.figures.step_time_model["counts"]
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(v, rel=1e-9) for k, v in want.items())
     odd = Trial.make("upipe", layers_path(tmp_path, 3), 32 << 10, 4, mode="simulated", device="h100-80g",
                      step=step)
     row = layer_extrapolated_runner()(odd)
