@@ -60,7 +60,8 @@ number of groups once there are enough for ``offload_keep`` to treat the first a
 as it does at any larger count (3 groups; 2 under ``offload_keep="none"``), so such a trial simulates
 ``g`` and ``g + 1`` groups (8 and 12 layers at ``K = 4`` under ``"none"``) and extrapolates to
 the model's groups the same way (``bench.search.extrapolate.scheme``, where the argument is;
-``tests/bench/test_plan.py`` checks it against a full simulation). Layers that ``K`` does not
+``tests/bench/test_plan.py`` checks it against a full simulation under ``"first_last"``,
+``tests/bench/test_extrapolate.py`` under ``"none"``). Layers that ``K`` does not
 divide, or too few groups, are simulated whole; the row's note says which.
 
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on
@@ -149,7 +150,16 @@ from ..stackmodel.steptime import (
 )
 from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
-from .extrapolate import Scheme, extrapolate, layer_variant, scheme, simulated_pair, unit_increments, with_increments
+from .extrapolate import (
+    Scheme,
+    extrapolate,
+    layer_variant,
+    scheme,
+    simulated_pair,
+    under_pressure,
+    unit_increments,
+    with_increments,
+)
 from .maxctx import bracket, secant_on_load
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
@@ -256,7 +266,11 @@ class SimCache:
 _CACHE: SimCache | None = None  # this process's (set by plan(); workers get theirs in _worker_init)
 
 
-def _sim(trial, n_layers: int, workdir: str, cache: dict) -> Measurement:
+def _sim(trial, n_layers: int, workdir: str, cache: dict, keep_trace: bool = False) -> Measurement:
+    """``trial`` simulated with ``n_layers`` layers, from ``cache`` (this search's), the ``SimCache``, or anew;
+    ``keep_trace``: a simulation run anew keeps its allocation trace (``measure_simulated``), which a cached
+    one never has, so that ``extrapolated`` can replay the pair it has just simulated without simulating it again
+    (it drops the traces once it is done)."""
     key = (trial.seq_len, n_layers)
     if key not in cache:
         cfg = trial.config()
@@ -269,7 +283,7 @@ def _sim(trial, n_layers: int, workdir: str, cache: dict) -> Measurement:
         if result is None:
             if _CACHE is not None:
                 _CACHE.allow(stored)
-            result = guarded(measure_simulated, t)
+            result = guarded(measure_simulated, t, keep_trace)
             if _CACHE is not None:
                 _CACHE.put(stored, result.to_dict())
         cache[key] = result
@@ -324,9 +338,12 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         result = rows[0]
     else:  # over layers, or over two-level checkpoint groups (bench.search.extrapolate.scheme)
         low, high = how.layers
-        r3 = _sim(trial, low, workdir, cache)
+        # a stack judged on the reserved peak may need the pressure replay below: simulations run anew keep
+        # their traces for it (dropped before returning), so that it need not simulate the same pair again
+        traced = paper_stack.reserved(trial.step.stack)
+        r3 = _sim(trial, low, workdir, cache, traced)
         if slope is None or (trial.seq_len, high) in cache:
-            r4 = _sim(trial, high, workdir, cache)
+            r4 = _sim(trial, high, workdir, cache, traced)
             slope = unit_increments(r3, r4) if r4.status == "ok" else {}
             rows, exact = [r3, r4], True
         else:
@@ -334,6 +351,8 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         result = r4 if any(r.status == "error" for r in rows) else extrapolate(r3, r4, how.units, how.low)
     bad = [r for r in rows if r.status == "error"]
     if bad:
+        for r in rows:  # no replay: the traces kept for it go
+            r.trace = None
         p = Point(trial.seq_len, "error", 0, 0, 0.0, 0, bad[0].message or "")
         p.load = float("inf")  # type: ignore[attr-defined]
         return p
@@ -342,15 +361,20 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     if exact and by_slack:
         # the slack rule passes the capacity where the live bytes do not: the allocator would release
         # its cache and retry (bench.search.extrapolate.under_pressure), so replay the larger
-        # simulation's trace with the further layers held. Both simulations run again (the cache
-        # keeps no trace, and a pair from one code version keeps the per-layer increment exact)
+        # simulation's trace with the further layers held. Both simulations run again unless both
+        # were just simulated with their traces (the cache keeps no trace, and a pair from one code
+        # version keeps the per-layer increment exact); the same pair either way, as simulations are
+        # deterministic
         stored = _CACHE.key(trial, cfg.name, cfg.n_layers) + PRESSURE_KEY if _CACHE is not None else None
         hit = _CACHE.get(stored) if stored else None
         replayed = Measurement.from_dict(hit) if hit is not None else None
         if replayed is None:
             if stored:
                 _CACHE.allow(stored)
-            pair, replayed = simulated_pair(trial, how, workdir)
+            if r3.trace is not None and r4.trace is not None:
+                pair, replayed = [r3, r4], under_pressure(r4, extrapolate(r3, r4, how.units, how.low))
+            else:
+                pair, replayed = simulated_pair(trial, how, workdir)
             if any(r.status != "ok" for r in pair):
                 replayed = None
             elif stored:
@@ -358,6 +382,9 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         if replayed is not None:
             result = replayed
             row = build_row(trial, dataclasses.replace(result, status="ok"), 0.0)
+    for r in rows:  # the traces kept for the replay are not kept in this search's cache
+        r.trace = None
+    result.trace = None
     f = row.figures
     _, compared = budgeted_peak(trial, f)
     host_usable = f.host_usable_bytes

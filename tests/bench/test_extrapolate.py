@@ -18,6 +18,7 @@ from bench.measure.result import AllocatorReplay, Measurement
 from bench.measure.run import guarded, measure_simulated, run_trial
 from bench.measure.trial import Trial
 from bench.model.config import get_config
+from bench.search import extrapolate as extrapolate_mod
 from bench.search import plan
 from bench.search.extrapolate import extrapolate, layer_extrapolated_runner
 from bench.stackmodel import hardware, stack
@@ -88,22 +89,49 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
     page = 20 << 20
     assert abs(extra.figures.peak_reserved_bytes - full.peak_reserved_bytes) <= 2 * page
     assert any("further layers held" in n and "cache releases" in n for n in extra.notes)
-    # the planner (its cache keeps no traces) simulates the steps again for the replay, and caches
-    # the outcome: a second plan over the same cache simulates nothing
+    # the planner replays the pair it has just simulated (their traces kept for it), and caches the
+    # outcome: a second plan over the same cache simulates nothing
+    replays = []
+    monkeypatch.setattr(plan, "under_pressure", lambda *a: replays.append(extrapolate_mod.under_pressure(*a))
+                        or replays[-1])
+    monkeypatch.setattr(plan, "simulated_pair", lambda *a: pytest.fail("simulated the pair again"))
     monkeypatch.setattr(plan, "_CACHE", plan.SimCache(tmp_path / "sims.ndjson"))
     point = plan.extrapolated(trial("tight"), str(tmp_path))
     assert point.status == "ok", point.message
     assert point.row.figures.peak_reserved_bytes == extra.figures.peak_reserved_bytes
+    assert len(replays) == 1 and point.row.figures.peak_reserved_bytes == replays[0].peak_reserved_bytes
     misses = plan._CACHE.misses
     monkeypatch.setattr(plan, "_CACHE", plan.SimCache(tmp_path / "sims.ndjson"))
     again = plan.extrapolated(trial("tight"), str(tmp_path))
     assert plan._CACHE.misses == 0 and plan._CACHE.hits == 3 and misses == 3
     assert again.status == "ok" and again.row.figures.peak_reserved_bytes == point.row.figures.peak_reserved_bytes
+    # the shallow simulations from the cache (no traces) but not the replay's outcome: the pair is simulated
+    # again for the replay (``simulated_pair``, which the runner above ran: here its outcome stands in, as
+    # simulating it twice more would give the same), and the outcome is cached
+    cached = tmp_path / "sims.ndjson"
+    cached.write_text("".join(line + "\n" for line in cached.read_text().splitlines()
+                              if not json.loads(line)["key"].endswith(plan.PRESSURE_KEY)))
+    pairs = []
+
+    def pair(t, how, workdir):
+        pairs.append((t, how))
+        return [Measurement(), Measurement()], replays[0]
+
+    monkeypatch.setattr(plan, "simulated_pair", pair)
+    monkeypatch.setattr(plan, "_CACHE", plan.SimCache(cached))
+    third = plan.extrapolated(trial("tight"), str(tmp_path))
+    assert [t for t, _ in pairs] == [dataclasses.replace(trial("tight"), mode="simulated")]
+    assert pairs[0][1] == plan.sim_scheme(trial("tight"))
+    assert plan._CACHE.hits == 2 and plan._CACHE.misses == 1
+    assert third.status == "ok" and third.row.figures.peak_reserved_bytes == point.row.figures.peak_reserved_bytes
 
 
-def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
+def test_two_level_checkpoints_extrapolate_over_groups(tmp_path, monkeypatch):
     """Under ac_group=2 the runner takes the planner's rule (``scheme``): 10 layers are 5 groups of
-    2, extrapolated from 2 and 3 groups (offload_keep none), equal to the whole model's simulation;
+    2, extrapolated from 2 and 3 groups (offload_keep none), equal to the whole model's simulation,
+    and so is the planner's own extrapolation of the same trial (``bench.search.plan.extrapolated``,
+    in every figure it carries: peaks, categories, step counts; the same check under offload_keep
+    first_last is ``tests/bench/test_plan.py::test_group_extrapolation_matches_full_simulation``);
     a model whose last group is shorter (3 layers: groups of 2 and 1) is simulated whole."""
     path = tmp_path / "tiny10.json"
     path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 10}))
@@ -115,6 +143,16 @@ def test_two_level_checkpoints_extrapolate_over_groups(tmp_path):
     assert extra.figures.peak_bytes == full.figures.peak_bytes
     assert extra.figures.host_peak_bytes == full.figures.host_peak_bytes
     assert any("two-level checkpoint groups" in n and "from 2 and 3 groups" in n for n in extra.notes)
+    monkeypatch.setattr(plan, "_CACHE", None)  # the planner's simulations of its own, none cached
+    how = plan.sim_scheme(trial)
+    assert not how.whole and how.units == 5 and how.layers == (4, 6)
+    point = plan.extrapolated(trial, str(tmp_path))
+    assert point.exact and point.status == "ok"
+    assert point.peak_bytes == full.figures.peak_bytes and point.host_peak_bytes == full.figures.host_peak_bytes
+    assert point.row.figures.peak_by_category == full.figures.peak_by_category
+    got, want = point.step_counts.to_flat(), full.figures.step_time_model["counts"]
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(v, rel=1e-9) for k, v in want.items())
     odd = Trial.make("upipe", layers_path(tmp_path, 3), 32 << 10, 4, mode="simulated", device="h100-80g",
                      step=step)
     row = layer_extrapolated_runner()(odd)

@@ -42,12 +42,22 @@ def every_deciding_rank(monkeypatch):
     monkeypatch.setenv("CPAB_SIM_RANKS", "deciding")
 
 
-def test_a_ring_row_reports_its_worst_rank(monkeypatch):
-    """Each rank simulated here on its own; the row's simulation of the same trial and rank reads those
-    (each asked for once, nothing else simulated), so the row is built from exactly these ranks."""
+@pytest.fixture(scope="module")
+def ring_ranks() -> dict[int, Measurement]:
+    """Each rank of ``_ring()`` simulated on its own, once per module, with its allocation trace (the
+    larger simulation of a layer extrapolation keeps it: ``simulated_pair``): the ranks of the row
+    below, and the 4-layer simulations of the layer extrapolation test (its model's 4-layer variant is
+    ``tiny-llama``'s config, which that test checks before it answers from these)."""
     trial = _ring()
     trial.validate()
-    each = {r: measure_simulated(trial, rank=r) for r in range(WORLD)}
+    return {r: measure_simulated(trial, keep_trace=True, rank=r) for r in range(WORLD)}
+
+
+def test_a_ring_row_reports_its_worst_rank(monkeypatch, ring_ranks):
+    """Each rank simulated on its own (``ring_ranks``); the row's simulation of the same trial and rank
+    reads those (each asked for once, nothing else simulated), so the row is built from exactly these ranks."""
+    trial = _ring()
+    each = ring_ranks
     expected = [[r, judged_peak(trial, m)] for r, m in each.items()]
     worst = max(range(WORLD), key=lambda r: (expected[r][1], each[r].host_peak_bytes or 0, -r))
     asked: list[int] = []
@@ -137,7 +147,10 @@ def test_the_ranks_of_a_usp_ulysses_group_hold_the_same(three_blocks):
     assert deciding_ranks(trial) == (0, 2)
 
 
-def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch):
+def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch, ring_ranks):
+    """The runner extrapolates each rank from its own 3- and 4-layer simulations and takes the worst. The
+    4-layer ones are ``_ring()``'s ranks (``ring_ranks``: the same trial, config and rank, simulated once
+    for this module), asked for and recorded here as the runner asks for them."""
     path = tmp_path / "tiny6.json"
     path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 6}))
     trial = _ring(str(path))
@@ -152,6 +165,10 @@ def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeyp
 
     def spied(trial, keep_trace=False, rank=0):
         simulated.append(rank)
+        if trial.config().n_layers == 4:  # the module's simulation of this very trial and rank, trace included
+            assert trial.config().to_dict() == get_config("tiny-llama").to_dict() and keep_trace
+            assert dataclasses.replace(trial, model="tiny-llama") == _ring()
+            return dataclasses.replace(ring_ranks[rank])
         return measure_simulated(trial, keep_trace, rank)
 
     monkeypatch.setattr(extrapolate_mod, "simulated_pair", recorded)
