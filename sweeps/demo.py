@@ -65,7 +65,7 @@ def column_order(method: str) -> tuple[int, str]:
 CPU_ORDER = tuple(sorted((info.name for info in methods.all_infos()
                           if info.facts.reference and not info.facts.mesh and info.facts.column in TABLE3_COLUMNS),
                          key=column_order))
-# keeps the whole demo within about 10 minutes on 2 cores (the full specs are one command away)
+# keeps the whole demo within about 6 minutes on 2 cores (the full specs are one command away)
 # (the spec's own table: 8 methods at 2 and 4 ranks; the demo: the paper's four at 2 ranks)
 DEMO_OVERRIDES = {"table3-llama3-8b-cpu": {"seq_lens": ["2K"], "world_sizes": [2], "methods": list(CPU_ORDER)}}
 
