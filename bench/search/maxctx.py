@@ -31,6 +31,7 @@ import dataclasses
 import math
 import multiprocessing as mp
 import multiprocessing.forkserver as mp_forkserver
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -87,14 +88,24 @@ def _stop_fork_server() -> None:
         stop()
 
 
+def _as_called(environment: dict[str, str], cwd: str, target: Callable, trial: Trial, conn) -> None:
+    """``target(trial, conn)`` in the caller's environment and working directory at the call: a fork server's
+    children inherit the server's, from when it started, where a spawned child inherits the caller's."""
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
+    target(trial, conn)
+
+
 def run_isolated(trial: Trial, timeout_s: float = 3600, target: Callable = _child) -> Row:
     """``run`` in a fresh process (``isolation_context``); a child that dies becomes a row.
 
-    ``target(trial, conn)`` is what the child runs (tests replace it)."""
+    ``target(trial, conn)`` is what the child runs (tests replace it), in this process's environment and
+    working directory as they are now."""
     ctx = isolation_context(trial)
     parent, child = ctx.Pipe(duplex=False)
     t0 = time.perf_counter()
-    proc = ctx.Process(target=target, args=(trial, child))
+    proc = ctx.Process(target=_as_called, args=(dict(os.environ), os.getcwd(), target, trial, child))
     proc.start()
     child.close()
     message = None

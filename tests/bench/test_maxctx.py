@@ -160,6 +160,23 @@ def _exit(trial, conn):
     os._exit(3)
 
 
+def _say_environment(trial, conn):  # runs in the isolated child
+    conn.send(("raise", f"{os.environ.get('CPAB_TEST_ISOLATED')} in {os.getcwd()}"))
+    conn.close()
+
+
+def test_an_isolated_trial_runs_in_the_callers_environment_as_it_is_at_the_call(monkeypatch, tmp_path):
+    """A simulated trial's process comes from a fork server started once; it still sees the environment
+    and working directory of the call, not those of when the server started (as a spawned one would)."""
+    t = Trial.make("upipe", "llama3-8b", 1024, 8, mode="simulated")
+    with pytest.raises(ValueError, match=r"^None in "):
+        run_isolated(t, target=_say_environment)  # the server is running from here on
+    monkeypatch.setenv("CPAB_TEST_ISOLATED", "set-after")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"^set-after in {tmp_path}$"):
+        run_isolated(t, target=_say_environment)
+
+
 def test_isolated_trial_that_dies_is_a_row():
     t = Trial.make("upipe", "tiny-llama", 1024, 2, mode="emulated", device="cpu")
     killed = run_isolated(t, target=_die)
