@@ -127,7 +127,7 @@ def run_docs(path: Path) -> int:
             row = done.result()
             append_rows(path, [row])
             failed += row.status == "error"
-            print(f"  {running[done].label}: {row.status} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"  {running[done].label}: {row.status} (after {time.time() - t0:.0f} s)", flush=True)
     return failed
 
 
