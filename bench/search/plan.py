@@ -160,7 +160,7 @@ from .extrapolate import (
     unit_increments,
     with_increments,
 )
-from .maxctx import bracket, secant_on_load
+from .maxctx import bracket, row_load, secant_on_load
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "results"
 
@@ -387,11 +387,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     result.trace = None
     f = row.figures
     _, compared = budgeted_peak(trial, f)
-    host_usable = f.host_usable_bytes
-    # the binding budget: device memory, or the preset's host memory per GPU for offloads
-    load = max(compared / f.usable_bytes, (f.host_peak_bytes or 0) / host_usable if host_usable else 0.0)
-    if row.status == "oom":
-        load = max(load, 1.0 + 1e-9)  # e.g. the allocator model ran out before the peak
+    load = row_load(trial, row)  # the binding budget's fill: device memory, or host memory for offloads
     p = Point(trial.seq_len, row.status, int(compared), int(f.host_peak_bytes or 0), float(f.comm_time_s or 0.0),
               int(f.usable_bytes), row.message)
     p.load = load  # type: ignore[attr-defined]
