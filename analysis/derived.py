@@ -36,17 +36,21 @@ class CommittedPlan:
     device: str = "h100-80g"
     stack: str = "paper"
     wall_times: bool = True  # False: its .md holds no wall seconds, so a re-rendering is byte for byte the same
+    # the ranks simulated ($CPAB_SIM_RANKS): "deciding", or "0" for a plan whose cache holds rank 0 only (the
+    # 16-GPU plans: simulating USP's second ring position takes hours on the CPU host; their header says so)
+    sim_ranks: str = "deciding"
 
     def command(self) -> str:
         nodes = f" --nodes {self.nodes}" if self.nodes > 1 else ""
         pools = f" --allocator-pools {self.pools}" if self.pools not in ("per-stream", None) else ""
         stack = f" --stack {self.stack}" if self.stack != "paper" else ""
-        return (f"python -m bench plan --model {self.model} --gpus {self.gpus}{nodes} --device {self.device}"
+        env = f"CPAB_SIM_RANKS={self.sim_ranks} " if self.sim_ranks != "deciding" else ""
+        return (f"{env}python -m bench plan --model {self.model} --gpus {self.gpus}{nodes} --device {self.device}"
                 f"{stack}{pools} --cache results/plan/sims.ndjson --out-dir paper_figs")
 
 
-PLANS = (CommittedPlan("llama3-8b", 8), CommittedPlan("llama3-8b", 16, 2, "shared"),
-         CommittedPlan("qwen3-32b", 16, 2, "shared"),
+PLANS = (CommittedPlan("llama3-8b", 8), CommittedPlan("llama3-8b", 16, 2, "shared", sim_ranks="0"),
+         CommittedPlan("qwen3-32b", 16, 2, "shared", sim_ranks="0"),
          CommittedPlan("bench/model_configs/hf/Llama-3.1-8B/config.json", 8, pools=None, stack="hf",
                        wall_times=False))
 
@@ -94,7 +98,8 @@ def plans(results_dir: Path, out_dir: Path, log: Callable[[str], None] = print) 
         model = str(repo / p.model) if (repo / p.model).is_file() else p.model  # a config file of the repository
         try:
             res = plan(model, p.gpus, p.device, p.nodes, pools=p.pools, cache=None, stack=p.stack,
-                       committed=cache, simulate=False, progress=io.StringIO())  # no progress lines
+                       committed=cache, simulate=False, progress=io.StringIO(),  # no progress lines
+                       sim_ranks=p.sim_ranks)
         except LookupError as err:
             log(f"not regenerated: `{p.command()}`: {err}")
             continue

@@ -30,6 +30,14 @@ def tokens_per_s_per_gpu(e, seq_len: int) -> float | None:
     return seq_len // ranks / e.step_time_s
 
 
+def ranks_said(choice: str) -> str:
+    """The header's words for the ranks simulated (``$CPAB_SIM_RANKS``: ``deciding``, or one rank's number)."""
+    if choice == "deciding":
+        return ("the worst deciding rank's peak: every rank of a method whose ranks differ, one per ring position "
+                "on USP's mesh, rank 0 of a symmetric one")
+    return f"rank {choice}'s peak alone, $CPAB_SIM_RANKS={choice}: a ring's other ranks may hold more"
+
+
 def docs_line(res: dict[str, Any]) -> str:
     """The header line of a plan under documents: what they are and how the columns they add were had."""
     return (f"documents: {res['docs'].label} (records.workloads), each probed length packed with its own draw; "
@@ -68,7 +76,8 @@ def render(res: dict[str, Any], wall_times: bool = True) -> str:
               if res["stack"] == "paper" else "")
            + "); paper record setup (FSDP2, AC offloaded to host, "
            "tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)"),
-        f"max context: simulated (rank 0 peak, FakeTensorMode), exact to {human(res['granularity'])}, "
+        f"max context: simulated ({ranks_said(res.get('sim_ranks', '0'))}, FakeTensorMode), "
+        f"exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
         + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"
            + ("" if hf else "; two-level checkpoints (2-level AC) by group extrapolation or whole, as the row says")
@@ -107,6 +116,8 @@ def render(res: dict[str, Any], wall_times: bool = True) -> str:
             note.append(f"error: {e.error}")
         if e.extra.get("sims") and not e.auto:
             note.append(e.extra["sims"])
+        if e.extra.get("rank") and not e.auto:
+            note.append(e.extra["rank"])
         if e.points and not e.auto:
             note.append(f"{e.points} sims, {e.seconds:.0f}s" if wall_times else f"{e.points} sims")
         if rel and rel > MAX_COST:

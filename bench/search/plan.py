@@ -107,6 +107,7 @@ rate (``steptime.stack_constants``), as its simulated rows do. Cache keys hold t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -129,7 +130,15 @@ from records.workloads import DocsSpec
 from records.workloads.spec import identity as docs_identity
 
 from ..measure.result import Measurement
-from ..measure.run import budgeted_peak, build_row, guarded, measure_simulated
+from ..measure.run import (
+    SIM_RANKS_ENV,
+    budgeted_peak,
+    build_row,
+    deciding_ranks,
+    guarded,
+    measure_simulated,
+    worst_of,
+)
 from ..measure.trial import AUTO, AUTO_OPTION, Trial
 from ..model.config import get_config
 from ..resolve import Request, resolve
@@ -233,20 +242,25 @@ class SimCache:
                         "ac_keep_attn": False}
 
     @staticmethod
-    def key(trial: Trial, name: str, n_layers: int) -> str:
+    def key(trial: Trial, name: str, n_layers: int, rank: int = 0) -> str:
+        """The cache key of ``trial`` with ``n_layers`` layers, simulated on ``rank`` (named only when it is not
+        rank 0, so that the committed keys, all of rank 0, still name the same simulations)."""
         d = json.loads(trial.to_json())
         d["model"] = f"{name}:L{n_layers}"
         for late, default in SimCache.LATE_STEP_FIELDS.items():
             if d["step"].get(late) == default:
                 del d["step"][late]
+        if rank:
+            d["rank"] = rank
         return json.dumps(d, sort_keys=True)
 
     def allow(self, key: str) -> None:
         """Before simulating what ``key`` names: a ``LookupError`` naming it when this cache may not simulate."""
         if not self.simulate:
             d = json.loads(key.removesuffix(PRESSURE_KEY))
-            raise LookupError(f"{d['method']} {d['model']} at {d['seq_len']} tokens on {d['world_size']} ranks is not "
-                              f"in {', '.join(map(str, self.files))}: run python -m bench plan to simulate it")
+            where = f" (rank {d['rank']})" if d.get("rank") else ""
+            raise LookupError(f"{d['method']} {d['model']} at {d['seq_len']} tokens on {d['world_size']} ranks{where} "
+                              f"is not in {', '.join(map(str, self.files))}: run python -m bench plan to simulate it")
 
     def get(self, key: str) -> dict | None:
         hit = self.entries.get(key)
@@ -266,32 +280,32 @@ class SimCache:
 _CACHE: SimCache | None = None  # this process's (set by plan(); workers get theirs in _worker_init)
 
 
-def _sim(trial, n_layers: int, workdir: str, cache: dict, keep_trace: bool = False) -> Measurement:
-    """``trial`` simulated with ``n_layers`` layers, from ``cache`` (this search's), the ``SimCache``, or anew;
-    ``keep_trace``: a simulation run anew keeps its allocation trace (``measure_simulated``), which a cached
+def _sim(trial, n_layers: int, workdir: str, cache: dict, keep_trace: bool = False, rank: int = 0) -> Measurement:
+    """``trial`` simulated on ``rank`` with ``n_layers`` layers, from ``cache`` (this search's), the ``SimCache``,
+    or anew; ``keep_trace``: a simulation run anew keeps its allocation trace (``measure_simulated``), which a cached
     one never has, so that ``extrapolated`` can replay the pair it has just simulated without simulating it again
     (it drops the traces once it is done)."""
-    key = (trial.seq_len, n_layers)
+    key = (trial.seq_len, n_layers, rank)
     if key not in cache:
         cfg = trial.config()
         t = trial if n_layers == cfg.n_layers else dataclasses.replace(
             trial, model=layer_variant(cfg, n_layers, workdir))
         t = dataclasses.replace(t, mode="simulated")
-        stored = _CACHE.key(t, cfg.name, n_layers) if _CACHE is not None else None
+        stored = _CACHE.key(t, cfg.name, n_layers, rank) if _CACHE is not None else None
         hit = _CACHE.get(stored) if stored else None
         result = Measurement.from_dict(hit) if hit is not None else None
         if result is None:
             if _CACHE is not None:
                 _CACHE.allow(stored)
-            result = guarded(measure_simulated, t, keep_trace)
+            result = guarded(measure_simulated, t, keep_trace, rank)
             if _CACHE is not None:
                 _CACHE.put(stored, result.to_dict())
         cache[key] = result
     return cache[key]
 
 
-def fresh_counts(trial, workdir: str) -> StepCounts | None:
-    """The step counts of ``trial`` simulated anew (extrapolated as ``sim_scheme`` says), for an entry
+def fresh_counts(trial, workdir: str, rank: int = 0) -> StepCounts | None:
+    """The step counts of ``trial`` simulated anew on ``rank`` (extrapolated as ``sim_scheme`` says), for an entry
     whose cached simulations predate the counts of ``COUNTS_VERSION`` (memory figures do not
     depend on the counting, so the search's answer stands); the new results replace the cached
     ones (the cache file gets the later line, which wins when it is read)."""
@@ -303,10 +317,10 @@ def fresh_counts(trial, workdir: str) -> StepCounts | None:
         t = trial if n_layers == cfg.n_layers else dataclasses.replace(
             trial, model=layer_variant(cfg, n_layers, workdir))
         if _CACHE is not None:
-            _CACHE.allow(_CACHE.key(t, cfg.name, n_layers))
-        result = guarded(measure_simulated, t)
+            _CACHE.allow(_CACHE.key(t, cfg.name, n_layers, rank))
+        result = guarded(measure_simulated, t, False, rank)
         if _CACHE is not None:
-            _CACHE.put(_CACHE.key(t, cfg.name, n_layers), result.to_dict())
+            _CACHE.put(_CACHE.key(t, cfg.name, n_layers, rank), result.to_dict())
         results.append(result)
     if any(r.status == "error" for r in results):
         return None
@@ -321,29 +335,34 @@ def sim_scheme(trial) -> Scheme:
     return scheme(trial.config().n_layers, trial.step.ac_group, trial.step.offload_keep)
 
 
-def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | None = None) -> Point:
-    """Rank 0's figures for ``trial`` from 3- and 4-layer simulations extrapolated to the model's
-    layers (``bench.search.extrapolate.extrapolate``; under two-level checkpoints, from ``g``
-    and ``g + 1`` groups to the model's groups: ``sim_scheme``), judged as a row is
-    (``build_row``: the paper stack's reserved peak against the device less the CUDA context and NCCL's buffers,
-    the lean stack's allocated peak against 90%, offloads against the preset's host memory).
-    ``slope`` (per-unit increments measured at another length) saves the larger simulation: an
-    approximation that ``search_max`` re-checks exactly at its answer."""
-    cache = {} if cache is None else cache
+@dataclass
+class _RankFigures:
+    """One rank's figures for a trial in ``extrapolated``: its (extrapolated or whole) measurement, the row
+    judged on it, whether it is exact, its per-unit increments and whether it is out of memory by the slack
+    rule alone on borrowed increments; ``error``: the message of a simulation that failed."""
+
+    result: Measurement | None
+    row: Row | None
+    exact: bool
+    slope: dict | None
+    by_slack: bool = False
+    error: str | None = None
+
+
+def _rank_figures(trial, how: Scheme, workdir: str, cache: dict, slope: dict | None, rank: int) -> _RankFigures:
+    """``rank``'s figures for ``trial`` (``extrapolated``'s rule, for one rank)."""
     cfg = trial.config()
-    trial = dataclasses.replace(trial, mode="simulated")
-    how = sim_scheme(trial)
     if how.whole:  # too few layers or groups, or groups that are not identical (cached: SimCache)
-        rows, exact = [_sim(trial, cfg.n_layers, workdir, cache)], True
+        rows, exact = [_sim(trial, cfg.n_layers, workdir, cache, rank=rank)], True
         result = rows[0]
     else:  # over layers, or over two-level checkpoint groups (bench.search.extrapolate.scheme)
         low, high = how.layers
         # a stack judged on the reserved peak may need the pressure replay below: simulations run anew keep
         # their traces for it (dropped before returning), so that it need not simulate the same pair again
         traced = paper_stack.reserved(trial.step.stack)
-        r3 = _sim(trial, low, workdir, cache, traced)
-        if slope is None or (trial.seq_len, high) in cache:
-            r4 = _sim(trial, high, workdir, cache, traced)
+        r3 = _sim(trial, low, workdir, cache, traced, rank)
+        if slope is None or (trial.seq_len, high, rank) in cache:
+            r4 = _sim(trial, high, workdir, cache, traced, rank)
             slope = unit_increments(r3, r4) if r4.status == "ok" else {}
             rows, exact = [r3, r4], True
         else:
@@ -353,9 +372,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     if bad:
         for r in rows:  # no replay: the traces kept for it go
             r.trace = None
-        p = Point(trial.seq_len, "error", 0, 0, 0.0, 0, bad[0].message or "")
-        p.load = float("inf")  # type: ignore[attr-defined]
-        return p
+        return _RankFigures(None, None, exact, slope, error=bad[0].message or "")
     row = build_row(trial, dataclasses.replace(result, status="ok"), 0.0)
     by_slack = not how.whole and _past_capacity_by_slack(trial, row, result)
     if exact and by_slack:
@@ -365,7 +382,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
         # were just simulated with their traces (the cache keeps no trace, and a pair from one code
         # version keeps the per-layer increment exact); the same pair either way, as simulations are
         # deterministic
-        stored = _CACHE.key(trial, cfg.name, cfg.n_layers) + PRESSURE_KEY if _CACHE is not None else None
+        stored = _CACHE.key(trial, cfg.name, cfg.n_layers, rank) + PRESSURE_KEY if _CACHE is not None else None
         hit = _CACHE.get(stored) if stored else None
         replayed = Measurement.from_dict(hit) if hit is not None else None
         if replayed is None:
@@ -374,7 +391,7 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
             if r3.trace is not None and r4.trace is not None:
                 pair, replayed = [r3, r4], under_pressure(r4, extrapolate(r3, r4, how.units, how.low))
             else:
-                pair, replayed = simulated_pair(trial, how, workdir)
+                pair, replayed = simulated_pair(trial, how, workdir, rank)
             if any(r.status != "ok" for r in pair):
                 replayed = None
             elif stored:
@@ -385,17 +402,51 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     for r in rows:  # the traces kept for the replay are not kept in this search's cache
         r.trace = None
     result.trace = None
+    # out of memory by the slack rule alone on borrowed increments: only an exact point can be replayed
+    return _RankFigures(result, row, exact, slope, by_slack and not exact)
+
+
+def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | None = None) -> Point:
+    """The worst deciding rank's figures for ``trial`` from 3- and 4-layer simulations extrapolated to the
+    model's layers (``bench.search.extrapolate.extrapolate``; under two-level checkpoints, from ``g``
+    and ``g + 1`` groups to the model's groups: ``sim_scheme``), judged as a row is
+    (``build_row``: the paper stack's reserved peak against the device less the CUDA context and NCCL's buffers,
+    the lean stack's allocated peak against 90%, offloads against the preset's host memory).
+
+    Ranks: every rank that can decide memory (``bench.measure.run.deciding_ranks``: every rank of the ring
+    family, one per ring position of USP's mesh, rank 0 of a method whose ranks are symmetric), each
+    extrapolated from its own simulations, and the worst of them (``worst_of``), as the runner's layer
+    extrapolation does. A rank out of memory or failing ends the loop: the trial does not fit whatever the
+    others hold. ``slope`` (per-unit increments by rank, measured at another length) saves the larger
+    simulation of each rank it holds: an approximation that ``search_max`` re-checks exactly at its answer."""
+    cache = {} if cache is None else cache
+    trial = dataclasses.replace(trial, mode="simulated")
+    how = sim_scheme(trial)
+    by_rank: dict[int, _RankFigures] = {}
+    for rank in deciding_ranks(trial):
+        got = by_rank[rank] = _rank_figures(trial, how, workdir, cache, (slope or {}).get(rank), rank)
+        if got.error is not None or got.row.status != "ok":
+            break
+    failed = next((got for got in by_rank.values() if got.error is not None), None)
+    if failed is not None:
+        p = Point(trial.seq_len, "error", 0, 0, 0.0, 0, failed.error)
+        p.load = float("inf")  # type: ignore[attr-defined]
+        return p
+    worst = worst_of(trial, {rank: dataclasses.replace(got.result, status=got.row.status)
+                             for rank, got in by_rank.items()})
+    row, result = by_rank[worst.rank].row, by_rank[worst.rank].result
     f = row.figures
     _, compared = budgeted_peak(trial, f)
     load = row_load(trial, row)  # the binding budget's fill: device memory, or host memory for offloads
     p = Point(trial.seq_len, row.status, int(compared), int(f.host_peak_bytes or 0), float(f.comm_time_s or 0.0),
               int(f.usable_bytes), row.message)
     p.load = load  # type: ignore[attr-defined]
-    p.exact, p.slope = exact, slope  # type: ignore[attr-defined]
-    # out of memory by the slack rule alone on borrowed increments: only an exact point can be replayed
-    p.by_slack = by_slack and not exact  # type: ignore[attr-defined]
+    p.exact = all(got.exact for got in by_rank.values())  # type: ignore[attr-defined]
+    p.slope = {rank: got.slope for rank, got in by_rank.items()}  # type: ignore[attr-defined]
+    p.by_slack = any(got.by_slack for got in by_rank.values())  # type: ignore[attr-defined]
     p.step_counts = result.step_counts  # type: ignore[attr-defined]
     p.row = row  # type: ignore[attr-defined]
+    p.rank = worst.rank  # type: ignore[attr-defined]
     return p
 
 
@@ -413,11 +464,11 @@ def _past_capacity_by_slack(trial, row, result: Measurement) -> bool:
 
 
 def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
-    """Per-layer increments equal to ``rel`` (peak and host peak)."""
-    if not a or not b:
+    """Per-layer increments, by rank, equal to ``rel`` (peak and host peak) on the same ranks."""
+    if not a or not b or a.keys() != b.keys():
         return False
-    return all(abs(a.get(k, 0) - b.get(k, 0)) <= rel * max(1, abs(b.get(k, 0)))
-               for k in ("peak_bytes", "host_peak_bytes"))
+    return all(r and b[rank] and abs(r.get(k, 0) - b[rank].get(k, 0)) <= rel * max(1, abs(b[rank].get(k, 0)))
+               for rank, r in a.items() for k in ("peak_bytes", "host_peak_bytes"))
 
 
 FIRST = 4 << 20  # where a search starts without a rung below it (search_max's first probe)
@@ -710,12 +761,16 @@ def _search_entry(args) -> Entry:
     how = sim_scheme(entry.trial)
     if how.whole or how.size > 1:  # the plain layer extrapolation is the header's
         entry.extra["sims"] = how.describe()
+    ranks = deciding_ranks(entry.trial)
+    if best is not None and len(ranks) > 1:  # which of the deciding ranks holds the most
+        entry.extra["rank"] = f"rank {getattr(best, 'rank', 0)} of {len(ranks)} deciding"
     if best is not None:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
         entry.step_counts = getattr(best, "step_counts", None)
         if entry.step_counts and counts_version(entry.step_counts) < COUNTS_VERSION:
-            entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir)
+            entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir,
+                                             getattr(best, "rank", 0))
     if err is not None:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0
@@ -863,11 +918,26 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
     return max(timed, key=lambda e: (e.max_context, -e.step_time_s), default=None)
 
 
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """``$name`` set to ``value`` inside the block (and in the processes started there), as it was after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 1 << 20, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
          cache: Path | None = None, use_cache: bool = True, pools: str | None = None,
-         committed: Path | None = None, simulate: bool = True, docs: DocsSpec | None = None) -> dict[str, Any]:
+         committed: Path | None = None, simulate: bool = True, docs: DocsSpec | None = None,
+         sim_ranks: str | None = None) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
     None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
     stack's allocator pools (None: ``PAPER_POOLS``; refused under ``hf``: ``check_stack_options``);
@@ -875,6 +945,10 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     ``simulate`` off: a simulation missing from the caches is a ``LookupError`` (``SimCache.allow``);
     ``docs``: packed documents drawn from a distribution (``check_docs``; None: one sequence)."""
     committed = Path(committed) if committed is not None else COMMITTED_CACHE
+    if sim_ranks is not None:  # for this plan and its workers, as $CPAB_SIM_RANKS would (bench.measure.run)
+        with _environ(SIM_RANKS_ENV, sim_ranks):
+            return plan(model, gpus, device, nodes, max_seq_len, granularity, workers, progress, stack, beyond, cache,
+                        use_cache, pools, committed, simulate, docs)
     global _CACHE
     cfg = get_config(model)
     preset = get_device(device)
@@ -884,6 +958,8 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     check_docs(docs)
     t0 = time.perf_counter()
     todo = entries(model, gpus, nodes, device, granularity, stack, beyond, pools, docs)
+    if todo:
+        deciding_ranks(todo[0].trial)  # a bad $CPAB_SIM_RANKS is one line before any simulation
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
     cache_args = (cache, (committed,), simulate) if use_cache else None
     _CACHE = SimCache(*cache_args) if cache_args else None
@@ -957,5 +1033,6 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
         "stack": stack, "pools": pools or paper_stack.PAPER_POOLS, "pareto": pareto, "baseline": baseline,
         "baseline_of": "ALST's recipe" if stack == hfstack.NAME else "UPipe's paper setup", "pick": pick,
         "cache": cache_line if _CACHE else "no cache (--no-cache)", "docs": docs,
+        "sim_ranks": os.environ.get(SIM_RANKS_ENV, "deciding"),
     }
     return result

@@ -590,7 +590,7 @@ def test_a_failure_by_the_slack_rule_alone_is_simulated_exactly(monkeypatch, tmp
     may fit), and the search goes on from there."""
     from bench.search.plan import Point
 
-    slope = {"peak_bytes": 1}
+    slope = {0: {"peak_bytes": 1}}  # by rank
     calls = []
 
     def fake(trial, workdir, cache=None, slope_=None, **kw):  # fits up to 5 steps once replayed; 6 never
@@ -621,7 +621,7 @@ def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path):
     assert not hf.wall_times and "--stack hf" in hf.command()
     res = plan_mod.plan(str(repo / hf.model), hf.gpus, hf.device, hf.nodes, pools=hf.pools, cache=None,
                         stack=hf.stack, committed=repo / "results" / "plan" / "sims.ndjson", simulate=False,
-                        workers=1, progress=io.StringIO())
+                        workers=1, progress=io.StringIO(), sim_ranks=hf.sim_ranks)
     md = Path(plan_report.write_plan(res, tmp_path, hf.wall_times)[0])
     committed = repo / "paper_figs" / md.name
 

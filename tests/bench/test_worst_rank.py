@@ -147,13 +147,38 @@ def test_the_ranks_of_a_usp_ulysses_group_hold_the_same(three_blocks):
     assert deciding_ranks(trial) == (0, 2)
 
 
-def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch, ring_ranks):
-    """The runner extrapolates each rank from its own 3- and 4-layer simulations and takes the worst. The
-    4-layer ones are ``_ring()``'s ranks (``ring_ranks``: the same trial, config and rank, simulated once
-    for this module), asked for and recorded here as the runner asks for them."""
-    path = tmp_path / "tiny6.json"
+@pytest.fixture(scope="module")
+def shallow_ring(ring_ranks, tmp_path_factory):
+    """``_ring()`` on a 6-layer tiny model, and ``simulated(trial, keep_trace, rank)``: each rank's 3- and
+    4-layer simulations of it, once per module, recorded in ``simulated.asked`` as (layers, rank). The
+    4-layer ones are ``_ring()``'s ranks (``ring_ranks``: the same trial, config and rank), the 3-layer ones
+    simulated here with their traces the first time a test asks (the runner's and the planner's layer
+    extrapolations ask for the same ones)."""
+    path = tmp_path_factory.mktemp("ring6") / "tiny6.json"
     path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 6}))
-    trial = _ring(str(path))
+    three: dict[int, Measurement] = {}
+
+    def simulated(trial, keep_trace=False, rank=0):
+        layers = trial.config().n_layers
+        simulated.asked.append((layers, rank))
+        if layers == 4:  # the module's simulation of this very trial and rank, trace included
+            assert trial.config().to_dict() == get_config("tiny-llama").to_dict()
+            assert dataclasses.replace(trial, model="tiny-llama") == _ring()
+            return dataclasses.replace(ring_ranks[rank])
+        assert layers == 3 and dataclasses.replace(trial, model="x") == dataclasses.replace(_ring(), model="x")
+        if rank not in three:
+            three[rank] = measure_simulated(trial, True, rank)
+        return dataclasses.replace(three[rank])
+
+    simulated.asked = []
+    return _ring(str(path)), simulated
+
+
+def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch, shallow_ring):
+    """The runner extrapolates each rank from its own 3- and 4-layer simulations and takes the worst
+    (``shallow_ring``'s, asked for and recorded here as the runner asks for them)."""
+    trial, simulated = shallow_ring
+    simulated.asked.clear()
     per_rank, pair = {}, extrapolate_mod.simulated_pair
 
     def recorded(trial, how, directory, rank=0):  # each rank's own 3- and 4-layer simulations, extrapolated
@@ -161,28 +186,69 @@ def test_layer_extrapolation_takes_the_worst_extrapolated_rank(tmp_path, monkeyp
         per_rank[rank] = (shallow, out)
         return shallow, out
 
-    simulated: list[int] = []
-
-    def spied(trial, keep_trace=False, rank=0):
-        simulated.append(rank)
-        if trial.config().n_layers == 4:  # the module's simulation of this very trial and rank, trace included
-            assert trial.config().to_dict() == get_config("tiny-llama").to_dict() and keep_trace
-            assert dataclasses.replace(trial, model="tiny-llama") == _ring()
-            return dataclasses.replace(ring_ranks[rank])
-        return measure_simulated(trial, keep_trace, rank)
-
     monkeypatch.setattr(extrapolate_mod, "simulated_pair", recorded)
-    monkeypatch.setattr(extrapolate_mod, "measure_simulated", spied)
+    monkeypatch.setattr(extrapolate_mod, "measure_simulated", simulated)
     row = layer_extrapolated_runner(str(tmp_path))(trial)
     assert row.status == "ok", row.message
     assert sorted(per_rank) == list(range(WORLD))
-    assert simulated == [r for r in range(WORLD) for _ in (3, 4)]  # each rank's own 3- and 4-layer simulations
+    assert simulated.asked == [(n, r) for r in range(WORLD) for n in (3, 4)]  # each rank's own simulations
     for shallow, out in per_rank.values():  # extrapolated from them
         assert out.peak_bytes == shallow[0].peak_bytes + (shallow[1].peak_bytes - shallow[0].peak_bytes) * 3
     judged = {r: judged_peak(trial, out) for r, (_, out) in per_rank.items()}
     assert row.figures.rank_peaks == [[r, judged[r]] for r in range(WORLD)]
     assert max(row.figures.peak_reserved_bytes, row.figures.peak_bytes) == max(judged.values())
     assert row.figures.peak_bytes == per_rank[row.figures.worst_rank][1].peak_bytes
+
+
+def test_the_planner_takes_the_worst_extrapolated_rank(tmp_path, monkeypatch, shallow_ring):
+    """``bench plan``'s points (``plan.extrapolated``) decide on the same rank, with the same figures, as the
+    runner's row of the same trial: each rank extrapolated from its own 3- and 4-layer simulations (the
+    module's), and the worst of them; a point's per-layer increments are each rank's own."""
+    from bench.measure.run import budgeted_peak
+    from bench.search import plan as plan_mod
+
+    trial, simulated = shallow_ring
+    monkeypatch.setattr(plan_mod, "_CACHE", None)
+    monkeypatch.setattr(extrapolate_mod, "measure_simulated", simulated)
+    row = layer_extrapolated_runner(str(tmp_path))(trial)
+    monkeypatch.setattr(plan_mod, "measure_simulated", simulated)
+    simulated.asked.clear()
+    point = plan_mod.extrapolated(trial, str(tmp_path))
+    assert sorted(simulated.asked) == sorted((n, r) for r in range(WORLD) for n in (3, 4))
+    assert point.status == row.status == "ok" and point.exact
+    assert point.rank == row.figures.worst_rank and len({p for _, p in row.figures.rank_peaks}) > 1
+    assert point.peak_bytes == budgeted_peak(trial, row.figures)[1] == max(p for _, p in row.figures.rank_peaks)
+    assert point.host_peak_bytes == row.figures.host_peak_bytes
+    assert point.row.figures.peak_bytes == row.figures.peak_bytes
+    assert sorted(point.slope) == list(range(WORLD)) and point.slope[0] != point.slope[point.rank]
+    # a longer point on these increments simulates each rank's 3-layer step only
+    simulated.asked.clear()
+    longer = plan_mod.extrapolated(trial, str(tmp_path), slope=point.slope)
+    assert not longer.exact and longer.peak_bytes == point.peak_bytes and sorted(simulated.asked) == \
+        [(3, r) for r in range(WORLD)]
+
+
+def test_the_planner_simulates_one_rank_of_a_symmetric_method(tmp_path, monkeypatch):
+    """UPipe's ranks are symmetric: the planner asks for rank 0's simulations only, and its cache key of a
+    rank other than 0 names that rank, while rank 0's stays as committed."""
+    from bench.search import plan as plan_mod
+
+    path = tmp_path / "tiny6.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 6}))
+    trial = Trial.make("upipe", str(path), SEQ, WORLD, mode="simulated", step=StepConfig(stack="lean"))
+    asked: list[tuple[int, int]] = []
+    fake = Measurement(status="ok", peak_bytes=1 << 30, host_peak_bytes=0)
+
+    def simulated(t, keep_trace=False, rank=0):
+        asked.append((t.config().n_layers, rank))
+        return dataclasses.replace(fake, peak_bytes=fake.peak_bytes + t.config().n_layers)
+
+    monkeypatch.setattr(plan_mod, "_CACHE", None)
+    monkeypatch.setattr(plan_mod, "measure_simulated", simulated)
+    point = plan_mod.extrapolated(trial, str(tmp_path))
+    assert asked == [(3, 0), (4, 0)] and point.rank == 0 and sorted(point.slope) == [0]
+    key = plan_mod.SimCache.key
+    assert "rank" not in json.loads(key(trial, "tiny6", 3)) and json.loads(key(trial, "tiny6", 3, 2))["rank"] == 2
 
 
 def _m(peak: int, reserved: int | None = None, host: int = 0, status: str = "ok", oom: str | None = None):
