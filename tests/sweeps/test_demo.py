@@ -14,7 +14,7 @@ from tests.rowfactory import make_row
 
 def test_summary(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo, "OUT", tmp_path)
-    real = dict(mode="real", device="cpu", world_size=2, seq_len=2048, options={})
+    real = dict(mode="real", device="cpu", world_size=2, seq_len=1024, options={})
     append_rows(tmp_path / "table3-llama3-8b-cpu.jsonl", [
         make_row(method="ulysses", figures=Figures(step_time_s=0.5), **real),
         make_row(method="upipe", figures=Figures(step_time_s=0.55), **real),
@@ -35,7 +35,7 @@ def test_summary(tmp_path, monkeypatch, capsys):
     ])
     demo.summary()
     out = capsys.readouterr().out
-    assert "2K: ulysses 0.500  upipe 0.550   upipe/ulysses 1.10" in out
+    assert "1K: ulysses 0.500  upipe 0.550   upipe/ulysses 1.10" in out
     assert "upipe        6M  (5M)" in out
     assert f"stops at 7M: {host}" in out  # the shortest failing probe above the answer says why
     assert "offload     <1M  (not in paper)" in out  # nothing fits at the first step: below it, not "none"
