@@ -406,7 +406,8 @@ def _rank_figures(trial, how: Scheme, workdir: str, cache: dict, slope: dict | N
     return _RankFigures(result, row, exact, slope, by_slack and not exact)
 
 
-def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | None = None) -> Point:
+def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | None = None,
+                 ranks: tuple[int, ...] | None = None) -> Point:
     """The worst deciding rank's figures for ``trial`` from 3- and 4-layer simulations extrapolated to the
     model's layers (``bench.search.extrapolate.extrapolate``; under two-level checkpoints, from ``g``
     and ``g + 1`` groups to the model's groups: ``sim_scheme``), judged as a row is
@@ -418,12 +419,18 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     extrapolated from its own simulations, and the worst of them (``worst_of``), as the runner's layer
     extrapolation does. A rank out of memory or failing ends the loop: the trial does not fit whatever the
     others hold. ``slope`` (per-unit increments by rank, measured at another length) saves the larger
-    simulation of each rank it holds: an approximation that ``search_max`` re-checks exactly at its answer."""
+    simulation of each rank it holds: an approximation that ``search_max`` re-checks exactly at its answer.
+    ``ranks``: the deciding ranks to simulate, in this order (default: every one); a point that fits on some
+    of them only is not exact either (``search_max`` probes on the worst rank it has found, and makes the
+    bracket's ends exact on every rank). ``measured``: every simulated rank's figures are its own (no borrowed
+    increments); ``complete``: every deciding rank was simulated, or one does not fit."""
     cache = {} if cache is None else cache
     trial = dataclasses.replace(trial, mode="simulated")
     how = sim_scheme(trial)
+    deciding = deciding_ranks(trial)
+    order = tuple(r for r in ranks if r in deciding) if ranks is not None else ()
     by_rank: dict[int, _RankFigures] = {}
-    for rank in deciding_ranks(trial):
+    for rank in order or deciding:
         got = by_rank[rank] = _rank_figures(trial, how, workdir, cache, (slope or {}).get(rank), rank)
         if got.error is not None or got.row.status != "ok":
             break
@@ -441,7 +448,9 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     p = Point(trial.seq_len, row.status, int(compared), int(f.host_peak_bytes or 0), float(f.comm_time_s or 0.0),
               int(f.usable_bytes), row.message)
     p.load = load  # type: ignore[attr-defined]
-    p.exact = all(got.exact for got in by_rank.values())  # type: ignore[attr-defined]
+    p.measured = all(got.exact for got in by_rank.values())  # type: ignore[attr-defined]
+    p.complete = set(by_rank) == set(deciding) or row.status != "ok"  # type: ignore[attr-defined]
+    p.exact = p.measured and p.complete  # type: ignore[attr-defined]
     p.slope = {rank: got.slope for rank, got in by_rank.items()}  # type: ignore[attr-defined]
     p.by_slack = any(got.by_slack for got in by_rank.values())  # type: ignore[attr-defined]
     p.step_counts = result.step_counts  # type: ignore[attr-defined]
@@ -485,14 +494,23 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
         raise ValueError(f"--max-seq-len {max_seq_len} is below one step of {step} tokens")
     points: dict[int, Point] = {}
     cache: dict = {}
-    slope: dict | None = None
+    slope: dict | None = None  # per-layer increments by rank, the latest measured of each
+    deciding = deciding_ranks(trial)
+    lead: int | None = None  # the worst rank of the latest point simulated on every rank (or failing)
 
     def at(k: int, exact: bool = False) -> Point:
-        nonlocal slope
+        """The point at ``k`` steps: on the lead rank alone while one is known (an approximation where
+        the ranks differ), on every rank, the lead first, when ``exact``."""
+        nonlocal slope, lead
         if k not in points or (exact and not points[k].exact):
-            points[k] = extrapolated(trial.with_seq_len(k * step), workdir, cache, None if exact else slope)
-            if points[k].exact and points[k].status != "error":
-                slope = points[k].slope
+            order = None if lead is None else (lead, *(r for r in deciding if r != lead)) if exact else (lead,)
+            p = points[k] = extrapolated(trial.with_seq_len(k * step), workdir, cache, None if exact else slope,
+                                         order)
+            if p.status != "error":
+                if p.measured:
+                    slope = {**(slope or {}), **p.slope}
+                if p.complete:
+                    lead = p.rank
         return points[k]
 
     def settle(lo: int, hi: int) -> bool:

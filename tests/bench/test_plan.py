@@ -599,10 +599,11 @@ def test_a_failure_by_the_slack_rule_alone_is_simulated_exactly(monkeypatch, tmp
         fits = k <= 4 or (k == 5 and exact)
         p = Point(trial.seq_len, "ok" if fits else "oom", k, 0, 0.0, 10)
         p.load, p.exact, p.slope, p.step_counts = k / 5.5 if fits else 1.1, exact, slope, None
+        p.measured, p.complete, p.rank = exact, True, 0  # one deciding rank
         p.by_slack = k == 5 and not exact
         return p
 
-    monkeypatch.setattr(plan_mod, "extrapolated", lambda t, w, c=None, s=None: fake(t, w, c, s))
+    monkeypatch.setattr(plan_mod, "extrapolated", lambda t, w, c=None, s=None, r=None: fake(t, w, c, s))
     trial = Trial.make("upipe", "tiny-llama", 1 << 20, 2)
     step = trial.seq_multiple() * 1024
     found, best, _, _, err = search_max(trial, step, 16 * step, str(tmp_path), first=2 * step)

@@ -251,6 +251,38 @@ def test_the_planner_simulates_one_rank_of_a_symmetric_method(tmp_path, monkeypa
     assert "rank" not in json.loads(key(trial, "tiny6", 3)) and json.loads(key(trial, "tiny6", 3, 2))["rank"] == 2
 
 
+def test_the_planners_search_probes_on_the_worst_rank_and_ends_exact_on_every_rank(tmp_path, monkeypatch):
+    """``plan.search_max`` probes on the worst rank of the latest point simulated on every rank, and makes its
+    bracket's ends exact on every rank: the answer is the worst rank's, not rank 0's, from fewer simulations than
+    every rank at every probe. Made-up figures: a ring whose rank 2 holds the most (as the zigzag ring's middle
+    ranks do), on a device where rank 2 fits 10 steps and rank 0 would fit 15."""
+    from bench.search import plan as plan_mod
+    from bench.stackmodel import hardware
+
+    path = tmp_path / "tiny6.json"
+    path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 6}))
+    extra = {0: 0, 1: 1, 2: 3, 3: 1}  # MiB per step beyond one per layer
+    usable = 90 * (1 << 20) + (1 << 19)  # rank 2 at 10 steps: (6 + 3) x 10 MiB
+    monkeypatch.setitem(hardware.DEVICES, "t", hardware.DevicePreset("t", "cuda", int(usable / 0.9) + 8, 0.9,
+                                                                      "nvlink-h100", "test"))
+    trial = Trial.make("ring", str(path), 4096, WORLD, mode="simulated", device="t", step=StepConfig(stack="lean"))
+    asked: list[tuple[int, int, int]] = []  # (steps, layers, rank)
+
+    def simulated(t, keep_trace=False, rank=0):
+        k, layers = t.seq_len // 4096, t.config().n_layers
+        asked.append((k, layers, rank))
+        return Measurement(status="ok", peak_bytes=(layers + extra[rank]) * k << 20, host_peak_bytes=0)
+
+    monkeypatch.setattr(plan_mod, "_CACHE", None)
+    monkeypatch.setattr(plan_mod, "measure_simulated", simulated)
+    found, best, n, step, err = plan_mod.search_max(trial, 4096, 64 * 4096, str(tmp_path), first=4 * 4096)
+    assert err is None and step == 4096 and found == 10 * 4096 and best.rank == 2 and best.exact
+    ranks_at = {k: {r for kk, _, r in asked if kk == k} for k, _, _ in asked}
+    assert ranks_at[10] == set(range(WORLD)) and 2 in ranks_at[11]  # the answer on every rank, the next fails
+    assert any(ranks == {2} for ranks in ranks_at.values())  # a probe on the worst rank alone
+    assert n == len(set(asked)) < 2 * WORLD * len(ranks_at)  # fewer than every rank at every probed length
+
+
 def _m(peak: int, reserved: int | None = None, host: int = 0, status: str = "ok", oom: str | None = None):
     alloc = None if reserved is None else AllocatorReplay("expandable", "shared", peak, 1, 0.0, 0, oom)
     return Measurement(status=status, message=None if status == "ok" else "x", peak_bytes=peak,
