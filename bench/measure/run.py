@@ -648,8 +648,10 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
         if trial.step.scope == "model":
             counts = result.step_counts
             if work is not None and counts is not None:  # the step waits for the slowest rank's attention
-                counts = slowest_rank_counts(counts, work.pairs[0], max(work.pairs))
-                notes.append(docwork.NOTE.format(rank=work.slowest_rank, ratio=max(work.pairs) / work.pairs[0]))
+                simulated = result.rank or 0  # the counts are this rank's (the worst of those simulated)
+                counts = slowest_rank_counts(counts, work.pairs[simulated], max(work.pairs))
+                ratio = max(work.pairs) / work.pairs[simulated] if work.pairs[simulated] else float("inf")
+                notes.append(docwork.NOTE.format(rank=work.slowest_rank, simulated=simulated, ratio=ratio))
             for key, value in figures_from_counts(counts, preset, link, f.tokens_per_device,
                                                   trial.method, *stack_constants(trial.step.stack)).items():
                 setattr(f, key, value)

@@ -543,6 +543,7 @@ class Entry:
     host_peak_bytes: int | None = None
     comm_time_s: float | None = None  # at max_context
     step_counts: StepCounts | None = None  # at max_context (bench.stackmodel.stepcount), for the step-time model
+    rank: int = 0  # the simulated rank whose figures and counts the entry holds (the worst deciding one)
     points: int = 0
     error: str = ""
     skipped: str = ""
@@ -781,14 +782,13 @@ def _search_entry(args) -> Entry:
         entry.extra["sims"] = how.describe()
     ranks = deciding_ranks(entry.trial)
     if best is not None and len(ranks) > 1:  # which of the deciding ranks holds the most
-        entry.extra["rank"] = f"rank {getattr(best, 'rank', 0)} of {len(ranks)} deciding"
+        entry.extra["rank"] = f"rank {entry.rank} of {len(ranks)} deciding"
     if best is not None:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
-        entry.step_counts = getattr(best, "step_counts", None)
+        entry.step_counts, entry.rank = getattr(best, "step_counts", None), getattr(best, "rank", 0)
         if entry.step_counts and counts_version(entry.step_counts) < COUNTS_VERSION:
-            entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir,
-                                             getattr(best, "rank", 0))
+            entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir, entry.rank)
     if err is not None:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0
@@ -873,14 +873,14 @@ def documents_counts(entry: Entry, scaled: StepCounts, seq_len: int) -> StepCoun
     grows with their causal areas, not as S² (documents of bounded length: about S), and the step waits
     for the slowest rank: the simulated rank's counted attention FLOPs at the max context (and their
     varlen excess, whose share of them a draw from the same distribution keeps) are carried by the
-    ratio of the slowest rank's counted (query, key) pairs at ``seq_len`` to the simulated rank's at
-    the max context (``bench.stackmodel.docwork``, each length with its own draw). At the max context
-    this is the row's own step (``bench.measure.run.build_row``: ``slowest_rank_counts``)."""
+    ratio of the slowest rank's counted (query, key) pairs at ``seq_len`` to the simulated rank's
+    (``Entry.rank``) at the max context (``bench.stackmodel.docwork``, each length with its own draw). At
+    the max context this is the row's own step (``bench.measure.run.build_row``: ``slowest_rank_counts``)."""
     simulated = trial_work(entry.trial.with_seq_len(entry.max_context))
     target = trial_work(entry.trial.with_seq_len(seq_len))
-    if simulated is None or target is None or simulated.pairs[0] <= 0:
+    if simulated is None or target is None or simulated.pairs[entry.rank] <= 0:
         return scaled
-    ratio = max(target.pairs) / simulated.pairs[0]
+    ratio = max(target.pairs) / simulated.pairs[entry.rank]
     counts = entry.step_counts
     return dataclasses.replace(scaled, flops_attention=counts.flops_attention * ratio,
                                flops_attention_varlen_excess=counts.flops_attention_varlen_excess * ratio)

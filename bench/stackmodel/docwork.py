@@ -46,8 +46,8 @@ from methods.core.spec import AttnSpec
 
 # a simulated row's note when the step time takes the slowest rank's attention (bench.measure.run.build_row)
 NOTE = ("docs: the modelled step takes the slowest rank's attention, rank {rank}'s ({ratio:.3f} x the simulated "
-        "rank 0's counted attention FLOPs; bench.stackmodel.docwork); the flash op's varlen calls at their rate "
-        "measured by document length and heads per call (bench.stackmodel.varlenrate), blockwise calls at the "
+        "rank {simulated}'s counted attention FLOPs; bench.stackmodel.docwork); the flash op's varlen calls at their "
+        "rate measured by document length and heads per call (bench.stackmodel.varlenrate), blockwise calls at the "
         "dense one")
 FLOPS_PER_PAIR_PER_HEAD_DIM = 4 + 10  # forward 4·d, backward 10·d per (query, key) pair and head
 

@@ -90,3 +90,23 @@ def test_a_simulated_row_with_documents_records_the_work_and_the_slowest_rank(ca
     assert work["idle_s"] > 0 and work["slowest_rank"] == want.slowest_rank
     assert any("slowest rank's attention" in n for n in docs_row["notes"])
     assert "doc_work" not in plain_row["figures"]
+
+
+@pytest.mark.parametrize("simulated", [0, 2])
+def test_the_slowest_ranks_attention_is_carried_from_the_simulated_rank(simulated):
+    """A simulated row's counts are those of the rank it simulated, the worst (``Measurement.rank``): the
+    step's attention is carried from that rank's pairs to the slowest rank's, not from rank 0's."""
+    from bench.measure.result import Measurement
+    from bench.measure.run import build_row
+    from bench.measure.trial import Trial
+    from bench.stackmodel.counts import StepCounts
+    from records.workloads import DocsSpec
+
+    trial = Trial.make("ring", "tiny-llama", S, 4, mode="simulated", docs=DocsSpec(lengths=SKEWED.lengths))
+    want = rank_work("ring", SPEC, 4, SKEWED, n_layers=get_config("tiny-llama").n_layers)
+    counts = StepCounts(flops_attention=1e12)
+    result = Measurement(status="ok", peak_bytes=1 << 30, host_peak_bytes=0, step_counts=counts, rank=simulated)
+    row = build_row(trial, result, 1.0)
+    [note] = [n for n in row.notes if "slowest rank's attention" in n]
+    ratio = max(want.pairs) / want.pairs[simulated]
+    assert f"({ratio:.3f} x the simulated rank {simulated}'s counted attention FLOPs" in note, note
