@@ -126,6 +126,7 @@ import torch
 
 import methods
 from records import GiB, Row, human, read_rows, requested_options
+from records.identity import V1_OMITTED_LEVERS
 from records.workloads import DocsSpec
 from records.workloads.spec import identity as docs_identity
 
@@ -232,26 +233,39 @@ class SimCache:
             if problem:
                 raise ValueError(f"simulation cache {path}, line {number}: {problem}; delete that line, or the "
                                  f"whole file (its simulations run again), or use --no-cache")
-            entries[d["key"]] = d["result"]
+            entries[SimCache.canonical(d["key"])] = d["result"]
         return entries
-
-    # step fields added after the committed cache was written: keyed only away from their default,
-    # so that the committed keys (which lack them) still name the same simulations (a new
-    # StepConfig field goes here too; test_plan's committed-cache test fails until it does)
-    LATE_STEP_FIELDS = {"allocator_pools": "shared", "ring_barrier": False, "attention_math": "compute",
-                        "ac_keep_attn": False}
 
     @staticmethod
     def key(trial: Trial, name: str, n_layers: int, rank: int = 0) -> str:
         """The cache key of ``trial`` with ``n_layers`` layers, simulated on ``rank`` (named only when it is not
-        rank 0, so that the committed keys, all of rank 0, still name the same simulations)."""
+        rank 0, so that the committed keys, all of rank 0, still name the same simulations), in ``canonical``
+        form."""
         d = json.loads(trial.to_json())
         d["model"] = f"{name}:L{n_layers}"
-        for late, default in SimCache.LATE_STEP_FIELDS.items():
-            if d["step"].get(late) == default:
-                del d["step"][late]
         if rank:
             d["rank"] = rank
+        return SimCache._canonical(d)
+
+    @staticmethod
+    def canonical(key: str) -> str:
+        """``key`` (a trial's JSON, maybe with ``PRESSURE_KEY`` appended) with every step lever that sits at the
+        value its absence means dropped: the levers added after the first rows, with their defaults
+        (``records.identity.V1_OMITTED_LEVERS``, the one table the rows' identity reads too). A key written
+        before a lever existed and one written after then name the same simulation, and a new lever is keyed
+        only away from its default. A key that is not a trial's JSON is left as it is."""
+        base, suffix = (key[: -len(PRESSURE_KEY)], PRESSURE_KEY) if key.endswith(PRESSURE_KEY) else (key, "")
+        try:
+            d = json.loads(base)
+        except json.JSONDecodeError:
+            return key
+        if not isinstance(d, dict) or not isinstance(d.get("step"), dict):
+            return key
+        return SimCache._canonical(d) + suffix
+
+    @staticmethod
+    def _canonical(d: dict) -> str:
+        d["step"] = {k: v for k, v in d["step"].items() if k not in V1_OMITTED_LEVERS or v != V1_OMITTED_LEVERS[k]}
         return json.dumps(d, sort_keys=True)
 
     def allow(self, key: str) -> None:
@@ -780,15 +794,15 @@ def _search_entry(args) -> Entry:
     how = sim_scheme(entry.trial)
     if how.whole or how.size > 1:  # the plain layer extrapolation is the header's
         entry.extra["sims"] = how.describe()
-    ranks = deciding_ranks(entry.trial)
-    if best is not None and len(ranks) > 1:  # which of the deciding ranks holds the most
-        entry.extra["rank"] = f"rank {entry.rank} of {len(ranks)} deciding"
     if best is not None:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
         entry.step_counts, entry.rank = getattr(best, "step_counts", None), getattr(best, "rank", 0)
         if entry.step_counts and counts_version(entry.step_counts) < COUNTS_VERSION:
             entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir, entry.rank)
+        ranks = deciding_ranks(entry.trial)
+        if len(ranks) > 1:  # which of the deciding ranks holds the most
+            entry.extra["rank"] = f"rank {entry.rank} of {len(ranks)} deciding"
     if err is not None:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0

@@ -9,6 +9,7 @@ forward again.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -152,4 +153,6 @@ def test_refusals_flag_and_keys(capsys):
     assert args.ac_keep_attn is True and "ac_keep_attn" in STEP_KEYS
     # rows and the planner's committed cache written before the lever existed keep their keys
     assert StepConfig().levers()["ac_keep_attn"] is V1_OMITTED_LEVERS["ac_keep_attn"] is False
-    assert SimCache.LATE_STEP_FIELDS["ac_keep_attn"] is False
+    trial = Trial.make("upipe", TINY, 8192, 2, mode="simulated")
+    keyed = json.loads(SimCache.key(trial, "tiny", 3))["step"]
+    assert "ac_keep_attn" not in keyed and "fsdp" in keyed  # keyed only away from its default

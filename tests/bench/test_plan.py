@@ -292,6 +292,19 @@ def test_simulation_cache_reads_committed_and_writes_only_the_users(tmp_path):
     assert SimCache.key(trial, "tiny-llama", 3) == SimCache.key(
         dataclasses.replace(trial, model="tiny-llama"), "tiny-llama", 3)
     assert SimCache.key(trial, "tiny-llama", 3) != SimCache.key(trial, "tiny-llama", 4)
+    # a line written with a later lever at its default, and one written before the lever existed, name the
+    # same simulation as the key of today (records.identity.V1_OMITTED_LEVERS, the rows' table of such levers)
+    today = SimCache.key(trial, "tiny-llama", 3)
+    older = json.loads(today)
+    newer = json.loads(today)
+    newer["step"].update(ac_keep_attn=False, ring_barrier=False)
+    written = tmp_path / "written.ndjson"
+    written.write_text(json.dumps({"key": json.dumps(newer) + plan_mod.PRESSURE_KEY, "result": {"status": "ok"}})
+                       + "\n" + json.dumps({"key": json.dumps(older), "result": {"status": "oom"}}) + "\n")
+    read = SimCache(None, (written,))
+    assert read.get(today) == {"status": "oom"} and read.get(today + plan_mod.PRESSURE_KEY) == {"status": "ok"}
+    away = dataclasses.replace(trial, step=dataclasses.replace(trial.step, ac_keep_attn=True))
+    assert json.loads(SimCache.key(away, "tiny-llama", 3))["step"]["ac_keep_attn"] is True
 
 
 @pytest.mark.parametrize("bad,problem", [
