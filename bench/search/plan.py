@@ -487,11 +487,11 @@ def _past_capacity_by_slack(trial, row, result: Measurement) -> bool:
 
 
 def _same(a: dict | None, b: dict | None, rel: float = 1e-3) -> bool:
-    """Per-layer increments, by rank, equal to ``rel`` (peak and host peak) on the same ranks."""
-    if not a or not b or a.keys() != b.keys():
+    """``b``'s per-layer increments (by rank) are ``a``'s to ``rel`` (peak and host peak) on each of ``b``'s ranks."""
+    if not a or not b or not b.keys() <= a.keys():
         return False
-    return all(r and b[rank] and abs(r.get(k, 0) - b[rank].get(k, 0)) <= rel * max(1, abs(b[rank].get(k, 0)))
-               for rank, r in a.items() for k in ("peak_bytes", "host_peak_bytes"))
+    return all(a[rank] and r and abs(a[rank].get(k, 0) - r.get(k, 0)) <= rel * max(1, abs(r.get(k, 0)))
+               for rank, r in b.items() for k in ("peak_bytes", "host_peak_bytes"))
 
 
 FIRST = 4 << 20  # where a search starts without a rung below it (search_max's first probe)
@@ -530,12 +530,13 @@ def search_max(trial, granularity: int, max_seq_len: int, workdir: str, first: i
     def settle(lo: int, hi: int) -> bool:
         """Make the bracket's ends exact; whether either one's status moved."""
         changed = False
-        used = slope
         for j in (lo, hi):
             if 1 <= j <= k_max and not points[j].exact:
-                if j == hi and lo >= 1 and points[lo].exact and _same(points[lo].slope, used) and not getattr(
-                        points[j], "by_slack", False):
-                    continue  # the increment just re-measured at lo is the one hi used: hi is exact too
+                if (j == hi and lo >= 1 and points[lo].exact and _same(points[lo].slope, points[j].slope)
+                        and not getattr(points[j], "by_slack", False)):
+                    # hi failed on the increments lo has just been measured with (each of hi's ranks): hi is exact
+                    # too. Not the latest increments of the search: hi may have been probed on older ones
+                    continue
                 before = points[j].status
                 if at(j, exact=True).status != before:
                     changed = True

@@ -624,6 +624,31 @@ def test_a_failure_by_the_slack_rule_alone_is_simulated_exactly(monkeypatch, tmp
     assert (6, True) in calls or (6, False) in calls
 
 
+def test_a_failure_on_increments_older_than_the_bracket_is_simulated_exactly(monkeypatch, tmp_path):
+    """The bracket's failing end is taken as exact only if it failed on the increments its other end has just
+    been measured with, not on the search's latest ones: probed earlier on increments measured far away (here
+    steeper ones, from the first probe at 24 steps), it fails where the model fits (every length up to 20 steps
+    fits; on the steep increments only up to 15)."""
+    from bench.search.plan import Point
+
+    steep, shallow = {0: {"peak_bytes": 2}}, {0: {"peak_bytes": 1}}  # per-layer increments measured above / below 20
+
+    def fake(trial, workdir, cache=None, slope=None, ranks=None):
+        k, exact = trial.seq_len // step, slope is None
+        used = (steep if k > 20 else shallow) if exact else slope
+        fits = k <= (15 if used is steep and not exact else 20)
+        p = Point(trial.seq_len, "ok" if fits else "oom", k, 0, 0.0, 10)
+        p.load, p.exact, p.slope, p.step_counts = k / 20.5 if fits else 1.1, exact, used, None
+        p.measured, p.complete, p.rank, p.by_slack = exact, True, 0, False
+        return p
+
+    monkeypatch.setattr(plan_mod, "extrapolated", fake)
+    trial = Trial.make("upipe", "tiny-llama", 1 << 20, 2)
+    step = trial.seq_multiple() * 1024
+    found, best, _, _, err = search_max(trial, step, 32 * step, str(tmp_path), first=24 * step)
+    assert err is None and found == 20 * step and best.exact
+
+
 def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path):
     """``make figs-plans`` (``analysis.derived.PLANS``) re-renders the committed hf plan from the committed
     cache, simulating nothing, to the same bytes but for the cache's size in its header (which grows when
