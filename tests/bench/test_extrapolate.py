@@ -113,14 +113,14 @@ def test_extrapolation_under_pressure_agrees_with_full_simulation(tmp_path, monk
                               if not json.loads(line)["key"].endswith(plan.PRESSURE_KEY)))
     pairs = []
 
-    def pair(t, how, workdir):
-        pairs.append((t, how))
+    def pair(t, how, workdir, rank=0):  # upipe's ranks are symmetric: rank 0's pair
+        pairs.append((t, how, rank))
         return [Measurement(), Measurement()], replays[0]
 
     monkeypatch.setattr(plan, "simulated_pair", pair)
     monkeypatch.setattr(plan, "_CACHE", plan.SimCache(cached))
     third = plan.extrapolated(trial("tight"), str(tmp_path))
-    assert [t for t, _ in pairs] == [dataclasses.replace(trial("tight"), mode="simulated")]
+    assert [(t, rank) for t, _, rank in pairs] == [(dataclasses.replace(trial("tight"), mode="simulated"), 0)]
     assert pairs[0][1] == plan.sim_scheme(trial("tight"))
     assert plan._CACHE.hits == 2 and plan._CACHE.misses == 1
     assert third.status == "ok" and third.row.figures.peak_reserved_bytes == point.row.figures.peak_reserved_bytes
