@@ -48,10 +48,16 @@ as the real one does); the cache keeps no traces, but it keeps the outcome, unde
 model's key with ``PRESSURE_KEY`` appended. Inside the search, a length
 may reuse the per-layer increments measured at another length (one 3-layer simulation); the
 longest fitting length is always simulated with both, and the shortest failing one too unless
-the increment re-measured there equals the one it used (to 0.1%) and it fails by more than the
-slack rule (a length out of memory only by the borrowed slack is simulated with both: its own
-slack, or the pressure replay, may fit). ``tests/bench/test_plan.py``
+the increment measured at the longest fitting length equals the one the failing length was judged on
+(to 0.1%) and it fails by more than the slack rule (a length out of memory only by the borrowed slack
+is simulated with both: its own slack, or the pressure replay, may fit). ``tests/bench/test_plan.py``
 checks it against a full simulation. Models with 4 layers or fewer are simulated whole.
+
+Ranks: a trial fits when its worst rank fits. Every rank that can decide memory
+(``bench.measure.run.deciding_ranks``) is extrapolated from its own simulations and the worst decides
+(``extrapolated``), as in a simulated row; once a point has run on every rank, the search probes on its
+worst rank alone and makes the bracket's ends exact on every rank (``search_max``). ``$CPAB_SIM_RANKS=0``
+(``plan(sim_ranks="0")``) simulates rank 0 alone, and the table's header says so.
 
 Group extrapolation (two-level checkpoints, ``ac_group = K``; exact for identical groups): the
 figures are not linear in the layers (the host holds one input per group plus one group's
