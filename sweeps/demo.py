@@ -66,8 +66,8 @@ CPU_ORDER = tuple(sorted((info.name for info in methods.all_infos()
                           if info.facts.reference and not info.facts.mesh and info.facts.column in TABLE3_COLUMNS),
                          key=column_order))
 # keeps the whole demo within 5 minutes on 2 cores (the full specs are one command away): the spec's own
-# table is 8 methods at 2 and 4 ranks; the demo runs the paper's four at 2 ranks, at 1K tokens (bf16 on a
-# CPU without bf16 arithmetic: a step of tiny-llama takes about 2 s at 1K, 4 s at 2K)
+# table is 8 methods at 2 and 4 ranks; the demo runs the paper's four at 2 ranks, at 1K tokens (a bf16 step
+# is slow on a CPU without bf16 arithmetic, and its time grows with the length: docs/commands.md)
 DEMO_OVERRIDES = {"table3-llama3-8b-cpu": {"seq_lens": ["1K"], "world_sizes": [2], "methods": list(CPU_ORDER)}}
 
 
@@ -111,8 +111,8 @@ def run_docs(path: Path) -> int:
     """The documents workload's trials without a row in ``path``, simulated over 3 and 4 layers and
     extrapolated, all at once (forked from a server that imported the package once:
     ``bench.search.maxctx.isolation_context``), each row appended as it ends; how many failed. All at once,
-    not one per core: their costs differ (UPipe's head stages take about twice a ring's or Ulysses'
-    simulation), and three on two cores end together where two then one leave a core idle."""
+    not one per core: their costs differ (UPipe's head stages make its simulation the longest), and three
+    on two cores end together where two and then one leave a core idle."""
     have = {trial_key(r) for r in read_rows(path, on_error="warn")} if path.exists() else set()
     todo = [t for t in docs_trials() if t.key() not in have]
     workers = max(1, len(todo))
