@@ -20,9 +20,11 @@ skipped (a results folder of rows only, as the tests make, gets the row-based ou
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,9 @@ def plans(results_dir: Path, out_dir: Path, log: Callable[[str], None] = print) 
     for p in PLANS:
         model = str(repo / p.model) if (repo / p.model).is_file() else p.model  # a config file of the repository
         try:
-            res = plan(model, p.gpus, p.device, p.nodes, pools=p.pools, cache=None, stack=p.stack,
-                       committed=cache, simulate=False, progress=io.StringIO(),  # no progress lines
-                       sim_ranks=p.sim_ranks)
+            with mock.patch.dict(os.environ, {"CPAB_SIM_RANKS": p.sim_ranks}):  # the ranks its cache holds
+                res = plan(model, p.gpus, p.device, p.nodes, pools=p.pools, cache=None, stack=p.stack,
+                           committed=cache, simulate=False, progress=io.StringIO())  # no progress lines
         except LookupError as err:
             log(f"not regenerated: `{p.command()}`: {err}")
             continue

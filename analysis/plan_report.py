@@ -76,7 +76,7 @@ def render(res: dict[str, Any], wall_times: bool = True) -> str:
               if res["stack"] == "paper" else "")
            + "); paper record setup (FSDP2, AC offloaded to host, "
            "tiled MLP/norm, chunked loss, bf16, batch 1) unless a row adds levers (+...)"),
-        f"max context: simulated ({ranks_said(res.get('sim_ranks', '0'))}, FakeTensorMode), "
+        f"max context: simulated ({ranks_said(res['sim_ranks'])}, FakeTensorMode), "
         f"exact to {human(res['granularity'])}, "
         f"search limit {human(res['max_seq_len'])}"
         + (f"; layer extrapolation from 3- and 4-layer simulations to {res['layers']} layers"

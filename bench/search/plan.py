@@ -57,7 +57,7 @@ Ranks: a trial fits when its worst rank fits. Every rank that can decide memory
 (``bench.measure.run.deciding_ranks``) is extrapolated from its own simulations and the worst decides
 (``extrapolated``), as in a simulated row; once a point has run on every rank, the search probes on its
 worst rank alone and makes the bracket's ends exact on every rank (``search_max``). ``$CPAB_SIM_RANKS=0``
-(``plan(sim_ranks="0")``) simulates rank 0 alone, and the table's header says so.
+simulates rank 0 alone (the plan and its workers read it), and the table's header says so.
 
 Group extrapolation (two-level checkpoints, ``ac_group = K``; exact for identical groups): the
 figures are not linear in the layers (the host holds one input per group plus one group's
@@ -113,7 +113,6 @@ rate (``steptime.stack_constants``), as its simulated rows do. Cache keys hold t
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -957,26 +956,11 @@ def recommend(entries_: list[Entry], baseline: Entry | None) -> Entry | None:
     return max(timed, key=lambda e: (e.max_context, -e.step_time_s), default=None)
 
 
-@contextlib.contextmanager
-def _environ(name: str, value: str):
-    """``$name`` set to ``value`` inside the block (and in the processes started there), as it was after it."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
 def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 32 << 20,
          granularity: int = 1 << 20, workers: int | None = None,
          progress=sys.stderr, stack: str = "paper", beyond: bool = True,
          cache: Path | None = None, use_cache: bool = True, pools: str | None = None,
-         committed: Path | None = None, simulate: bool = True, docs: DocsSpec | None = None,
-         sim_ranks: str | None = None) -> dict[str, Any]:
+         committed: Path | None = None, simulate: bool = True, docs: DocsSpec | None = None) -> dict[str, Any]:
     """The plan (module docstring). ``cache``: the user's simulation cache file (``SimCache``;
     None with ``use_cache``: none written, the committed one still read); ``pools``: the paper
     stack's allocator pools (None: ``PAPER_POOLS``; refused under ``hf``: ``check_stack_options``);
@@ -984,10 +968,6 @@ def plan(model: str, gpus: int, device: str, nodes: int = 1, max_seq_len: int = 
     ``simulate`` off: a simulation missing from the caches is a ``LookupError`` (``SimCache.allow``);
     ``docs``: packed documents drawn from a distribution (``check_docs``; None: one sequence)."""
     committed = Path(committed) if committed is not None else COMMITTED_CACHE
-    if sim_ranks is not None:  # for this plan and its workers, as $CPAB_SIM_RANKS would (bench.measure.run)
-        with _environ(SIM_RANKS_ENV, sim_ranks):
-            return plan(model, gpus, device, nodes, max_seq_len, granularity, workers, progress, stack, beyond, cache,
-                        use_cache, pools, committed, simulate, docs)
     global _CACHE
     cfg = get_config(model)
     preset = get_device(device)

@@ -649,7 +649,7 @@ def test_a_failure_on_increments_older_than_the_bracket_is_simulated_exactly(mon
     assert err is None and found == 20 * step and best.exact
 
 
-def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path):
+def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path, monkeypatch):
     """``make figs-plans`` (``analysis.derived.PLANS``) re-renders the committed hf plan from the committed
     cache, simulating nothing, to the same bytes but for the cache's size in its header (which grows when
     other plans append lines); the .md holds no wall seconds."""
@@ -658,9 +658,10 @@ def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     [hf] = [p for p in derived.PLANS if p.stack == "hf"]
     assert not hf.wall_times and "--stack hf" in hf.command()
+    monkeypatch.setenv("CPAB_SIM_RANKS", hf.sim_ranks)  # as make figs-plans renders it (analysis.derived.plans)
     res = plan_mod.plan(str(repo / hf.model), hf.gpus, hf.device, hf.nodes, pools=hf.pools, cache=None,
                         stack=hf.stack, committed=repo / "results" / "plan" / "sims.ndjson", simulate=False,
-                        workers=1, progress=io.StringIO(), sim_ranks=hf.sim_ranks)
+                        workers=1, progress=io.StringIO())
     md = Path(plan_report.write_plan(res, tmp_path, hf.wall_times)[0])
     committed = repo / "paper_figs" / md.name
 
