@@ -36,6 +36,7 @@ from records.sizes import positive_int
 from records.workloads import DocsSpec
 from records.workloads import names as distribution_names
 
+from .measure.config import choices, lever_fields
 from .measure.launch import is_rank_zero
 from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Search, Trial
@@ -48,7 +49,6 @@ from .search.plan import plan
 from .stackmodel import fidelity
 from .stackmodel import stack as paper_stack
 from .stackmodel.hardware import DEVICES, LINKS
-from .training.config import choices, lever_fields
 
 QUICK_ANCHOR = "128k-llama3-8b-upipe-x8"
 
@@ -155,8 +155,9 @@ def lever_flag(f) -> str:
 
 
 def add_lever_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per ``StepConfig`` lever, generated from its declaration (``bench.training.config``),
-    in a group per concern. A flag not given leaves its lever to the resolver (``bench.resolve``)."""
+    """One flag per ``StepConfig`` lever, generated from its declaration (``bench.training.config``,
+    ``bench.measure.config``), in a group per concern. A flag not given leaves its lever to the resolver
+    (``bench.resolve``)."""
     titles = {"training": "training levers (what the step does)",
               "simulation": "simulated mode only (how a simulation accounts for memory)",
               "emulation": "emulated mode only"}

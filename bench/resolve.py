@@ -33,10 +33,10 @@ from typing import Any
 from records import Kind, Mode
 from records.workloads import DocsSpec
 
+from .measure.config import StepConfig
 from .measure.timing import MIN_TIMED_STEPS
 from .measure.trial import Resolution, Search, Trial
 from .stackmodel import hfstack, stack
-from .training.config import StepConfig
 from .training.presets import PRESETS, expand
 
 TRIAL_SETTINGS = ("warmup", "iters", "smoke", "threads", "seed")  # per-trial settings beside the levers

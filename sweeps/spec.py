@@ -45,9 +45,9 @@ from typing import Any
 
 import yaml
 
+from bench.measure.config import StepConfig
 from bench.measure.trial import Search, Trial
 from bench.resolve import Request, resolve
-from bench.training.config import StepConfig
 from bench.training.presets import expand
 from records import DType, Kind, Mode, Scope
 from records import parse_size as parse_tokens

@@ -38,8 +38,8 @@ from records.workloads import DocsSpec
 from ..model.config import ModelConfig, get_config
 from ..stackmodel import fake_flash_attn
 from ..stackmodel.hardware import DevicePreset, LinkModel, get_device, get_link
-from ..training.config import SIMULATION_ONLY, StepConfig
 from . import launch
+from .config import SIMULATION_ONLY, StepConfig
 from .timing import MIN_TIMED_STEPS
 
 AUTO = "auto"  # how the auto-chunk request is written in --opt, sweep specs and rows

@@ -135,6 +135,7 @@ from records.identity import V1_OMITTED_LEVERS
 from records.workloads import DocsSpec
 from records.workloads.spec import identity as docs_identity
 
+from ..measure.config import StepConfig
 from ..measure.result import Measurement
 from ..measure.run import (
     SIM_RANKS_ENV,
@@ -163,7 +164,6 @@ from ..stackmodel.steptime import (
     stack_constants,
     step_time,
 )
-from ..training.config import StepConfig
 from .autochunk import candidates, with_chunk
 from .extrapolate import (
     Scheme,

@@ -42,11 +42,11 @@ import methods
 from records import GiB, Row, fidelity_anchor_note, human, read_rows, trial_key
 from records.facts import TABLE3_COLUMNS
 
+from ..measure.config import StepConfig
 from ..measure.run import HOST_OOM
 from ..measure.trial import Trial
 from ..resolve import Request, resolve
 from ..search.extrapolate import layer_extrapolated_runner
-from ..training.config import StepConfig
 from . import stack as paper_stack
 
 PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"

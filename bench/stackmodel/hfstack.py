@@ -92,7 +92,7 @@ import dataclasses
 import importlib.util
 from typing import Any
 
-from ..training.config import StepConfig
+from ..measure.config import StepConfig
 
 NAME = "hf"
 SP_METHODS = ("ds-ulysses-hf", "upipe")  # Accelerate sp_size: DeepSpeed ALST (UPipe through the integration)

@@ -120,7 +120,7 @@ from dataclasses import dataclass
 import methods
 from records import GiB, MiB
 
-from ..training.config import StepConfig
+from ..measure.config import StepConfig
 from . import hfstack
 from .counts import StepCounts
 from .hardware import DevicePreset

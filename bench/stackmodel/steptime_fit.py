@@ -95,8 +95,8 @@ from typing import Any
 import methods
 from records import append_rows, human, read_rows
 
+from ..measure.config import StepConfig
 from ..measure.trial import Trial
-from ..training.config import StepConfig
 from . import stack
 from .counts import StepCounts
 from .fidelity import PAPER_DIR, TABLE3_METHODS, implementation

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..training.config import KERNEL_WORKSPACES
+from ..measure.config import KERNEL_WORKSPACES
 from .simmode import Counter
 from .stepcount import in_shape_propagation
 

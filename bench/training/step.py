@@ -1,6 +1,7 @@
 """One training step with the paper's memory levers, on any process group.
 
-``StepConfig`` holds the levers (defaults = the paper's setup, docs/paper.md, section "Training stack"):
+``TrainingConfig`` holds the levers the step reads (defaults = the paper's setup, docs/paper.md, section
+"Training stack"; how a step is measured is ``bench.measure.config``'s, and the step never reads it):
 
 * ``fsdp``: FSDP2 (``fully_shard``) over the context-parallel ranks, one unit per block plus
   the root (embedding, final norm, LM head). With ``dtype="bf16"`` the sharded parameters
@@ -38,8 +39,6 @@
   ``[tokens, vocab]`` logits never exist. ``chunked_loss_impl="deepspeed"``: through
   DeepSpeed's ``TiledFusedLogitsLoss`` instead (LM-head gradients computed in forward).
 * AdamW (lr 3e-4, betas (0.9, 0.95), weight decay 0.1).
-* ``kernel_workspace`` (simulation only): the attention kernel's backward scratch buffers,
-  which fake kernels do not allocate (``bench.stackmodel.workspace``: ``none``, ``fa2``, ``fa3``).
 * ``ring_barrier``: a barrier after every ring step's wait, for the whole step (forward and
   backward), as the ring code the paper ran does (``methods.core.ringsync``); numerics unchanged.
 
@@ -82,7 +81,7 @@ from methods.core.documents import Documents
 
 from ..model.config import ModelConfig
 from ..model.decoder import Decoder
-from .config import StepConfig
+from .config import TrainingConfig
 from .nested import CheckpointedGroup, FetchedCopies, group_bounds
 
 # --------------------------------------------------------------------------- offload
@@ -148,7 +147,7 @@ def _keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def keep_attention():
-    """``StepConfig.ac_keep_attn``: the checkpoint's contexts (``context_fn``) of torch's selective
+    """``TrainingConfig.ac_keep_attn``: the checkpoint's contexts (``context_fn``) of torch's selective
     activation checkpointing. The forward keeps what each attention forward kernel call returns
     (out and LSE, on the device, whatever ``ac_offload`` does with the block's input) until the
     block's recomputation, which takes them instead of running the kernel again; everything else is
@@ -192,7 +191,7 @@ def build_model(
     method: str,
     options: dict[str, Any],
     group,
-    step: StepConfig,
+    step: TrainingConfig,
     device: torch.device | str,
     host: str = "cpu",
     seed: int | None = 0,
@@ -387,7 +386,7 @@ def make_batch(model: Decoder, seq_len: int, batch: int, device, seed: int = 1, 
     )
 
 
-def model_step(model: Decoder, opt: torch.optim.Optimizer, batch: Batch, step: StepConfig, group) -> torch.Tensor:
+def model_step(model: Decoder, opt: torch.optim.Optimizer, batch: Batch, step: TrainingConfig, group) -> torch.Tensor:
     """Forward, backward and optimizer step; returns the local loss (detached)."""
     loss = model(batch.tokens, batch.positions, batch.labels)
     loss.backward()
@@ -414,7 +413,7 @@ class AttentionCase:
     docs: Documents | None = None
 
 
-def build_attention(cfg: ModelConfig, method: str, options: dict[str, Any], group, step: StepConfig,
+def build_attention(cfg: ModelConfig, method: str, options: dict[str, Any], group, step: TrainingConfig,
                     seq_len: int, device, fake: bool = False, seed: int = 0,
                     docs: Documents | None = None) -> AttentionCase:
     """One attention block in the compute dtype with random input and output gradient (with ``docs``,
@@ -457,7 +456,7 @@ def attention_step(case: AttentionCase) -> None:
         p.grad = None
 
 
-def step_fn(scope: str, built, batch: Batch | None, step: StepConfig, group) -> Callable[[], Any]:
+def step_fn(scope: str, built, batch: Batch | None, step: TrainingConfig, group) -> Callable[[], Any]:
     """A zero-argument callable that runs one step of either scope."""
     if scope == "attention":
         run = functools.partial(attention_step, built)

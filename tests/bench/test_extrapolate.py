@@ -14,6 +14,7 @@ import json
 import pytest
 
 from bench.cli import main
+from bench.measure.config import StepConfig
 from bench.measure.result import AllocatorReplay, Measurement
 from bench.measure.run import guarded, measure_simulated, run_trial
 from bench.measure.trial import Trial
@@ -23,7 +24,6 @@ from bench.search import plan
 from bench.search.extrapolate import extrapolate, layer_extrapolated_runner
 from bench.stackmodel import hardware, stack
 from bench.stackmodel.counts import Collective, HostCopy, StepCounts, Traffic
-from bench.training.config import StepConfig
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
+from bench.measure.config import StepConfig
 from bench.measure.result import Measurement
 from bench.measure.run import build_row, measure_simulated
 from bench.measure.trial import Trial
 from bench.model.config import get_config
 from bench.search.plan import SimCache
-from bench.training.config import StepConfig
 from bench.training.step import build_model, make_batch
 from records.identity import V1_OMITTED_LEVERS
 

@@ -15,10 +15,10 @@ import json
 
 import pytest
 
+from bench.measure.config import StepConfig
 from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
-from bench.training.config import StepConfig
 from records.identity import V1_OMITTED_LEVERS
 from tests.bench.test_step import ALL_ON, cp_step, reference_step
 

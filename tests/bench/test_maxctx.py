@@ -10,11 +10,11 @@ import signal
 
 import pytest
 
+from bench.measure.config import StepConfig
 from bench.measure.result import Measurement, failed
 from bench.measure.run import build_row
 from bench.measure.trial import Search, Trial
 from bench.search.maxctx import doubling, run_isolated, search
-from bench.training.config import StepConfig
 from records import human
 
 K = 1024

@@ -10,12 +10,12 @@ import torch
 
 import methods
 from bench.measure import run as trial_mod
+from bench.measure.config import StepConfig
 from bench.measure.result import Measurement, failed
 from bench.measure.run import measure_simulated, real_rank, run_trial
 from bench.measure.simulate import fake_process_group, fake_tensors, track_peak
 from bench.measure.trial import Trial
 from bench.stackmodel.hardware import LINKS, CommCounter, get_device
-from bench.training.config import StepConfig
 from methods.core import comm
 from records import validate_row
 from records.workloads.spec import DocsSpec

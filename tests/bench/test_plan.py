@@ -15,6 +15,7 @@ from typing import NamedTuple
 import pytest
 
 from bench import cli
+from bench.measure.config import StepConfig
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
 from bench.search import plan as plan_mod
@@ -33,7 +34,6 @@ from bench.search.plan import (
     search_max,
     sim_scheme,
 )
-from bench.training.config import StepConfig
 from records.workloads import DocsSpec
 
 TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 384,

@@ -16,11 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.measure.attntime import NONE_SEEN, NOT_ON_CUDA, AttentionTimer, StepAttention, imbalance, timed_device
+from bench.measure.config import StepConfig
 from bench.measure.result import Measurement
 from bench.measure.run import _combine_ranks, build_row, guarded, measure_on_device, real_rank
 from bench.measure.trial import Trial
 from bench.stackmodel import docwork
-from bench.training.config import StepConfig
 from methods.core import kernels
 from records.schema import RowError, validate_row
 from records.workloads.spec import DocsSpec

@@ -8,10 +8,10 @@ import importlib.util
 import pytest
 
 from bench.cli import build_parser, lever_flag, main
+from bench.measure.config import StepConfig, lever_fields
 from bench.measure.run import run_trial
 from bench.measure.trial import Trial
 from bench.resolve import Request, resolve
-from bench.training.config import StepConfig, lever_fields
 from records import trial_key
 from records.identity import V1_OMITTED_LEVERS
 

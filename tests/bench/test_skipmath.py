@@ -22,12 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
 from bench.cli import main
+from bench.measure.config import StepConfig
 from bench.measure.run import run_trial
 from bench.measure.skipmath import NOTE, SkipAttentionMath, is_skipped
 from bench.measure.trial import Trial
 from bench.stackmodel import fake_flash_attn as ffa
 from bench.stackmodel.workspace import workspace_shapes
-from bench.training.config import StepConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 aten = torch.ops.aten

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import methods
+from bench.measure.config import StepConfig
 from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated
 from bench.measure.simulate import fake_process_group
 from bench.measure.trial import Trial
 from bench.model.config import ModelConfig
-from bench.training.config import StepConfig
 from bench.training.step import build_model, make_batch, model_step
 from records.identity import V1_OMITTED_LEVERS
 

@@ -16,13 +16,13 @@ import pytest
 
 import methods
 from bench.measure import run as run_mod
+from bench.measure.config import StepConfig
 from bench.measure.result import AllocatorReplay, Measurement
 from bench.measure.run import deciding_ranks, judged_peak, measure_simulated, run_trial, worst_of
 from bench.measure.trial import Trial
 from bench.model.config import get_config
 from bench.search import extrapolate as extrapolate_mod
 from bench.search.extrapolate import layer_extrapolated_runner
-from bench.training.config import StepConfig
 from methods.usp import USP
 from records import RowError, validate_row
 

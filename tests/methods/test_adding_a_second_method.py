@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 
 import methods
+from bench.measure.config import StepConfig
 from bench.measure.run import run_trial
 from bench.measure.trial import Trial
-from bench.training.config import StepConfig
 from tests.methods.cases import TOLERANCE, cases, check_against_reference, refusal
 from tests.methods.guide_example import REPO, fixtures
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import methods
+from bench.measure.config import StepConfig
 from bench.stackmodel import fidelity
-from bench.training.config import StepConfig
 from methods.core import registry
 from records import facts as records_facts
 from records.facts import OURS, PAPER_COLUMNS, TABLE3_COLUMNS, MethodFacts, PaperRun

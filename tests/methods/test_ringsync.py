@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
+from bench.measure.config import StepConfig
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
 from bench.model.config import get_config
 from bench.stackmodel import stack
-from bench.training.config import StepConfig
 from methods.core import ringsync
 from tests.methods.cases import SPECS, TOLERANCE, check_against_reference
 

@@ -40,12 +40,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
+from bench.measure.config import StepConfig
 from bench.measure.run import run_trial
 from bench.measure.simulate import fake_process_group, no_param_init
 from bench.measure.trial import Trial
 from bench.stackmodel import simcuda
 from bench.stackmodel.hardware import CommCounter
-from bench.training.config import StepConfig
 from methods.core import layouts
 from methods.core.comm import world
 from methods.core.kernels import attention, get_kernel

@@ -331,9 +331,9 @@ def test_allocator_peaks_of_a_step():
 
 
 def test_simulated_mode_records_the_reserved_peak_without_changing_the_fit():
+    from bench.measure.config import StepConfig
     from bench.measure.run import build_row, measure_simulated
     from bench.measure.trial import Trial
-    from bench.training.config import StepConfig
 
     base = Trial.make("ulysses", "tiny-llama", 1024, 2, device="cpu")
     plain = measure_simulated(base)
@@ -415,8 +415,8 @@ def test_fsdp2_all_gather_buffers_are_made_on_its_copy_in_stream():
     """A simulated model step: FSDP2's all-gather outputs (the unsharded parameters, flat)
     come from a side stream, so the replay keeps them in a pool of their own."""
     from bench.measure import run
+    from bench.measure.config import StepConfig
     from bench.measure.trial import Trial
-    from bench.training.config import StepConfig
 
     seen = {}
     real = run.replay

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.measure.config import StepConfig
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
 from bench.model.config import get_config
@@ -22,7 +23,6 @@ from bench.stackmodel import stack
 from bench.stackmodel.counts import Collective, HostCopy, StepCounts, Traffic
 from bench.stackmodel.hardware import get_device, get_link
 from bench.stackmodel.steptime import FITTED, STEPTIME_VERSION, figures_from_counts, step_time
-from bench.training.config import StepConfig
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"
 

@@ -6,13 +6,13 @@ import importlib.util
 
 import pytest
 
+from bench.measure.config import StepConfig
 from bench.measure.run import run_trial
 from bench.model.decoder import liger_chunk
 from bench.resolve import Request, resolve
 from bench.stackmodel import hfstack, stack
 from bench.stackmodel.steptime import EFF_SDPA_FLASH_MEASURED, FITTED, stack_constants
 from bench.stackmodel.steptime_fit import measured_eff_sdpa_flash
-from bench.training.config import StepConfig
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 

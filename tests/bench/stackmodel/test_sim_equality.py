@@ -45,11 +45,11 @@ def cases() -> list[tuple[str, str, int, int]]:
 
 def figures(method: str, stack: str, directory: str, layers: int = LAYERS, seq_len: int = SEQ_LEN) -> dict:
     """The measurement of one case as JSON (``Measurement.to_dict``), the replay's wall time left out."""
+    from bench.measure.config import StepConfig
     from bench.measure.run import measure_simulated
     from bench.measure.trial import Trial
     from bench.model.config import get_config
     from bench.search.extrapolate import layer_variant
-    from bench.training.config import StepConfig
 
     model = layer_variant(get_config("llama3-8b"), layers, directory)
     trial = Trial.make(method, model, seq_len, WORLD, step=StepConfig(stack=stack))

@@ -21,12 +21,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
+from bench.measure.config import StepConfig
 from bench.measure.run import run_trial
 from bench.measure.simulate import no_param_init
 from bench.measure.trial import Trial
 from bench.model.config import get_config
 from bench.stackmodel import simcuda
-from bench.training.config import StepConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_COMPILER = shutil.which("c++") is None and shutil.which("g++") is None and not os.environ.get("CXX")

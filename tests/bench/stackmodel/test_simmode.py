@@ -13,13 +13,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from bench.measure.config import StepConfig
 from bench.measure.run import measure_simulated
 from bench.measure.simulate import PeakTracker
 from bench.measure.trial import Trial
 from bench.stackmodel.hardware import CommCounter
 from bench.stackmodel.simmode import Counter, SimulationMode
 from bench.stackmodel.stepcount import MemoryTraffic, StepCounter
-from bench.training.config import StepConfig
 
 
 def _figures(trial: Trial) -> dict:

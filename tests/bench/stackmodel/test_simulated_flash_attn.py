@@ -157,7 +157,7 @@ import sys
 from bench.stackmodel import fake_flash_attn as ffa
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
-from bench.training.config import StepConfig
+from bench.measure.config import StepConfig
 
 ffa.install()
 iface = sys.modules["flash_attn_interface"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 import methods
+from bench.measure.config import StepConfig
 from bench.measure.run import run_trial
 from bench.measure.trial import Trial
 from bench.stackmodel import stack
 from bench.stackmodel.counts import Collective, StepCounts, Traffic
 from bench.stackmodel.hardware import get_device
-from bench.training.config import StepConfig
 
 
 def test_lean_leaves_the_step_alone():

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from bench.measure.config import StepConfig
 from bench.measure.result import Measurement
 from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
@@ -48,7 +49,6 @@ from bench.stackmodel.steptime_fit import (
     targets,
 )
 from bench.steptime_command import main
-from bench.training.config import StepConfig
 from records import Row, validate_row
 
 NO_LEVERS = dict(ac=False, ac_offload=False, tiled_mlp=False, tiled_norm=False, chunked_loss=False)
