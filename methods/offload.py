@@ -106,13 +106,7 @@ class OffloadUlysses(Ulysses):
         if not self._wanted(t):
             self.stats.kept_tensors += 1
             return None, t
-        if hostmem.simulated() is not None:
-            host = hostmem.to_simulated_host(t)  # simulation: host memory is the meta device
-        elif t.device.type == "cpu":
-            host = t  # already in host memory
-        else:
-            host = torch.empty_like(t, device="cpu", pin_memory=True)
-            host.copy_(t, non_blocking=True)
+        host = hostmem.to_host(t)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += t.numel() * t.element_size()
         if host.device.type not in self.stats.host_devices:
@@ -122,11 +116,7 @@ class OffloadUlysses(Ulysses):
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
         device, t = packed
-        if device is None or t.device == device:
-            return t
-        if t.device.type == "meta":
-            return hostmem.back_to(t, device)
-        return t.to(device, non_blocking=True)
+        return t if device is None else hostmem.to_device(t, device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 docs: Documents | None = None) -> torch.Tensor:
