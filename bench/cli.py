@@ -184,6 +184,9 @@ def build_parser() -> Parser:
     run = sub.add_parser("run", help="one trial")
     _common(run)
     run.add_argument("--seq-len", type=parse_size, required=True, help="global sequence length (128K, 1M...)")
+    run.add_argument("--extrapolate-layers", action="store_true",
+                     help="simulated mode: the step from 3- and 4-layer simulations extrapolated over the model's "
+                     "layers (bench.search.extrapolate; several times faster on deep models; the row says so)")
     mc = sub.add_parser("max-context",
                         help="longest sequence that fits (a search narrowed on the memory load, exact to the step)")
     _common(mc)
@@ -206,8 +209,8 @@ def build_parser() -> Parser:
     tr.add_argument("--json", action="store_true", help="print rows as JSON lines instead of a table")
     tr.add_argument("--in-process", action="store_true", help="a search's simulated probes in this process")
     tr.add_argument("--extrapolate-layers", action="store_true",
-                    help="a simulated search: each probe from 3- and 4-layer simulations extrapolated over the "
-                    "model's layers (as max-context --extrapolate-layers; what a spec's max_context.layers sets)")
+                    help="simulated: the trial (a search: each probe) from 3- and 4-layer simulations extrapolated "
+                    "over the model's layers (as run/max-context --extrapolate-layers; what a spec's layers sets)")
     pl = sub.add_parser("plan", help="max context and step time per method for a model on N GPUs (bench.search.plan)")
     pl.add_argument("--model", required=True, help="named model config or a .json/.yaml file")
     pl.add_argument("--gpus", type=positive_int, required=True, help="context-parallel ranks C")
@@ -361,8 +364,9 @@ def execute(trial: Trial, out: Path | None, as_json: bool, in_process: bool = Fa
                          f"it cannot stand in for a {trial.mode} run: drop it or use --mode simulated")
     if trial.kind == Kind.TRIAL:
         print(f"[{trial.mode} on {trial.world_size} x {trial.device}] {trial.method} {trial.model} "
-              f"seq {trial.seq_len} ...", file=sys.stderr, flush=True)
-        row = run(trial)
+              f"seq {trial.seq_len}{' (layers extrapolated)' if extrapolate else ''} ...", file=sys.stderr,
+              flush=True)
+        row = run(trial, runner=layer_extrapolated_runner()) if extrapolate else run(trial)
         if trial.auto_chunk is not None:
             print(row.notes[0], file=sys.stderr, flush=True)
         _emit([row], as_json, out)
@@ -506,14 +510,11 @@ def main(argv: list[str] | None = None) -> int:
                 trial = Trial.from_json(args.trial)
             except ValueError as err:
                 raise UsageError(f"python -m bench trial: error: {err}") from None
-            if args.extrapolate_layers and trial.kind != Kind.MAX_CONTEXT:
-                raise UsageError("python -m bench trial: error: --extrapolate-layers is for a max-context "
-                                 "search, not a single trial")
             return execute(trial, _out_path(args, trial.mode), args.json, args.in_process,
                            args.extrapolate_layers)
         out = _out_path(args, args.mode)
         if args.command == "run":
-            return execute(_trial(args, args.seq_len), out, args.json)
+            return execute(_trial(args, args.seq_len), out, args.json, extrapolate=args.extrapolate_layers)
         try:
             search_params = Search(args.granularity, args.max_seq_len, args.start)
         except ValueError as err:

@@ -27,7 +27,9 @@ the layers (``bench.search.extrapolate``, as ``python -m bench max-context
 --extrapolate-layers``: several times faster, exact in the live bytes, and the rows say so in
 their notes), or ``full`` (the whole model, each probe in its own process). The default falls
 back to ``full`` where the rule does not hold (two-level checkpoints, ``ac_group`` > 1) and
-does nothing outside simulated mode; ``layers: extrapolate`` written there is an error.
+does nothing outside simulated mode; ``layers: extrapolate`` written there is an error. A
+``kind: trial`` spec says the same in a top-level ``layers:`` key, whose default is ``full``
+(``extrapolate``: as ``python -m bench run --extrapolate-layers``).
 
 ``docs`` (optional) lists the packed documents to cross with everything else
 (``records.workloads.DocsSpec``): ``none`` is one sequence (the default, ``[none]``), a string
@@ -56,7 +58,7 @@ from records.workloads import DocsSpec
 
 TOP_KEYS = {
     "name", "kind", "mode", "scope", "dtype", "device", "models", "seq_lens", "world_sizes",
-    "methods", "step", "max_context", "slurm", "out", "description", "docs",
+    "methods", "step", "max_context", "slurm", "out", "description", "docs", "layers",
 }
 SLURM_KEYS = {
     "partition", "account", "time_min", "gpus_per_node", "cpus_per_task", "mem_gb",
@@ -66,7 +68,7 @@ TRIAL_KEYS = {"warmup", "iters", "smoke"}  # per-trial settings a spec's `step:`
 STEP_KEYS = {f.name for f in dataclasses.fields(StepConfig)} - {"scope", "dtype"} | TRIAL_KEYS
 OLD_KINDS = {"run": Kind.TRIAL, "max-context": Kind.MAX_CONTEXT}
 REQUIRED_KEYS = ("name", "mode", "models", "world_sizes", "methods")  # and seq_lens for kind: trial
-LAYERS = ("extrapolate", "full")  # max_context.layers: how a simulated search simulates a deep model
+LAYERS = ("extrapolate", "full")  # layers (max_context.layers): how a simulated trial (search) simulates a deep model
 DEEP = 4  # models deeper than this are extrapolated (bench.search.extrapolate simulates 3 and 4 layers)
 
 
@@ -111,7 +113,7 @@ class SweepSpec:
     slurm: dict[str, Any] = field(default_factory=dict)
     out: str | None = None
     source: str = ""
-    layers: str | None = None  # max_context.layers as written (None: the default, extrapolate where exact)
+    layers: str | None = None  # layers (kind trial; None: full) or max_context.layers (None: extrapolate where exact)
     docs: list[DocsSpec | None] = field(default_factory=lambda: [None])  # packed documents; None: one sequence
 
     @property
@@ -122,10 +124,12 @@ class SweepSpec:
         return Path(self.out) if self.out else runs_dir() / "sweeps" / f"{self.name}.jsonl"
 
     def extrapolates(self, trial: Trial) -> bool:
-        """Whether this search's probes are extrapolated over layers (``max_context.layers``):
-        simulated, a model deeper than 4 layers, one checkpoint per block, and not ``layers: full``."""
-        return (trial.kind == Kind.MAX_CONTEXT and trial.mode == "simulated" and self.layers != "full"
-                and trial.step.ac_group == 1 and trial.config().n_layers > DEEP)
+        """Whether this trial (or this search's probes) is extrapolated over layers: simulated, a model
+        deeper than 4 layers, one checkpoint per block, and ``layers: extrapolate`` for a trial (the
+        default simulates the whole model) or not ``max_context.layers: full`` for a search."""
+        wanted = self.layers != "full" if trial.kind == Kind.MAX_CONTEXT else self.layers == "extrapolate"
+        return (wanted and trial.mode == "simulated" and trial.step.ac_group == 1
+                and trial.config().n_layers > DEEP)
 
     def problems(self, libraries: bool = False) -> list[str]:
         """Every reason a trial of this spec would be refused, one line each, found before anything
@@ -282,9 +286,13 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
             raise SpecError(f"{key}: unknown key(s) {bad}; allowed: {sorted(allowed)}")
     max_context = {k: parse_size(v, f"max_context.{k}") for k, v in (raw.get("max_context") or {}).items()
                    if k != "layers"}
-    layers = (raw.get("max_context") or {}).get("layers")
+    layers_key = "max_context.layers" if kind == Kind.MAX_CONTEXT else "layers"
+    if kind == Kind.MAX_CONTEXT and "layers" in raw:
+        raise SpecError("layers: a max_context spec says how its probes are simulated in max_context.layers; "
+                        "move it there")
+    layers = (raw.get("max_context") or {}).get("layers") if kind == Kind.MAX_CONTEXT else raw.get("layers")
     if layers is not None and layers not in LAYERS:
-        raise SpecError(f"max_context.layers: {layers!r} is not allowed; choose one of {list(LAYERS)}")
+        raise SpecError(f"{layers_key}: {layers!r} is not allowed; choose one of {list(LAYERS)}")
     step = raw.get("step") or {}
     if not isinstance(step, dict):
         raise SpecError(f"step: expected a mapping of training-step levers, got {step!r}")
@@ -304,7 +312,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
         layers=layers, docs=docs,
     )
     if layers == "extrapolate" and spec.mode != "simulated":
-        raise SpecError(f"max_context.layers: extrapolate extrapolates simulations, and this spec's mode is "
+        raise SpecError(f"{layers_key}: extrapolate extrapolates simulations, and this spec's mode is "
                         f"{spec.mode}: drop it or use mode: simulated")
     for i, entry in enumerate(entries):  # typed options and levers: refused here, before anything runs
         try:
@@ -312,7 +320,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> SweepSpec:
         except (ValueError, TypeError) as err:
             raise SpecError(f"methods[{i}] ({entry.name}): {err}") from None
         if layers == "extrapolate" and trial.step.ac_group > 1:
-            raise SpecError(f"methods[{i}] ({entry.name}): max_context.layers: extrapolate is linear in the "
+            raise SpecError(f"methods[{i}] ({entry.name}): {layers_key}: extrapolate is linear in the "
                             f"layers and ac_group {trial.step.ac_group}'s host peak is not; drop one of them")
     return spec
 

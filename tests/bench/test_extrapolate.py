@@ -213,11 +213,22 @@ def test_shallow_models_are_simulated_whole():
     assert dataclasses.asdict(row.figures)["peak_bytes"] == run_trial(trial).figures.peak_bytes
 
 
-def test_the_trial_command_takes_it_for_searches_only(capsys):
-    trial = Trial.make("ulysses", "tiny-llama", 8192, 2, mode="simulated", device="h100-80g")
-    assert main(["trial", trial.to_json(), "--extrapolate-layers", "--no-save"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--extrapolate-layers is for a max-context search" in err and "\n" not in err
+def test_run_and_the_trial_command_extrapolate_a_single_trial(seven_layers, capsys):
+    """``run --extrapolate-layers`` and ``trial ... --extrapolate-layers`` (what a spec's ``layers: extrapolate``
+    sends): the row is the layer-extrapolated runner's, and says so."""
+    trial = Trial.make("ulysses", seven_layers, 2048, 2, mode="simulated", device="h100-80g")
+    want = layer_extrapolated_runner()(trial)
+    assert main(["trial", trial.to_json(), "--extrapolate-layers", "--no-save", "--json"]) == 0
+    assert main(["run", "--method", "ulysses", "--model", seven_layers, "--world-size", "2", "--seq-len", "2K",
+                 "--mode", "simulated", "--device", "h100-80g", "--stack", "lean", "--extrapolate-layers",
+                 "--no-save", "--json"]) == 0
+    out = capsys.readouterr()
+    rows = [json.loads(line) for line in out.out.splitlines()]
+    assert len(rows) == 2 and "(layers extrapolated)" in out.err
+    for row in rows:
+        assert row["figures"]["peak_bytes"] == want.figures.peak_bytes
+        assert row["figures"]["host_peak_bytes"] == want.figures.host_peak_bytes
+        assert any("extrapolated over layers" in n for n in row["notes"])
 
 
 def test_auto_chunk_is_resolved_before_extrapolating(capsys):

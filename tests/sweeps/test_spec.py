@@ -124,6 +124,19 @@ def test_simulated_searches_of_deep_models_are_extrapolated_over_layers_by_defau
     assert parse_spec(dict(BASE)).extrapolates(parse_spec(dict(BASE)).trials()[0]) is False  # kind: trial
 
 
+def test_a_trial_spec_extrapolates_over_layers_only_when_it_says_so():
+    trial_spec = dict(BASE, mode="simulated")
+    assert [parse_spec(trial_spec).extrapolates(t) for t in parse_spec(trial_spec).trials()] == [False]
+    spec = parse_spec(dict(trial_spec, layers="extrapolate"))
+    (trial,) = spec.trials()
+    assert spec.extrapolates(trial)
+    from sweeps.jobs import bench_argv
+    assert bench_argv(trial, Path("r.jsonl"), spec.extrapolates(trial))[-1] == "--extrapolate-layers"
+    assert not parse_spec(dict(trial_spec, layers="full")).extrapolates(trial)
+    shallow = parse_spec(dict(trial_spec, layers="extrapolate", models=["tiny-llama"]))
+    assert [shallow.extrapolates(t) for t in shallow.trials()] == [False]  # 4 layers: simulated whole
+
+
 def test_the_flag_reaches_the_bench_command():
     from sweeps.jobs import bench_argv
     (trial,) = parse_spec(MAXCTX).trials()
@@ -147,6 +160,28 @@ def test_bad_max_context_options_are_one_line_errors(change, match):
     with pytest.raises(SpecError, match=match) as err:
         parse_spec({**MAXCTX, **change})
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"layers": "some"}, r"^layers: 'some' is not allowed; choose one of \['extrapolate', 'full'\]"),
+        ({"layers": "extrapolate", "mode": "emulated"},
+         r"^layers: extrapolate extrapolates simulations, and this spec's mode is emulated"),
+        ({"layers": "extrapolate", "step": {"ac_group": 2}},
+         r"methods\[0\] \(upipe\): layers: extrapolate is linear in the layers and ac_group 2"),
+    ],
+)
+def test_bad_trial_layers_are_one_line_errors(change, match):
+    with pytest.raises(SpecError, match=match) as err:
+        parse_spec({**BASE, "mode": "simulated", **change})
+    assert "\n" not in str(err.value)
+
+
+def test_a_search_says_its_layers_in_max_context():
+    with pytest.raises(SpecError, match=r"^layers: a max_context spec says how its probes are simulated in "
+                                        r"max_context.layers; move it there$"):
+        parse_spec({**MAXCTX, "layers": "full"})
 
 
 def test_an_empty_spec_or_one_without_required_keys_says_which_keys(tmp_path):
