@@ -38,8 +38,9 @@ SLOW_FIXTURES = {"pool", "slurm_cluster"}
 SLOW_MODULES = {
     "tests/methods/test_correctness.py", "tests/methods/test_ring_usp.py", "tests/methods/test_offload_fpdt.py",
     "tests/methods/test_wrappers.py",
-    "tests/bench/test_modes.py", "tests/bench/test_step.py", "tests/bench/test_autochunk.py",
-    "tests/bench/test_maxctx.py", "tests/bench/test_plan.py", "tests/bench/test_cli.py", "tests/bench/test_launch.py",
+    "tests/bench/measure/test_modes.py", "tests/bench/training/test_step.py", "tests/bench/search/test_autochunk.py",
+    "tests/bench/search/test_maxctx.py", "tests/bench/search/test_plan.py", "tests/bench/test_cli.py",
+    "tests/bench/measure/test_launch.py",
     "tests/bench/stackmodel/test_simulated_flash_attn.py",
     "tests/sweeps/test_local_sweep.py", "tests/sweeps/test_slurm_cluster.py", "tests/sweeps/test_slurm_sweep.py",
     "tests/analysis/test_notebooks.py", "tests/analysis/test_adding_a_method.py", "tests/analysis/test_figs_cli.py",
@@ -49,8 +50,8 @@ SLOW_MODULES = {
 
 # The suite simulates rank 0 alone (bench.measure.run.SIM_RANKS_ENV), as every test did before
 # simulations took the worst rank: an asymmetric method at C ranks would cost C simulations in every
-# test that simulates one. tests/bench/test_worst_rank.py sets it back to "deciding" and checks the
-# worst-rank path itself. Subprocesses inherit it.
+# test that simulates one. tests/bench/measure/test_worst_rank.py sets it back to "deciding" and checks
+# the worst-rank path itself. Subprocesses inherit it.
 os.environ.setdefault("CPAB_SIM_RANKS", "0")
 
 

@@ -12,9 +12,9 @@ from tests.xdist_modules import (
 
 
 def test_a_module_is_one_scope_whatever_its_classes_and_parameters():
-    assert scope_of("tests/bench/test_plan.py::test_x[ring]") == "tests/bench/test_plan.py"
-    assert scope_of("tests/bench/test_plan.py::TestA::test_y") == "tests/bench/test_plan.py"
-    assert scope_of("tests/bench/test_plan.py::test_z[a::b]") == "tests/bench/test_plan.py"
+    assert scope_of("tests/bench/search/test_plan.py::test_x[ring]") == "tests/bench/search/test_plan.py"
+    assert scope_of("tests/bench/search/test_plan.py::TestA::test_y") == "tests/bench/search/test_plan.py"
+    assert scope_of("tests/bench/search/test_plan.py::test_z[a::b]") == "tests/bench/search/test_plan.py"
 
 
 def test_same_worker_modules_share_one_scope():

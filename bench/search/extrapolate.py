@@ -17,7 +17,7 @@ reserved peak (paper stack) is not linear in the layers: the allocator's slack a
 bytes is what its cache holds around the peak moment, inside one block's backward, so it is
 taken from the 4-layer simulation and added to the extrapolated peak,
 ``reserved(L) = peak(L) + (reserved(4) - peak(4))``. The same rule as ``bench.search.plan``
-(``tests/bench/test_extrapolate.py`` checks it against a full simulation). A row made this way
+(``tests/bench/search/test_extrapolate.py`` checks it against a full simulation). A row made this way
 says so in its notes.
 
 Ranks. A method whose ranks differ (``AttentionMethod.deciding_ranks``: the ring family) is
@@ -65,7 +65,7 @@ So, with ``g = GROUP_LOW[offload_keep]``,
 
 from simulations of ``g * K`` and ``(g + 1) * K`` layers, for every figure the layer rule
 carries, the reserved peak again taking the larger simulation's slack (``scheme`` picks the
-rule; ``tests/bench/test_plan.py`` checks it against a full simulation). When ``K`` does not
+rule; ``tests/bench/search/test_plan.py`` checks it against a full simulation). When ``K`` does not
 divide ``L`` (the last group is shorter: not identical groups) or the model has too few groups
 to gain anything (``n <= g + 1``), the model is simulated whole.
 

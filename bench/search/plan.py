@@ -50,7 +50,7 @@ may reuse the per-layer increments measured at another length (one 3-layer simul
 longest fitting length is always simulated with both, and the shortest failing one too unless
 the increment measured at the longest fitting length equals the one the failing length was judged on
 (to 0.1%) and it fails by more than the slack rule (a length out of memory only by the borrowed slack
-is simulated with both: its own slack, or the pressure replay, may fit). ``tests/bench/test_plan.py``
+is simulated with both: its own slack, or the pressure replay, may fit). ``tests/bench/search/test_plan.py``
 checks it against a full simulation. Models with 4 layers or fewer are simulated whole.
 
 Ranks: a trial fits when its worst rank fits. Every rank that can decide memory
@@ -66,8 +66,8 @@ number of groups once there are enough for ``offload_keep`` to treat the first a
 as it does at any larger count (3 groups; 2 under ``offload_keep="none"``), so such a trial simulates
 ``g`` and ``g + 1`` groups (8 and 12 layers at ``K = 4`` under ``"none"``) and extrapolates to
 the model's groups the same way (``bench.search.extrapolate.scheme``, where the argument is;
-``tests/bench/test_plan.py`` checks it against a full simulation under ``"first_last"``,
-``tests/bench/test_extrapolate.py`` under ``"none"``). Layers that ``K`` does not
+``tests/bench/search/test_plan.py`` checks it against a full simulation under ``"first_last"``,
+``tests/bench/search/test_extrapolate.py`` under ``"none"``). Layers that ``K`` does not
 divide, or too few groups, are simulated whole; the row's note says which.
 
 Search: lengths are multiples of ``step = lcm(granularity, layout multiple)``; a secant on

@@ -18,7 +18,7 @@ from bench.measure.timing import MIN_TIMED_STEPS, StepStats, host_shared, slowes
 from bench.measure.trial import Trial
 from records import validate_row
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_stats_are_the_median_and_extremes_of_the_steps():

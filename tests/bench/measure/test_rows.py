@@ -17,7 +17,7 @@ import pytest
 from records import Figures, RowError, append_rows, encode, finished_keys, read_rows, trial_key, validate_row
 from tests.rowfactory import make_row
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_round_trip(tmp_path):

@@ -20,7 +20,7 @@ from bench.measure.result import Measurement
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
 from records.identity import V1_OMITTED_LEVERS
-from tests.bench.test_step import ALL_ON, cp_step, reference_step
+from tests.bench.training.test_step import ALL_ON, cp_step, reference_step
 
 TOL = 1e-4  # fp32: gradient error relative to the gradient's largest entry (as test_step's)
 

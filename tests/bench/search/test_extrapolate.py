@@ -131,7 +131,7 @@ def test_two_level_checkpoints_extrapolate_over_groups(tmp_path, monkeypatch):
     2, extrapolated from 2 and 3 groups (offload_keep none), equal to the whole model's simulation,
     and so is the planner's own extrapolation of the same trial (``bench.search.plan.extrapolated``,
     in every figure it carries: peaks, categories, step counts; the same check under offload_keep
-    first_last is ``tests/bench/test_plan.py::test_group_extrapolation_matches_full_simulation``);
+    first_last is ``tests/bench/search/test_plan.py::test_group_extrapolation_matches_full_simulation``);
     a model whose last group is shorter (3 layers: groups of 2 and 1) is simulated whole."""
     path = tmp_path / "tiny10.json"
     path.write_text(json.dumps({**get_config("tiny-llama").to_dict(), "n_layers": 10}))

@@ -114,7 +114,7 @@ def test_group_extrapolation_matches_full_simulation(tmp_path, keep, seq):
     """Two-level checkpoints (ac_group=2) of a 10-layer model: 5 identical groups, extrapolated
     from 3 and 4 groups (first_last: the first and last group keep their inputs on the device from
     3 groups on), equal to the whole model's simulation. From 2 and 3 groups (offload_keep none):
-    ``tests/bench/test_extrapolate.py::test_two_level_checkpoints_extrapolate_over_groups``, which
+    ``tests/bench/search/test_extrapolate.py::test_two_level_checkpoints_extrapolate_over_groups``, which
     compares the planner's extrapolation with the whole model's simulation it runs for the runner.
 
     first_last at 65536 tokens: at 32768 this tiny model's peak moves between 8 and 10 layers
@@ -332,7 +332,7 @@ def test_the_committed_plan_cache_still_answers_the_committed_plans_trials():
     """A step field added later must not change the keys of the committed cache (every trial would miss,
     and the committed plans would take an hour again): the 8-GPU plan's UPipe base trial at 3 layers, 4M,
     is in it (a pool per stream), and the 16-GPU plan's USP x UPipe base trial (one shared pool)."""
-    committed = Path(__file__).resolve().parents[2] / "results" / "plan" / "sims.ndjson"
+    committed = Path(__file__).resolve().parents[3] / "results" / "plan" / "sims.ndjson"
     cache = SimCache(None, (committed,))
     trial = Trial.make("upipe", "llama3-8b", 4 << 20, 8, device="h100-80g", mode="simulated",
                        step=StepConfig(stack="paper"))
@@ -655,7 +655,7 @@ def test_the_committed_hf_plan_renders_again_from_the_committed_cache(tmp_path, 
     other plans append lines); the .md holds no wall seconds."""
     from analysis import derived, plan_report
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     [hf] = [p for p in derived.PLANS if p.stack == "hf"]
     assert not hf.wall_times and "--stack hf" in hf.command()
     monkeypatch.setenv("CPAB_SIM_RANKS", hf.sim_ranks)  # as make figs-plans renders it (analysis.derived.plans)

@@ -1,6 +1,6 @@
 """The plan's search schedule (bench.search.plan.run_searches): which searches wait for another, where each
 starts, and that every entry's search runs once. The searches themselves are replaced by a stand-in that
-records its arguments (a real plan: tests/bench/test_plan.py)."""
+records its arguments (a real plan: tests/bench/search/test_plan.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,7 @@ import pytest
 from bench.search import plan as plan_mod
 from bench.search.plan import FIRST, entries, run_searches, search_cost
 
-QWEN3_8B = str(Path(__file__).resolve().parents[2] / "bench" / "model_configs" / "hf" / "Qwen3-8B" / "config.json")
+QWEN3_8B = str(Path(__file__).resolve().parents[3] / "bench" / "model_configs" / "hf" / "Qwen3-8B" / "config.json")
 GRANULARITY = 1 << 20
 ANSWERS = {"upipe U=8 +fused norm": 6 << 20}  # what the stand-in finds; 3M for every other entry
 

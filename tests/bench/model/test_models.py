@@ -216,7 +216,7 @@ def test_example_architecture_file():
     its stem and has Mistral-7B-v0.3's published size, 7.25B parameters."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "model_configs" / "mistral-7b.yaml"
+    path = Path(__file__).resolve().parents[3] / "bench" / "model_configs" / "mistral-7b.yaml"
     cfg = get_config(str(path))
     assert cfg.name == "mistral-7b" and (cfg.n_heads, cfg.n_kv_heads, cfg.n_layers) == (32, 8, 32)
     assert abs(cfg.n_params / 1e9 - 7.248) < 0.01

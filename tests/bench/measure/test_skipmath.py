@@ -29,7 +29,7 @@ from bench.measure.trial import Trial
 from bench.stackmodel import fake_flash_attn as ffa
 from bench.stackmodel.workspace import workspace_shapes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 aten = torch.ops.aten
 BF16 = torch.bfloat16
 

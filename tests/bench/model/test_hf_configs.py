@@ -19,7 +19,7 @@ from bench.model.hf import model_name
 from bench.resolve import Request, resolve
 from sweeps.spec import parse_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "bench" / "model_configs" / "hf"
 TINY = "tests/bench/configs/tiny-qwen3/config.json"
 SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "rope_theta", "qk_norm",
