@@ -151,6 +151,8 @@ ARTEFACTS: tuple[Artefact, ...] = (
              lambda r: documents.docs_plot(r, documents.DOCS_LLAMA), ("docs-llama3-8b",), "figure", "no"),
     Artefact("docs_qwen3-32b", "none: packed documents, Qwen3-32B, 16×H100 (8×2 meshes)",
              lambda r: documents.docs_table(r, documents.DOCS_QWEN), ("docs-qwen3-32b",), "table", "no"),
+    Artefact("docs_qwen3-32b", "none: packed documents, Qwen3-32B on 16 GPUs, as bars",
+             lambda r: documents.docs_plot(r, documents.DOCS_QWEN), ("docs-qwen3-32b",), "figure", "no"),
     Artefact("docs_cpu", "none: packed documents on CPU (ours: small models, gloo ranks), measured tokens/s per rank",
              lambda r: documents.docs_table(r, documents.DOCS_CPU), ("docs-",), "table", "only"),
     Artefact("compare_methods", "none: every method present, throughput (the 'compare my method' table)",
