@@ -9,7 +9,7 @@ The step's levers are declared in two dataclasses, one per concern of a trial:
   model and its pools, the kernels' scratch, the fake device) and an emulated run's attention
   arithmetic (concern ``emulation``).
 
-``bench.training.config.StepConfig`` is the two together: a trial's levers, as a row records them.
+``bench.measure.config.StepConfig`` is the two together: a trial's levers, as a row records them.
 The CLI's flags (``bench.cli``) and a sweep spec's ``step:`` keys are generated from these
 declarations, so a new lever is one field, the code where it acts, and its test.
 """
