@@ -68,10 +68,13 @@ class MeasurementConfig:
         "hours of attention; values and the loss are then meaningless", concern="emulation")
 
     def __post_init__(self) -> None:
-        for name, annotation in typing.get_type_hints(MeasurementConfig).items():
-            choices = typing.get_args(annotation)
+        for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
+
+
+# the allowed values of each field, read once (get_type_hints evaluates every annotation)
+_CHOICES = {name: typing.get_args(a) for name, a in typing.get_type_hints(MeasurementConfig).items()}
 
 
 @dataclass(frozen=True)

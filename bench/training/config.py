@@ -89,9 +89,8 @@ class TrainingConfig:
             raise ValueError(f"dtype must be one of {list(DType.values())}, got {self.dtype!r}")
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
-        for name, annotation in typing.get_type_hints(TrainingConfig).items():
-            choices = typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
-            if choices is not None and getattr(self, name) not in choices:
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
         if self.mlp_tiles < 0:
             raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
@@ -129,6 +128,9 @@ def _training_levers() -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(TrainingConfig) if is_lever(f))
 
 
+# the allowed values of each Literal field, read once (get_type_hints evaluates every annotation)
+_CHOICES = {name: typing.get_args(a) for name, a in typing.get_type_hints(TrainingConfig).items()
+            if typing.get_origin(a) is Literal}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
 _REQUIRES = {f.name: f.metadata["requires"] for f in _training_levers() if f.metadata["requires"]}
 # requirements __post_init__ words itself, since they are contradictions rather than no-ops
