@@ -44,7 +44,7 @@ def hold_path(directory: str | Path, trial: Trial | str) -> Path:
 
 def bench_argv(trial: Trial | str, rows_path: Path, extrapolate_layers: bool = False) -> list[str]:
     """The ``python -m bench`` command line of a trial (``trial``: the trial or its JSON,
-    ``Trial.to_json``): the trial itself, as JSON (and, for a simulated search the spec
+    ``Trial.to_json``): the trial itself, as JSON (and, for a simulated trial or search the spec
     extrapolates over layers, ``--extrapolate-layers``)."""
     as_json = trial if isinstance(trial, str) else trial.to_json()
     return ["trial", as_json, "--out", str(rows_path), "--json"] + (
