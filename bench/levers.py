@@ -16,6 +16,7 @@ declarations, so a new lever is one field, the code where it acts, and its test.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
 Concern = Literal["training", "simulation", "emulation"]
@@ -40,3 +41,17 @@ def lever(default: Any, help: str, *, concern: Concern = "training", flag: str |
 def is_lever(f: dataclasses.Field) -> bool:
     """Whether ``f`` was declared with :func:`lever`."""
     return "concern" in f.metadata
+
+
+def literal_choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of each ``Literal`` field of the dataclass ``cls``, read once where the
+    class is defined (``typing.get_type_hints`` evaluates every annotation)."""
+    return {name: typing.get_args(a) for name, a in typing.get_type_hints(cls).items()
+            if typing.get_origin(a) is Literal}
+
+
+def refuse_outside_choices(config: Any, table: dict[str, tuple[Any, ...]]) -> None:
+    """A one-line ``ValueError`` for the first field of ``config`` whose value is not among its ``table`` choices."""
+    for name, allowed in table.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(config, name)!r}")

@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from records.identity import V1_OMITTED_LEVERS
 
-from ..levers import Concern, is_lever, lever
+from ..levers import Concern, is_lever, lever, literal_choices, refuse_outside_choices
+from ..training.config import CHOICES as TRAINING_CHOICES
 from ..training.config import TrainingConfig
 
 KernelWorkspace = Literal["none", "fa2", "fa3"]
@@ -68,13 +69,10 @@ class MeasurementConfig:
         "hours of attention; values and the loss are then meaningless", concern="emulation")
 
     def __post_init__(self) -> None:
-        for name, choices in _CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
+        refuse_outside_choices(self, _CHOICES)
 
 
-# the allowed values of each field, read once (get_type_hints evaluates every annotation)
-_CHOICES = {name: typing.get_args(a) for name, a in typing.get_type_hints(MeasurementConfig).items()}
+_CHOICES = literal_choices(MeasurementConfig)  # the allowed values of each field
 
 
 @dataclass(frozen=True)
@@ -128,12 +126,11 @@ def lever_fields() -> tuple[dataclasses.Field, ...]:
 
 
 def choices(name: str) -> tuple[str, ...] | None:
-    """The allowed values of a ``Literal`` field, else None."""
-    annotation = _HINTS[name]
-    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
+    """The allowed values of a ``Literal`` field of ``StepConfig``, else None."""
+    return _STEP_CHOICES.get(name)
 
 
-_HINTS = typing.get_type_hints(StepConfig)
+_STEP_CHOICES = {**TRAINING_CHOICES, **_CHOICES}
 # simulation-only settings: away from its default such a setting is refused outside simulated mode
 # (Trial.validate): (field, what it does, what a real/emulated run does instead, the fix)
 SIMULATION_ONLY = tuple((f.name, f.metadata["does"], f.metadata["instead"], f.metadata["fix"])

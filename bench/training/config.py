@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,7 +27,7 @@ import torch
 from methods.ds_ulysses import DEEPSPEED_HINT
 from records import DType, Scope
 
-from ..levers import is_lever, lever
+from ..levers import is_lever, lever, literal_choices, refuse_outside_choices
 
 TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP32: torch.float32}
 
@@ -89,9 +88,7 @@ class TrainingConfig:
             raise ValueError(f"dtype must be one of {list(DType.values())}, got {self.dtype!r}")
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(f"batch must be a positive integer, got {self.batch!r}")
-        for name, choices in _CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {list(choices)}, got {getattr(self, name)!r}")
+        refuse_outside_choices(self, CHOICES)
         if self.mlp_tiles < 0:
             raise ValueError(f"mlp_tiles must be >= 0 (0: automatic), got {self.mlp_tiles}")
         if self.loss_chunk < 0:
@@ -124,14 +121,9 @@ class TrainingConfig:
         return TORCH_DTYPES[DType(self.dtype)]
 
 
-def _training_levers() -> tuple[dataclasses.Field, ...]:
-    return tuple(f for f in dataclasses.fields(TrainingConfig) if is_lever(f))
-
-
-# the allowed values of each Literal field, read once (get_type_hints evaluates every annotation)
-_CHOICES = {name: typing.get_args(a) for name, a in typing.get_type_hints(TrainingConfig).items()
-            if typing.get_origin(a) is Literal}
+CHOICES = literal_choices(TrainingConfig)  # the allowed values of each Literal field
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingConfig)}
-_REQUIRES = {f.name: f.metadata["requires"] for f in _training_levers() if f.metadata["requires"]}
+_REQUIRES = {f.name: f.metadata["requires"] for f in dataclasses.fields(TrainingConfig)
+             if is_lever(f) and f.metadata["requires"]}
 # requirements __post_init__ words itself, since they are contradictions rather than no-ops
 _CHECKED_ABOVE = ("ac_offload", "fsdp_offload")
