@@ -6,7 +6,8 @@ rank's tokens into its own projections) and attends its queries to all of it. Th
 in the layout's order (rank 0's tokens, then rank 1's, ...), so the attention is masked by global
 position: one kernel call per pair of a local query run and a gathered key run that can see one
 another (``ringloop.RunsSchedule`` with ``keys``, run as a one-step ring on one device, so the calls
-merge in fp32 and the backward gets each row's final LSE).
+merge in fp32 and the backward gets each row's final LSE). Under ``doc-zigzag`` on a kernel with a
+variable-length form (CUDA) those calls are packed into a few variable-length ones (``methods.core.ringpack``).
 
 Layout (``methods.core.seqlayout``, an option): ``zigzag`` by default, the head-tail layout Llama 3
 uses to balance causal work (rank r holds chunks r and 2C-1-r); ``contiguous``; ``doc-zigzag``.
@@ -45,6 +46,6 @@ class AllGatherKV(SequenceLayoutMethod):
         v = comm.all_gather_seq(v, self.group, dim=1)
         plan = self.plan(docs.seq_len if docs is not None else x.shape[1] * self.world_size, docs)
         schedule = RunsSchedule([plan.rank_runs(self.rank)], self.spec.causal, plan.docs,
-                                keys=merge_runs(list(plan.order)))
+                                keys=merge_runs(list(plan.order)), pack=self._padded(docs))
         out = ring_attention(q, k, v, self.spec.causal, self.kernel, self.scale, None, schedule)
         return self.wo(out.flatten(2))

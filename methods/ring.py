@@ -32,7 +32,9 @@ Packed documents (``docs=``): each ring step's calls get the documents with the 
 of the query and key runs they cover (``ringloop.RunsSchedule``), so a step attends only within
 documents and skips pairs of runs that share none. Under the global zigzag the work per rank then
 depends on where the documents fall; ``doc-zigzag`` gives every rank a head and a tail of every
-document.
+document. Under ``doc-zigzag``, with a kernel that has a variable-length form on the device (CUDA), a
+step's calls (four per document) are packed into one or two variable-length calls, each document's
+pair of chunks a sequence (``methods.core.ringpack``), as ring-flash-attn's zigzag varlen ring does.
 """
 from __future__ import annotations
 

@@ -445,6 +445,28 @@ class TorchKernel:
         return self._backward(dout, q, k, v, out, lse, causal, scale)
 
     @staticmethod
+    def packs(device: torch.device) -> bool:
+        """Whether ``varlen_forward``/``varlen_backward`` run natively on ``device``: the flash op's
+        variable-length form exists on CUDA only."""
+        return device.type != "cpu"
+
+    @_timed("forward")
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Packed sequences: sequence ``i`` is rows ``cu_q[i]:cu_q[i+1]`` of ``q`` against rows
+        ``cu_k[i]:cu_k[i+1]`` of ``k``/``v``, unmasked or causal (on equal lengths); on CUDA only."""
+        return self._varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
+
+    @_timed("backward")
+    def varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Backward of ``varlen_forward``."""
+        return self._varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+
+    @staticmethod
     def _varlen_forward(
         q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
     ) -> tuple[Tensor, Tensor]:
@@ -632,6 +654,26 @@ class FlashAttnKernel:
         if causal and q_offset != k.shape[1] - q.shape[1]:
             return blockwise_backward(self._backward, dout, q, k, v, out, lse, scale, q_offset)
         return self._backward(dout, q, k, v, out, lse, causal, scale)
+
+    @staticmethod
+    def packs(device: torch.device) -> bool:
+        """Its variable-length functions take any device flash-attn runs on."""
+        return True
+
+    @_timed("forward")
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Packed sequences, as ``TorchKernel.varlen_forward``."""
+        return self._varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
+
+    @_timed("backward")
+    def varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Backward of ``varlen_forward``."""
+        return self._varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
 
     def _varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float

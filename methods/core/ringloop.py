@@ -27,7 +27,11 @@ in a call (then merged as the empty set it is). At step ``i`` rank ``r`` holds t
   (``layouts.LayoutPlan``), with or without documents: one call per pair of a query run and a key
   run that can see one another, each masked by the kernels' one rule (global query/key runs,
   documents, negative offsets). Pairs that cannot see one another (a key run after the query run
-  under a causal mask; runs in different documents) make no call.
+  under a causal mask; runs in different documents) make no call. With ``pack`` (the ``doc-zigzag``
+  layout, which cuts every document into 2R chunks, so four calls per document per step) and a kernel
+  with a variable-length form on the tensors' device (``kernel.packs(device)``), a step's calls are
+  packed into a few variable-length calls instead (``ringpack``), as ring-flash-attn's zigzag varlen
+  ring makes them.
 
 A new schedule (striped attention's: step ``i`` is causal with offset 0 or -1) is a class with those
 two members; docs/adding-a-method.md shows one.
@@ -41,7 +45,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from . import comm
+from . import comm, ringpack
 from .kernels import mask_keywords, merge_partials
 
 if TYPE_CHECKING:
@@ -105,8 +109,8 @@ class RunsSchedule:
     may_be_empty = True
 
     def __init__(self, runs: list[list[Run]], causal: bool, docs: Documents | None = None,
-                 keys: list[Run] | None = None) -> None:
-        self.causal, self.docs = causal, docs
+                 keys: list[Run] | None = None, pack: bool = False) -> None:
+        self.causal, self.docs, self.pack = causal, docs, pack
         starts = docs.starts if docs is not None else None
         self.runs = []
         for rank_runs in runs if keys is None else [*runs, keys]:
@@ -122,6 +126,7 @@ class RunsSchedule:
             self.runs.append(local)
         self.keys = None if keys is None else self.runs.pop()
         self._cache: dict[tuple[int, int], list[RingBlock]] = {}
+        self._packed: dict[tuple[int, int], list[ringpack.PackedCall]] = {}
 
     def blocks(self, step: int, rank: int, size: int, local_len: int) -> list[RingBlock]:
         if self.keys is not None:  # one step: this rank's queries against every key (an all-gather)
@@ -133,10 +138,29 @@ class RunsSchedule:
             self._cache[rank, source] = self._pairs(self.runs[rank], self.runs[source])
         return self._cache[rank, source]
 
+    def packed(self, step: int, rank: int, size: int, local_len: int) -> list[ringpack.PackedCall]:
+        """``blocks`` of the same step packed into variable-length calls (``ringpack.pack``)."""
+        key = (rank, step) if self.keys is not None else (rank, (rank - step) % size)
+        if key not in self._packed:
+            self._packed[key] = ringpack.pack(self.blocks(step, rank, size, local_len))
+        return self._packed[key]
+
     def _pairs(self, queries, keys) -> list[RingBlock]:
+        """Every pair of a query run and a key run that can see one another, queries in order, then keys
+        in order. The key runs are disjoint, so in order of position their documents never go back:
+        the keys a query run may meet are found by bisection there, then taken in their own order."""
+        by_start = sorted(range(len(keys)), key=lambda j: keys[j][1])
+        firsts = [keys[j][3] for j in by_start]  # each key run's first document, in order of position
+        lasts = [keys[j][4] for j in by_start]
         out = []
         for qo, qs, nq, q0, q1 in queries:
-            for ko, ks, nk, k0, k1 in keys:
+            if self.docs is None:
+                candidates = range(len(keys))
+            else:  # key runs ending in document q0 or later and starting in document q1 or earlier
+                lo, hi = bisect.bisect_left(lasts, q0), bisect.bisect_right(firsts, q1)
+                candidates = sorted(by_start[lo:hi])
+            for j in candidates:
+                ko, ks, nk, k0, k1 = keys[j]
                 if self.causal and ks > qs + nq - 1:
                     continue  # every key follows every query
                 if self.docs is not None and (k1 < q0 or k0 > q1):
@@ -149,6 +173,17 @@ class RunsSchedule:
         return out
 
 
+def _packs(schedule: RingSchedule, kernel, q: torch.Tensor) -> bool:
+    """Whether this ring's steps run as packed variable-length calls: the schedule packs and the kernel has
+    a variable-length form on ``q``'s device."""
+    packs = getattr(kernel, "packs", None)
+    return bool(getattr(schedule, "pack", False)) and packs is not None and packs(q.device)
+
+
+def _gather(t: torch.Tensor, index: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
+    return t if index is None else t.index_select(dim, index)
+
+
 # ----------------------------------------------------------------------- the loop
 def ring_forward(q, k, v, scale: float, kernel, group, schedule: RingSchedule):
     """Ring attention forward on BSHD tensors: ``(out, lse)``, out in q's dtype, lse fp32 ``[B, H, n]``."""
@@ -157,10 +192,13 @@ def ring_forward(q, k, v, scale: float, kernel, group, schedule: RingSchedule):
     n = q.shape[1]
     out = lse = None
     kb, vb = k, v
+    packing = _packs(schedule, kernel, q)
     for step in range(size):
         if step + 1 < size:
             next_kv = ring.exchange([kb, vb])  # posted before this step's attention
-        for blk in schedule.blocks(step, rank, size, n):
+        if packing:
+            out, lse = _packed_forward(q, kb, vb, out, lse, schedule.packed(step, rank, size, n), kernel, scale)
+        for blk in () if packing else schedule.blocks(step, rank, size, n):
             rows, cols = blk.rows, blk.cols
             blk_out, blk_lse = kernel.forward(q[:, rows], kb[:, cols], vb[:, cols], blk.causal, scale, **blk.mask)
             if out is None and _covers(rows, n):
@@ -176,6 +214,28 @@ def ring_forward(q, k, v, scale: float, kernel, group, schedule: RingSchedule):
     if out is None:  # no call at all: every row saw nothing
         out, lse = _empty(q, v)
     return out.to(q.dtype), lse
+
+
+def _packed_forward(q, kb, vb, out, lse, calls: list[ringpack.PackedCall], kernel, scale: float):
+    """One ring step as packed calls: each gathers its query and key rows (none when they are the whole
+    block in order), and its output is merged into those rows (``may_be_empty``: a row of the local block
+    may have seen no key yet)."""
+    n = q.shape[1]
+    for call in calls:
+        qi = ringpack.index(call.rows, n, q.device)
+        ki = ringpack.index(call.cols, kb.shape[1], q.device)
+        blk_out, blk_lse = kernel.varlen_forward(_gather(q, qi), _gather(kb, ki), _gather(vb, ki), call.cu_q,
+                                                 call.cu_k, call.causal, scale)
+        if qi is None:
+            out, lse = merge_partials(out, lse, blk_out, blk_lse, True)
+            continue
+        if out is None:
+            out, lse = _empty(q, vb)
+        merged_out, merged_lse = merge_partials(out.index_select(1, qi), lse.index_select(2, qi), blk_out, blk_lse,
+                                                True)
+        out.index_copy_(1, qi, merged_out)
+        lse.index_copy_(2, qi, merged_lse)
+    return out, lse
 
 
 def _empty(q, v):
@@ -200,11 +260,27 @@ def ring_backward(dout, q, k, v, out, lse, scale: float, kernel, group, schedule
         dkv_ring.wait()
         return next_dkv
 
+    packing = _packs(schedule, kernel, q)
     for step in range(size):
         if step + 1 < size:
             next_kv = kv_ring.exchange([kb, vb])
         dk = dv = None
-        for blk in schedule.blocks(step, rank, size, q.shape[1]):
+        for call in schedule.packed(step, rank, size, q.shape[1]) if packing else ():
+            qi = ringpack.index(call.rows, q.shape[1], q.device)
+            ki = ringpack.index(call.cols, kb.shape[1], q.device)
+            dq_b, dk_b, dv_b = kernel.varlen_backward(
+                _gather(dout, qi), _gather(q, qi), _gather(kb, ki), _gather(vb, ki), _gather(out, qi),
+                _gather(lse, qi, 2).contiguous(), call.cu_q, call.cu_k, call.causal, scale,
+            )
+            if dk is None:
+                dk, dv = accumulators(step)
+            for acc, grad, at in ((dq, dq_b, qi), (dk, dk_b, ki), (dv, dv_b, ki)):
+                if at is None:
+                    acc += grad
+                else:
+                    acc.index_add_(1, at, grad.float())
+            del dq_b, dk_b, dv_b
+        for blk in () if packing else schedule.blocks(step, rank, size, q.shape[1]):
             rows, cols = blk.rows, blk.cols
             dq_b, dk_b, dv_b = kernel.backward(
                 dout[:, rows], q[:, rows], kb[:, cols], vb[:, cols], out[:, rows],

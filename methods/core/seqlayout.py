@@ -134,7 +134,8 @@ class SequenceLayoutMethod(AttentionMethod):
             return None
         plan = self.plan(docs.seq_len if docs is not None else seq_len, docs)
         ring = self.ring_size
-        return RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs)
+        return RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs,
+                            pack=self._padded(docs))
 
     def ring_kernel_schedule(self, causal: bool, docs: Documents | None, ring_local_len: int) -> RingSchedule:
         """``ring_schedule`` for a ``ringloop.RingKernel`` call on ``ring_local_len`` tokens per ring rank,

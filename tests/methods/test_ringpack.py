@@ -1,0 +1,150 @@
+"""Packed ring steps (``methods.core.ringpack``): the ``doc-zigzag`` layout's calls as variable-length calls.
+
+* The packing on its own (no ranks): for every ring step of several document layouts, the packed calls see
+  exactly what the step's calls see (the kernels' masking rule, as an explicit mask), every row at most
+  once per call; ``doc-zigzag``'s ring steps are one call each (two at step 0), whatever the documents,
+  and allgather-kv's one step at most a call per chunk of a document.
+* The ring methods on gloo ranks with a kernel that packs (the tests' flash-attn stand-in, whose varlen
+  functions run on CPU): output, dx and every weight gradient against the reference, at 2 and 4 ranks,
+  causal and not, fp32 and bf16; the packed calls were made, the per-pair calls were not. With the
+  ``torch`` kernel on CPU (no varlen form) the per-pair calls run, as the document matrix checks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import methods
+from methods import Documents
+from methods.core import kernels, layouts, ringpack
+from methods.core.kernels import visible
+from methods.core.ringloop import RunsSchedule
+from tests.methods.cases import SPECS, TOLERANCE, check_documents_against_reference, doc_layouts
+
+LAYOUTS = {"many-short": (3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 3),
+           "long-among-short": (3, 5, 40, 2, 7, 4, 3),
+           "one": (64,)}
+
+
+def dense(blocks, local_len: int, held_len: int, packed: bool) -> torch.Tensor:
+    """What a step's calls see, as a boolean ``[local, held]`` mask (each pair counted once: a pair seen
+    twice would be attention counted twice)."""
+    seen = torch.zeros(local_len, held_len, dtype=torch.int32)
+    if packed:
+        for call in blocks:
+            rows = [r for start, n in call.rows for r in range(start, start + n)]
+            assert len(rows) == len(set(rows)), "a row twice in one call"
+            for (r0, nr), (c0, nc) in zip(call.rows, call.cols, strict=True):
+                if call.causal:
+                    assert nr == nc, "a causal sequence that is not square"
+                    seen[r0:r0 + nr, c0:c0 + nc] += torch.tril(torch.ones(nr, nc, dtype=torch.int32))
+                else:
+                    seen[r0:r0 + nr, c0:c0 + nc] += 1
+        return seen
+    for blk in blocks:
+        nq, nk = len(range(local_len)[blk.rows]), len(range(held_len)[blk.cols])
+        seen[blk.rows, blk.cols] += visible(nq, nk, blk.causal, **blk.mask).int()
+    return seen
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_packed_calls_see_what_the_steps_calls_see(name, causal, ring):
+    docs = Documents.from_lengths(LAYOUTS[name])
+    plan = layouts.plan_layout("doc-zigzag", docs.seq_len, ring, ring, docs)
+    schedule = RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs, pack=True)
+    n = plan.local_len
+    for rank in range(ring):
+        for step in range(ring):
+            calls = schedule.packed(step, rank, ring, n)
+            pairs = dense(schedule.blocks(step, rank, ring, n), n, n, packed=False)
+            assert torch.equal(dense(calls, n, n, packed=True), pairs), (rank, step)
+            assert pairs.max() <= 1
+            # one call per step, two at step 0 under a causal mask (its diagonal chunks, then the chunks
+            # the later chunk of each document sees whole), however many documents
+            assert len(calls) <= (2 if causal and step == 0 else 1), (rank, step, len(calls))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_all_gathered_keys_pack_into_a_call_per_chunk_at_most(causal):
+    """allgather-kv's one step (``RunsSchedule`` with ``keys``: a rank's queries against the whole sequence
+    in layout order) under ``doc-zigzag`` at 4 ranks. The gathered keys are in the ranks' order, so the 2R
+    chunks of a document lie apart: a query chunk's earlier chunks are separate sequences, one call each at
+    most (2R calls, whatever the number of documents)."""
+    docs = Documents.from_lengths(LAYOUTS["many-short"])
+    plan = layouts.plan_layout("doc-zigzag", docs.seq_len, 4, 4, docs)
+    for rank in range(4):
+        schedule = RunsSchedule([plan.rank_runs(rank)], causal, plan.docs, keys=layouts.merge_runs(list(plan.order)),
+                                pack=True)
+        calls = schedule.packed(0, rank, 1, plan.local_len)
+        pairs = dense(schedule.blocks(0, rank, 1, plan.local_len), plan.local_len, plan.padded_len, packed=False)
+        assert torch.equal(dense(calls, plan.local_len, plan.padded_len, packed=True), pairs)
+        assert len(calls) <= 2 * 4 and pairs.max() <= 1
+
+
+def test_the_gather_is_skipped_where_the_rows_are_the_whole_block():
+    assert ringpack.index(((0, 3), (3, 5)), 8, "cpu") is None
+    assert ringpack.index(((3, 5), (0, 3)), 8, "cpu").tolist() == [3, 4, 5, 6, 7, 0, 1, 2]
+    assert ringpack.index(((0, 3),), 8, "cpu").tolist() == [0, 1, 2]
+    call = ringpack.PackedCall(((0, 3), (5, 2)), ((1, 3), (4, 2)), False)
+    assert call.cu_q == [0, 3, 5] and call.cu_k == [0, 3, 5]
+
+
+def test_only_a_kernel_with_a_varlen_form_on_the_device_packs():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not kernels.TorchKernel.packs(cpu) and kernels.TorchKernel.packs(cuda)
+    assert not hasattr(kernels.MathKernel, "packs")
+
+
+# What the packed path adds is the same in every ring method (ringloop's gather, merge and scatter); what
+# differs is the schedule each hands it: the ring's (ring, and usp's ring dimension, at 2 and 4 ranks), a
+# ring kernel's per stage over a 2 x 2 mesh (usp-upipe) and the one-step all-gathered keys (allgather-kv)
+PACKED_CASES = {2: [("ring", {}), ("allgather-kv", {})],
+                4: [("ring", {}), ("usp", {"ulysses_degree": 2}), ("usp-upipe", {"ulysses_degree": 2})]}
+
+
+def check_packed(group, runs: list[tuple[str, dict, bool, str]]) -> dict[str, dict]:
+    """Each case through the packed calls (a rank's process): relative errors by layout, and how many
+    packed and per-pair kernel calls the flash-attn kernel saw."""
+    fa = kernels.FlashAttnKernel
+    counts = {"varlen": 0, "pairs": 0}
+    real_varlen, real_forward = fa.varlen_forward, fa.forward
+
+    def varlen(self, *a, **k):
+        counts["varlen"] += 1
+        return real_varlen(self, *a, **k)
+
+    def forward(self, *a, **k):
+        counts["pairs"] += 1
+        return real_forward(self, *a, **k)
+
+    fa.varlen_forward, fa.forward = varlen, forward
+    try:
+        out = {}
+        for name, options, causal, dtype in runs:
+            errs = check_documents_against_reference(
+                group, name, dict(SPECS["gqa"], causal=causal), {**options, "layout": "doc-zigzag",
+                                                                 "kernel": "flash-attn"}, dtype, doc_layouts(dtype))
+            out[f"{name}-{options}-{'causal' if causal else 'full'}-{dtype}"] = errs
+    finally:
+        fa.varlen_forward, fa.forward = real_varlen, real_forward
+    return {"errors": out, "calls": counts}
+
+
+def test_every_ring_method_is_checked_packed():
+    ring_family = {name for name in methods.available() if name in ("ring", "usp", "usp-upipe", "allgather-kv")}
+    assert {name for cases in PACKED_CASES.values() for name, _ in cases} == ring_family
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_ring_methods_packed_match_the_reference(pool, ws):
+    runs = [(name, options, causal, dtype) for name, options in PACKED_CASES[ws] for causal in (True, False)
+            for dtype in ("float32", "bfloat16")]
+    per_rank = pool.run(check_packed, runs, world_size=ws)
+    for rank, got in enumerate(per_rank):
+        assert got["calls"]["varlen"] > 0 and got["calls"]["pairs"] == 0, (rank, got["calls"])
+        for case, by_layout in got["errors"].items():
+            tol = TOLERANCE[case.rsplit("-", 1)[1]]
+            bad = {lay: {k: v for k, v in errs.items() if not v <= tol} for lay, errs in by_layout.items()}
+            assert not any(bad.values()), f"rank {rank} {case}: {bad}"
