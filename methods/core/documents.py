@@ -18,6 +18,7 @@ and its kernels receive the same ``Documents`` with the global position of their
 from __future__ import annotations
 
 import bisect
+import functools
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -57,13 +58,14 @@ class Documents:
         return docs
 
     # ------------------------------------------------------------------ geometry (ints)
-    @property
+    @functools.cached_property
     def seq_len(self) -> int:
         return self.starts[-1] + self.lengths[-1]
 
-    @property
+    @functools.cached_property
     def starts(self) -> tuple[int, ...]:
-        """Global position of each document's first token."""
+        """Global position of each document's first token (computed once: the kernels' masking rule and the
+        ring's schedules look documents up by position in every call)."""
         out, at = [], 0
         for n in self.lengths:
             out.append(at)
