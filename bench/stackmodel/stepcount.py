@@ -48,7 +48,8 @@ updates, device-to-device copies) is memory-bound on a GPU: it must read its ten
 write its outputs from HBM at least once. Counted as those bytes (``bytes.memory_bound``), each
 tensor as the distinct elements it spans (a broadcast dimension, stride 0, counted once); views
 and allocations move nothing and are skipped; ``copy_``/``fill_``/``zero_`` and the random fills
-only write their destination. A lower bound: a kernel that re-reads an input (a norm's two
+only write their destination, and ``new_zeros``/``new_ones``/``new_full`` their output (their tensor
+argument gives only the dtype and device). A lower bound: a kernel that re-reads an input (a norm's two
 passes) moves more, and fused kernels (a fused AdamW) less.
 
 Events (``methods.core.events``): what a method notes as it runs, for costs that go by a count
@@ -357,7 +358,10 @@ class LocalFlopCounter(FlopCounterMode):
 _NO_DATA_OPS = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                           "lift_fresh", "_local_scalar_dense", "set_", "resize_", "record_stream", "_to_copy",
                           "copy_"})
-_WRITE_ONLY_OPS = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_"})
+# write their output (or destination) without reading the first argument: in-place fills and copies, and
+# the ``new_*`` constructors, whose first argument only gives the dtype and device (``q.new_zeros(...)``)
+_WRITE_ONLY_OPS = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_",
+                             "new_zeros", "new_ones", "new_full"})
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
 
 

@@ -210,6 +210,11 @@ def test_memory_traffic_counts_what_kernels_read_and_write():
         x.to(torch.float64)  # a cast on the device: 4000 read, 8000 written
         x.to("meta")  # a copy to another device: not this counter's
     assert traffic.bytes == 8400 + 12000 + 12000
+    with traffic:  # a new_* constructor writes its output; its tensor argument gives only dtype and device
+        x.new_zeros(5, 100)
+        x.new_ones(5, 100)
+        x.new_full((5, 100), 2.0)
+    assert traffic.bytes == 8400 + 12000 + 12000 + 3 * 2000
 
 
 def test_memory_bound_bytes_take_the_device_bandwidth():
