@@ -6,7 +6,7 @@
   and allgather-kv's one step at most a call per chunk of a document.
 * The ring methods on gloo ranks with a kernel that packs (the tests' flash-attn stand-in, whose varlen
   functions run on CPU): output, dx and every weight gradient against the reference, at 2 and 4 ranks,
-  causal and not, fp32 and bf16; the packed calls were made, the per-pair calls were not. With the
+  causal and not, fp32 (and bf16 for the ring); the packed calls were made, the per-pair calls were not. With the
   ``torch`` kernel on CPU (no varlen form) the per-pair calls run, as the document matrix checks.
 """
 from __future__ import annotations
@@ -139,8 +139,9 @@ def test_every_ring_method_is_checked_packed():
 
 @pytest.mark.parametrize("ws", [2, 4])
 def test_ring_methods_packed_match_the_reference(pool, ws):
+    # bf16 adds the rounding of the gathered rows' merges, the same code in every method: the ring's cases
     runs = [(name, options, causal, dtype) for name, options in PACKED_CASES[ws] for causal in (True, False)
-            for dtype in ("float32", "bfloat16")]
+            for dtype in ("float32", "bfloat16") if dtype == "float32" or name == "ring"]
     per_rank = pool.run(check_packed, runs, world_size=ws)
     for rank, got in enumerate(per_rank):
         assert got["calls"]["varlen"] > 0 and got["calls"]["pairs"] == 0, (rank, got["calls"])
