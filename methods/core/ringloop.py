@@ -104,7 +104,9 @@ class RunsSchedule:
     local order), with the kernels' masking rule per pair of runs; ``docs``: the documents of
     those positions (a padded layout's, ``LayoutPlan.docs``), or None. With ``keys`` (runs of the
     K/V rows, e.g. an all-gathered sequence in layout order) it is a one-step schedule on one device:
-    ``runs[0]`` (the queries) against ``keys``, for ``ring_attention(..., group=None)``."""
+    ``runs[0]`` (the queries) against ``keys``, for ``ring_attention(..., group=None)``. With ``pack``
+    the ring loop runs each step as ``packed`` variable-length calls where the kernel can
+    (``ringpack``; the ``doc-zigzag`` layout's schedules)."""
 
     may_be_empty = True
 
