@@ -403,7 +403,29 @@ def blockwise_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class TorchKernel:
+class _VarlenCalls:
+    """The public variable-length calls of a kernel whose ``_varlen_forward``/``_varlen_backward`` take
+    packed sequences (``TorchKernel``, ``FlashAttnKernel``); ``packs(device)`` says where they run. Timed
+    like ``forward``/``backward``, as the ring loop calls them instead of those (``ringloop``, packed steps)."""
+
+    @_timed("forward")
+    def varlen_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Packed sequences: sequence ``i`` is rows ``cu_q[i]:cu_q[i+1]`` of ``q`` against rows
+        ``cu_k[i]:cu_k[i+1]`` of ``k``/``v``, unmasked or causal (on equal lengths)."""
+        return self._varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
+
+    @_timed("backward")
+    def varlen_backward(
+        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Backward of ``varlen_forward``."""
+        return self._varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+
+
+class TorchKernel(_VarlenCalls):
     """PyTorch's fused flash attention ops (CPU and CUDA variants), GQA native.
 
     Causal calls other than ``q_offset = 0`` on equal lengths go through ``blockwise_forward``:
@@ -449,22 +471,6 @@ class TorchKernel:
         """Whether ``varlen_forward``/``varlen_backward`` run natively on ``device``: the flash op's
         variable-length form exists on CUDA only."""
         return device.type != "cpu"
-
-    @_timed("forward")
-    def varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor]:
-        """Packed sequences: sequence ``i`` is rows ``cu_q[i]:cu_q[i+1]`` of ``q`` against rows
-        ``cu_k[i]:cu_k[i+1]`` of ``k``/``v``, unmasked or causal (on equal lengths); on CUDA only."""
-        return self._varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
-
-    @_timed("backward")
-    def varlen_backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Backward of ``varlen_forward``."""
-        return self._varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
 
     @staticmethod
     def _varlen_forward(
@@ -608,7 +614,7 @@ class MathKernel:
         )
 
 
-class FlashAttnKernel:
+class FlashAttnKernel(_VarlenCalls):
     """Dao's flash-attn (2.7+ private API), imported lazily so a missing install costs nothing.
 
     Its causal mask is aligned bottom-right (query ``i`` sees ``j <= i + Sk - Sq``), so a call
@@ -659,21 +665,6 @@ class FlashAttnKernel:
     def packs(device: torch.device) -> bool:
         """Its variable-length functions take any device flash-attn runs on."""
         return True
-
-    @_timed("forward")
-    def varlen_forward(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor]:
-        """Packed sequences, as ``TorchKernel.varlen_forward``."""
-        return self._varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
-
-    @_timed("backward")
-    def varlen_backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Backward of ``varlen_forward``."""
-        return self._varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
 
     def _varlen_forward(
         self, q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
