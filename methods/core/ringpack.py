@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .kernels import mask_blocks
@@ -61,8 +62,8 @@ def index(spans: tuple[Span, ...], total: int, device) -> torch.Tensor | None:
     order (nothing to gather)."""
     if _whole(spans, total):
         return None
-    rows = [i for start, n in spans for i in range(start, start + n)]
-    return torch.tensor(rows, dtype=torch.int64).to(device)
+    rows = np.concatenate([np.arange(start, start + n, dtype=np.int64) for start, n in spans])
+    return torch.from_numpy(rows).to(device)
 
 
 def _whole(spans: tuple[Span, ...], total: int) -> bool:
