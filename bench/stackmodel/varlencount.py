@@ -24,6 +24,8 @@ attention.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
@@ -110,15 +112,24 @@ def _per_sequence(q, k, v, cu_q, cu_k, causal: bool, backward: bool) -> tuple[in
     _, h_k, d_k = k.shape
     _, h_v, d_v = v.shape
     pass_ = "bwd" if backward else "fwd"
+    heads = (h_q, d_q, h_k, d_k, h_v, d_v)
     total = excess = 0.0
     for sq, sk in zip(lq, lk, strict=True):
-        qs, ks, vs = (1, h_q, sq, d_q), (1, h_k, sk, d_k), (1, h_v, sk, d_v)
-        dense = sdpa_backward_flop_count((1, h_q, sq, d_v), qs, ks, vs) if backward else sdpa_flop_count(qs, ks, vs)
-        flops = dense * _share(sq, sk, causal)
+        flops = _dense(backward, heads, sq, sk) * _share(sq, sk, causal)
         total += flops
         if flops:  # the measured calls are square: a sequence's rate goes by its query length
             excess += flops * (1.0 / varlenrate.relative_rate(sq, h_q, pass_) - 1.0)
     return int(total), excess
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _dense(backward: bool, heads: tuple[int, ...], sq: int, sk: int) -> int:
+    """torch's FLOP formula of one unmasked sequence of a varlen call (``heads``: query, key and value heads and
+    head sizes), kept per shape: a packed call of a million tokens has a thousand sequences, and the same calls
+    recur in every layer, stage and pass, while the formula goes through pytree for each (its ``shape_wrapper``)."""
+    h_q, d_q, h_k, d_k, h_v, d_v = heads
+    qs, ks, vs = (1, h_q, sq, d_q), (1, h_k, sk, d_k), (1, h_v, sk, d_v)
+    return sdpa_backward_flop_count((1, h_q, sq, d_v), qs, ks, vs) if backward else sdpa_flop_count(qs, ks, vs)
 
 
 def _varlen_fwd(query, key, value, cum_seq_q=None, cum_seq_k=None, max_q=0, max_k=0, dropout_p=0.0,
