@@ -23,6 +23,7 @@ split contiguously over ``world_size / ring_size`` ranks (USP's Ulysses groups).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,6 +50,16 @@ def layout_of(options: MethodOptions) -> str:
 
 def pad_of(options: MethodOptions) -> bool:
     return getattr(options, "pad", True)
+
+
+@functools.lru_cache(maxsize=64)
+def _runs_schedule(layout: str, seq_len: int, ring: int, world_size: int, docs: Documents | None, pad: bool,
+                   method_name: str, causal: bool, pack: bool) -> RunsSchedule:
+    """The ring's schedule of a layout's plan, one object per plan and mask: every layer, stage, recompute and
+    backward of a step asks for the same one, and its pairs and packed calls (cached on it) are then found once
+    (at a million tokens of documents, a step's packing is thousands of blocks)."""
+    plan = layouts.plan_layout(layout, seq_len, ring, world_size, docs, pad, method_name)
+    return RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs, pack=pack)
 
 
 class SequenceLayoutMethod(AttentionMethod):
@@ -132,10 +143,9 @@ class SequenceLayoutMethod(AttentionMethod):
         documents); None: the zigzag schedule ``ringloop.ring_attention`` picks itself."""
         if docs is None and layout_of(self.options) != "contiguous":
             return None
-        plan = self.plan(docs.seq_len if docs is not None else seq_len, docs)
-        ring = self.ring_size
-        return RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs,
-                            pack=self._padded(docs))
+        return _runs_schedule(layout_of(self.options), docs.seq_len if docs is not None else seq_len, self.ring_size,
+                              self.world_size, docs, pad_of(self.options), self.method_name, causal,
+                              self._padded(docs))
 
     def ring_kernel_schedule(self, causal: bool, docs: Documents | None, ring_local_len: int) -> RingSchedule:
         """``ring_schedule`` for a ``ringloop.RingKernel`` call on ``ring_local_len`` tokens per ring rank,
