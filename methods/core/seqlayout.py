@@ -53,12 +53,12 @@ def pad_of(options: MethodOptions) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _runs_schedule(layout: str, seq_len: int, ring: int, world_size: int, docs: Documents | None, pad: bool,
-                   method_name: str, causal: bool, pack: bool) -> RunsSchedule:
-    """The ring's schedule of a layout's plan, one object per plan and mask: every layer, stage, recompute and
-    backward of a step asks for the same one, and its pairs and packed calls (cached on it) are then found once
-    (at a million tokens of documents, a step's packing is thousands of blocks)."""
-    plan = layouts.plan_layout(layout, seq_len, ring, world_size, docs, pad, method_name)
+def _runs_schedule(plan_args: tuple, causal: bool, pack: bool) -> RunsSchedule:
+    """The ring's schedule of the plan ``layouts.plan_layout(*plan_args)``, one object per plan and mask: every
+    layer, stage, recompute and backward of a step asks for the same one, and its pairs and packed calls (cached
+    on it) are then found once (at a million tokens of documents, a step's packing is thousands of blocks)."""
+    plan = layouts.plan_layout(*plan_args)
+    ring = plan_args[2]
     return RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs, pack=pack)
 
 
@@ -100,8 +100,13 @@ class SequenceLayoutMethod(AttentionMethod):
     # ------------------------------------------------------------------ the plan
     def plan(self, seq_len: int, docs: Documents | None = None) -> LayoutPlan:
         """This layout's plan for a global sequence of ``seq_len`` tokens (with ``docs``, its documents)."""
-        return layouts.plan_layout(layout_of(self.options), seq_len, self.ring_size, self.world_size, docs,
-                                   pad_of(self.options), self.method_name)
+        return layouts.plan_layout(*self._plan_args(seq_len, docs))
+
+    def _plan_args(self, seq_len: int, docs: Documents | None) -> tuple:
+        """``layouts.plan_layout``'s arguments for this layout (hashable: the key of ``_runs_schedule``). Both
+        ``plan`` and ``ring_schedule`` build from them, so a subclass changes its plan here."""
+        return (layout_of(self.options), seq_len, self.ring_size, self.world_size, docs, pad_of(self.options),
+                self.method_name)
 
     def padding(self, docs: Documents | None, seq_len: int | None = None) -> int:
         """How many padding tokens this layout adds to the sequence of these documents."""
@@ -143,9 +148,8 @@ class SequenceLayoutMethod(AttentionMethod):
         documents); None: the zigzag schedule ``ringloop.ring_attention`` picks itself."""
         if docs is None and layout_of(self.options) != "contiguous":
             return None
-        return _runs_schedule(layout_of(self.options), docs.seq_len if docs is not None else seq_len, self.ring_size,
-                              self.world_size, docs, pad_of(self.options), self.method_name, causal,
-                              self._padded(docs))
+        plan_args = self._plan_args(docs.seq_len if docs is not None else seq_len, docs)
+        return _runs_schedule(plan_args, causal, self._padded(docs))
 
     def ring_kernel_schedule(self, causal: bool, docs: Documents | None, ring_local_len: int) -> RingSchedule:
         """``ring_schedule`` for a ``ringloop.RingKernel`` call on ``ring_local_len`` tokens per ring rank,
