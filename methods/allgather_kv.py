@@ -25,9 +25,8 @@ import torch
 
 from .core import comm
 from .core.documents import Documents
-from .core.layouts import merge_runs
 from .core.registry import MethodFacts, register
-from .core.ringloop import RunsSchedule, ring_attention
+from .core.ringloop import ring_attention
 from .core.seqlayout import SequenceLayoutMethod
 
 
@@ -44,8 +43,6 @@ class AllGatherKV(SequenceLayoutMethod):
         q, k, v = self.project_qkv(x, cos, sin)  # [B, n, heads, d]: this rank's tokens, every head
         k = comm.all_gather_seq(k, self.group, dim=1)  # [B, S, G, d] on every rank, in layout order
         v = comm.all_gather_seq(v, self.group, dim=1)
-        plan = self.plan(docs.seq_len if docs is not None else x.shape[1] * self.world_size, docs)
-        schedule = RunsSchedule([plan.rank_runs(self.rank)], self.spec.causal, plan.docs,
-                                keys=merge_runs(list(plan.order)), pack=self._padded(docs))
+        schedule = self.gathered_schedule(self.spec.causal, docs, x.shape[1] * self.world_size)
         out = ring_attention(q, k, v, self.spec.causal, self.kernel, self.scale, None, schedule)
         return self.wo(out.flatten(2))

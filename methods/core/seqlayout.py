@@ -53,12 +53,16 @@ def pad_of(options: MethodOptions) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _runs_schedule(plan_args: tuple, causal: bool, pack: bool) -> RunsSchedule:
-    """The ring's schedule of the plan ``layouts.plan_layout(*plan_args)``, one object per plan and mask: every
-    layer, stage, recompute and backward of a step asks for the same one, and its pairs and packed calls (cached
-    on it) are then found once (at a million tokens of documents, a step's packing is thousands of blocks)."""
+def _runs_schedule(plan_args: tuple, causal: bool, pack: bool, gathered_rank: int | None = None) -> RunsSchedule:
+    """The schedule of the plan ``layouts.plan_layout(*plan_args)``, one object per plan and mask: every layer,
+    stage, recompute and backward of a step asks for the same one, and its pairs and packed calls (cached on it)
+    are then found once (at a million tokens of documents, a step's packing is thousands of blocks). The ring's
+    schedule; with ``gathered_rank``, that rank's queries against the all-gathered K/V in layout order (one step)."""
     plan = layouts.plan_layout(*plan_args)
-    ring = plan_args[2]
+    if gathered_rank is not None:
+        return RunsSchedule([plan.rank_runs(gathered_rank)], causal, plan.docs,
+                            keys=layouts.merge_runs(list(plan.order)), pack=pack)
+    _, _, ring, *_ = plan_args
     return RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs, pack=pack)
 
 
@@ -150,6 +154,11 @@ class SequenceLayoutMethod(AttentionMethod):
             return None
         plan_args = self._plan_args(docs.seq_len if docs is not None else seq_len, docs)
         return _runs_schedule(plan_args, causal, self._padded(docs))
+
+    def gathered_schedule(self, causal: bool, docs: Documents | None, seq_len: int) -> RunsSchedule:
+        """This rank's queries against the whole sequence's K/V gathered in layout order (one step)."""
+        plan_args = self._plan_args(docs.seq_len if docs is not None else seq_len, docs)
+        return _runs_schedule(plan_args, causal, self._padded(docs), self.rank)
 
     def ring_kernel_schedule(self, causal: bool, docs: Documents | None, ring_local_len: int) -> RingSchedule:
         """``ring_schedule`` for a ``ringloop.RingKernel`` call on ``ring_local_len`` tokens per ring rank,
