@@ -155,17 +155,23 @@ def compare_with_reference(group, block, ref, dt: torch.dtype, docs: methods.Doc
         "out": rel_err(block.unshard(y_loc.detach(), dim=1, docs=docs), y_ref),
         "dx": rel_err(block.unshard(x_loc.grad, dim=1, docs=docs), dx_ref),
     }
+    for name, grad in summed_grads(block, group).items():
+        errors["d_" + name] = rel_err(grad, ref_grads[name])
+    return errors
+
+
+def summed_grads(block, group) -> dict[str, torch.Tensor]:
+    """``block``'s weight gradients in fp32, by name, summed over the group as FSDP/DDP would (each rank's are
+    partial sums over its own tokens), except for a method that splits no sequence (``splits_sequence``
+    False: every rank has the whole gradient). One all-reduce of the flattened gradients, not one per
+    parameter: the pool's ranks share the machine's cores, so each collective costs a round of wake-ups."""
     named = list(block.named_parameters())
     missing = [name for name, p in named if p.grad is None]
     assert not missing, f"no gradient for {missing}"
     grads = [p.grad.detach().float() for _, p in named]
-    if block.splits_sequence:  # a method that splits no sequence (no-cp) has the whole gradient on every rank
-        # one all-reduce of the flattened gradients instead of one per parameter: the pool's ranks share
-        # the machine's cores, so each collective costs a round of context switches
+    if block.splits_sequence:
         grads = _unflatten_dense_tensors(all_reduce_sum_(_flatten_dense_tensors(grads), group), grads)
-    for (name, _), grad in zip(named, grads, strict=True):
-        errors["d_" + name] = rel_err(grad, ref_grads[name])
-    return errors
+    return {name: grad for (name, _), grad in zip(named, grads, strict=True)}
 
 
 def reference_step(group, ref: AttentionBlock, x: torch.Tensor, dy: torch.Tensor,

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 import methods
-from methods.core.comm import all_reduce_sum_
 from tests.flash_attn_standin import real_flash_attn_available
-from tests.methods.cases import BATCH, SEQ_LEN, SPECS, TOLERANCE, rel_err
+from tests.methods.cases import BATCH, SEQ_LEN, SPECS, TOLERANCE, rel_err, summed_grads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WRAPPERS = ("ds-ulysses", "ds-ulysses-hf", "rfa-zigzag", "ds-fpdt", "yc-ulysses", "yc-ring", "yc-usp")
@@ -46,8 +45,7 @@ def compare_methods(group, a: str, opts_a: dict, b: str, opts_b: dict, spec_kwar
         y = block(x_loc, positions=block.shard(pos, dim=0))
         y.backward(block.shard(dy, dim=1))
         got[name] = {"out": block.unshard(y.detach(), dim=1), "dx": block.unshard(x_loc.grad, dim=1)}
-        for pname, p in block.named_parameters():
-            got[name]["d_" + pname] = all_reduce_sum_(p.grad.detach().float().clone(), group)
+        got[name].update({"d_" + pname: grad for pname, grad in summed_grads(block, group).items()})
     assert got[a].keys() == got[b].keys(), (got[a].keys(), got[b].keys())
     return {k: rel_err(got[a][k], got[b][k]) for k in got[b]}
 
