@@ -31,7 +31,7 @@ from methods.core.hostmem import simulated_host
 from methods.core.tiling import compressing_repeats
 
 from ..stackmodel.simmode import SimulationMode
-from . import tape
+from . import fakeview, tape
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _ADD, _DEL, _REF, _SIZE = _UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF, _UpdateType.SIZE
@@ -223,11 +223,12 @@ class PeakTracker(SimulationMode, MemTracker):
         on DTensors never reaches here, ``declines_dtensor``): the outputs are tracked in the order
         ``tree_map_only`` visits them, a single tensor without flattening, and the peak is updated after
         every operator as there."""
-        if func is _WAIT_TENSOR and active_fake_mode():
+        fake_mode = active_fake_mode()
+        if func is _WAIT_TENSOR and fake_mode:
             res = args[0]  # as MemTracker: a wait returns its input, not the fake kernel's new tensor
         else:
-            res = func(*args, **kwargs)
-        if active_fake_mode() is self._fake_mode_on_entry:
+            res = fakeview.call(func, args, kwargs, fake_mode)  # a view directly, as FakeTensorMode makes it
+        if fake_mode is self._fake_mode_on_entry:
             if self._in_opt:
                 reftype = _MemRefType.OPT
             elif self._mod_tracker.is_bw and not self._in_ac:
