@@ -31,7 +31,7 @@ from methods.core.hostmem import simulated_host
 from methods.core.tiling import compressing_repeats
 
 from ..stackmodel.simmode import SimulationMode
-from . import fakeview, tape
+from . import fakememo, fakeview, tape
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _ADD, _DEL, _REF, _SIZE = _UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF, _UpdateType.SIZE
@@ -227,7 +227,9 @@ class PeakTracker(SimulationMode, MemTracker):
         if func is _WAIT_TENSOR and fake_mode:
             res = args[0]  # as MemTracker: a wait returns its input, not the fake kernel's new tensor
         else:
-            res = fakeview.call(func, args, kwargs, fake_mode)  # a view directly, as FakeTensorMode makes it
+            # a view made directly, another op's cached answer replayed: what FakeTensorMode itself returns
+            call = fakeview.call if func in fakeview.VIEWS else fakememo.call
+            res = call(func, args, kwargs, fake_mode)
         if fake_mode is self._fake_mode_on_entry:
             if self._in_opt:
                 reftype = _MemRefType.OPT

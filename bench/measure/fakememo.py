@@ -1,0 +1,126 @@
+"""FakeTensorMode's cache hits for fresh outputs, replayed from a cheaper key.
+
+Why: a ``FakeTensorMode`` cache hit costs about 200 us here, most of it building the cache key: every
+argument's whole metadata flattened through a chain of type checks. A simulated step repeats the same
+few hundred (operator, shapes) pairs thousands of times, so the answer is the same each time.
+
+What it does: after ``FakeTensorMode`` has answered an operator *from its cache* (its hit counter rose by
+one, its miss and bypass counters did not move: the operator is one torch's own rules allow to cache,
+and nothing was dispatched beneath it) with a single new fake tensor (not an input, not on an input's
+storage, no constant), the output's metadata is kept under a key of the same facts torch's key holds
+(the operator; the default dtype and device and inference mode; every tensor argument's sizes, strides,
+offset, storage size, dtype, fake device, layout, ``requires_grad``, conjugate, negative and inference
+bits; every other argument's type and value). The next call with that key builds the output as torch's
+cache hit builds it (an empty strided meta tensor, its conjugate and negative bits, wrapped as a
+``FakeTensor`` on the kept fake device) without building torch's key. Only where that is the whole of
+what ``FakeTensorMode`` would do: the caller's next dispatch mode is the active ``FakeTensorMode``, with
+no shape environment, and every tensor argument is a plain strided ``FakeTensor`` of that mode without a
+constant; anything else (symbolic sizes, other arguments, views, in-place and tuple-returning operators,
+operators torch does not cache) goes to ``FakeTensorMode`` as before.
+
+``tests/bench/measure/test_fakememo.py`` checks replayed outputs against ``FakeTensorMode``'s and what is
+never kept; the simulation equality test (``tests/bench/stackmodel/test_sim_equality.py``) checks that no
+figure moves.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+
+# argument types kept by value (with their type: 1 and 1.0 and True give different dtypes)
+_SCALARS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
+                      torch.memory_format})
+_SEQUENCES = frozenset({list, tuple, torch.Size})
+_NO_KEY = object()
+
+# key -> (sizes, strides, dtype, layout, requires_grad, is_conj, is_neg, fake device) of the output
+_outputs: dict[tuple, tuple] = {}
+# operators not worth a key: those FakeTensorMode answers before its cache (prim.device, size, ...), and
+# those it answered with something this module does not keep (an input, a tuple) or without its cache
+_UNKEYED = frozenset({*fake_tensor._DISPATCH_META_HANDLERS, *fake_tensor._DISPATCH_HANDLE_DIRECTLY})
+_skipped: set = set()
+
+
+def clear() -> None:
+    """Forget every kept output and skipped operator."""
+    _outputs.clear()
+    _skipped.clear()
+
+
+def _arg_key(arg: Any, fake_mode: FakeTensorMode, out: list) -> bool:
+    """Append ``arg``'s facts to ``out``; False where it is not one this module keys."""
+    kind = type(arg)
+    if kind in _SCALARS:
+        out.append(kind)
+        out.append(arg)
+        return True
+    if kind is FakeTensor:
+        if arg.fake_mode is not fake_mode or arg.constant is not None or arg.layout is not torch.strided:
+            return False
+        out.append((tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.untyped_storage().nbytes(),
+                    arg.dtype, arg.fake_device, arg.requires_grad, arg.is_conj(), arg.is_neg(),
+                    arg.is_inference()))
+        return True
+    if kind in _SEQUENCES:
+        out.append(kind)
+        out.append(len(arg))
+        return all(_arg_key(item, fake_mode, out) for item in arg)
+    return False
+
+
+def _key(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> Any:
+    out = [func, torch.get_default_dtype(), torch._C._get_default_device(), torch.is_inference_mode_enabled()]
+    if not all(_arg_key(a, fake_mode, out) for a in args):
+        return _NO_KEY
+    for name, value in kwargs.items():
+        out.append(name)
+        if not _arg_key(value, fake_mode, out):
+            return _NO_KEY
+    return tuple(out)
+
+
+def _fresh(out: Any, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> bool:
+    """A single new fake tensor of ``fake_mode`` on a storage of its own, without a constant."""
+    if type(out) is not FakeTensor or out.fake_mode is not fake_mode or out.constant is not None:
+        return False
+    if out.layout is not torch.strided or out.storage_offset() != 0:
+        return False
+    storage = out.untyped_storage()._cdata
+    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return all(a is not out and a.untyped_storage()._cdata != storage for a in inputs)
+
+
+def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
+    """``func(*args, **kwargs)`` below a dispatch mode whose next mode is ``fake_mode`` (the active
+    ``FakeTensorMode``, or None): a kept output rebuilt, as the module says, else the operator."""
+    if (fake_mode is None or func in _UNKEYED or func in _skipped or fake_mode.shape_env is not None
+            or not fake_mode.cache_enabled or torch._C._len_torch_dispatch_stack() != 1):
+        return func(*args, **kwargs)
+    key = _key(func, args, kwargs, fake_mode)
+    if key is _NO_KEY:
+        return func(*args, **kwargs)
+    kept = _outputs.get(key)
+    if kept is not None:
+        shape, stride, dtype, layout, requires_grad, conj, neg, device = kept
+        with in_kernel_invocation_manager(fake_mode):
+            empty = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
+                                        requires_grad=requires_grad)
+        if conj:
+            torch._C._set_conj(empty, True)
+        if neg:
+            torch._C._set_neg(empty, True)
+        return FakeTensor(fake_mode, empty, device)
+    hits, misses = FakeTensorMode.cache_hits, FakeTensorMode.cache_misses
+    bypasses = sum(FakeTensorMode.cache_bypasses.values())
+    out = func(*args, **kwargs)
+    bypassed = sum(FakeTensorMode.cache_bypasses.values()) != bypasses
+    from_cache = FakeTensorMode.cache_hits == hits + 1 and FakeTensorMode.cache_misses == misses and not bypassed
+    if from_cache and _fresh(out, args, kwargs, fake_mode):
+        _outputs[key] = (tuple(out.shape), out.stride(), out.dtype, out.layout, out.requires_grad,
+                         out.is_conj(), out.is_neg(), out.fake_device)
+    elif from_cache or bypassed:  # an in-place or tuple answer, or one torch does not cache: not kept
+        _skipped.add(func)
+    return out

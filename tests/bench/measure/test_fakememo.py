@@ -1,0 +1,140 @@
+"""bench.measure.fakememo: an output rebuilt from its key is FakeTensorMode's own cached answer, and nothing
+FakeTensorMode does not answer from its cache with one fresh tensor is kept.
+
+Each operator runs below a dispatch mode, as in a simulation: through ``fakememo.call`` (the first call
+keeps the output once torch's cache has answered, the second rebuilds it) and passed on to
+``FakeTensorMode``. The rebuilt output must agree with torch's in everything a simulation reads: type,
+fake mode, fake device, sizes, strides, offset, storage size, dtype, ``requires_grad``, and a storage of
+its own. The figures of whole simulations are checked by tests/bench/stackmodel/test_sim_equality.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.measure import fakememo
+
+aten = torch.ops.aten
+
+
+class Memo(TorchDispatchMode):
+    """A dispatch mode whose operators go through fakememo.call (as bench.measure.simulate.PeakTracker's)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return fakememo.call(func, args, kwargs or {}, active_fake_mode())
+
+
+class PassOn(TorchDispatchMode):
+    """The same place in the dispatch, every operator passed on to FakeTensorMode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _facts(t: torch.Tensor) -> tuple:
+    return (type(t), t.fake_mode, t.fake_device, tuple(t.shape), t.stride(), t.storage_offset(),
+            t.untyped_storage().nbytes(), t.dtype, t.requires_grad, t.is_conj(), t.is_neg())
+
+
+# (name, operator call on tensors a [4, 6] fp32, b [6, 3] fp32 (transposed storage), g [4, 6] requiring grad)
+CASES = {
+    "mul": lambda a, b, g: a * 2.0,
+    "mul-bf16-scalar-int": lambda a, b, g: a.bfloat16() * 3,
+    "add-tensors": lambda a, b, g: a + g,
+    "mm-transposed": lambda a, b, g: a @ b,
+    "to-dtype": lambda a, b, g: b.to(torch.bfloat16),
+    "empty-like": lambda a, b, g: torch.empty_like(b),
+    "zeros-like-grad": lambda a, b, g: torch.zeros_like(g),
+    "cat": lambda a, b, g: torch.cat([a, g], dim=1),
+    "clone-transposed": lambda a, b, g: b.clone(),
+    "sum-dim": lambda a, b, g: g.sum(dim=0, keepdim=True),
+    "empty-on-meta": lambda a, b, g: torch.empty(5, 7, device="meta", dtype=torch.float16),
+    "arange": lambda a, b, g: torch.arange(12),
+}
+
+
+def _inputs():
+    return torch.empty(4, 6), torch.empty(3, 6).t(), torch.empty(4, 6).requires_grad_()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_rebuilt_output_is_fake_tensor_modes_cached_answer(name):
+    fakememo.clear()
+    op = CASES[name]
+    with FakeTensorMode() as mode:
+        a, b, g = _inputs()
+        with PassOn():
+            op(a, b, g)  # torch's cache holds the answer from here on
+            want = op(a, b, g)
+        with Memo():
+            kept = op(a, b, g)  # answered from torch's cache, kept
+            assert len(fakememo._outputs) >= 1, "nothing was kept"
+            hits = FakeTensorMode.cache_hits
+            got = op(a, b, g)  # rebuilt
+            assert FakeTensorMode.cache_hits == hits, "the second call reached FakeTensorMode's cache"
+    for out in (kept, got):
+        assert isinstance(out, FakeTensor) and out.fake_mode is mode
+        assert _facts(out) == _facts(want)
+        storages = {t.untyped_storage()._cdata for t in (a, b, g, want)}
+        assert out.untyped_storage()._cdata not in storages  # a storage of its own
+    assert got.untyped_storage()._cdata != kept.untyped_storage()._cdata
+
+
+def test_a_key_holds_what_the_output_depends_on():
+    """The same operator on other sizes, strides, dtypes, scalars' types or default dtype is another key."""
+    fakememo.clear()
+    with FakeTensorMode():
+        a, b, g = _inputs()
+        outs = []
+        with Memo():
+            for _ in range(2):  # once to fill torch's cache, once to keep
+                outs = [a * 2.0, a * 2, b * 2.0, a.bfloat16() * 2.0, torch.empty(4, 6, dtype=torch.float16) * 2.0]
+            floats = [torch.empty(3) for _ in range(3)]  # kept under the default dtype float32
+            torch.set_default_dtype(torch.float64)
+            try:
+                doubles = [torch.empty(3) for _ in range(3)]
+            finally:
+                torch.set_default_dtype(torch.float32)
+        assert [o.dtype for o in outs] == [torch.float32, torch.float32, torch.float32, torch.bfloat16,
+                                           torch.float16]
+        assert outs[2].stride() == (1, 6)
+        assert [t.dtype for t in floats + doubles] == [torch.float32] * 3 + [torch.float64] * 3
+
+
+@torch.library.custom_op("cpab_test_fakememo::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("why", ["in place", "a tuple", "not cached by torch", "a constant", "a mode in between"])
+def test_what_is_not_one_fresh_cached_answer_is_never_kept(why):
+    fakememo.clear()
+    real = torch.ones(3)
+    with FakeTensorMode() as mode:
+        a, _, _ = _inputs()
+        for _ in range(3):
+            if why == "a mode in between":
+                with PassOn(), Memo():  # Memo's operators pass PassOn before FakeTensorMode
+                    out = a * 2.0
+            else:
+                with Memo():
+                    if why == "in place":
+                        out = a.add_(1.0)
+                        assert out is a
+                    elif why == "a tuple":
+                        out = torch.max(a, dim=1)
+                    elif why == "not cached by torch":
+                        out = _twice(a)  # not one of torch's own operators: its cache bypasses it
+                    elif why == "a constant":
+                        c = mode.from_tensor(real)
+                        c.constant = real
+                        out = c * 2.0
+    assert not fakememo._outputs, fakememo._outputs
