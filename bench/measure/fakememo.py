@@ -16,7 +16,9 @@ cache hit builds it (an empty strided meta tensor, its conjugate and negative bi
 what ``FakeTensorMode`` would do: the caller's next dispatch mode is the active ``FakeTensorMode``, with
 no shape environment, and every tensor argument is a plain strided ``FakeTensor`` of that mode without a
 constant; anything else (symbolic sizes, other arguments, views, in-place and tuple-returning operators,
-operators torch does not cache) goes to ``FakeTensorMode`` as before.
+operators torch does not cache) goes to ``FakeTensorMode`` as before. Torch's counters are read around
+one call, so one thread dispatches at a time, as in a simulation (the autograd engine's thread runs the
+backward while the caller waits). Kept outputs, like torch's cache, last as long as the process.
 
 ``tests/bench/measure/test_fakememo.py`` checks replayed outputs against ``FakeTensorMode``'s and what is
 never kept; the simulation equality test (``tests/bench/stackmodel/test_sim_equality.py``) checks that no
