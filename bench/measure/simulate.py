@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.init as init
-from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
@@ -37,6 +36,12 @@ _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _ADD, _DEL, _REF, _SIZE = _UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF, _UpdateType.SIZE
 # output types tracked without flattening (MemTracker flattens every output with tree_map_only)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
+
+
+def _active_fake_mode() -> FakeTensorMode | None:
+    """``torch._guards.active_fake_mode()`` without building the whole mode stack in Python on every operator:
+    ``FakeTensorMode`` is an infra mode, held in the dispatcher's FAKE slot, which this reads."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
 @contextlib.contextmanager
@@ -223,7 +228,7 @@ class PeakTracker(SimulationMode, MemTracker):
         on DTensors never reaches here, ``declines_dtensor``): the outputs are tracked in the order
         ``tree_map_only`` visits them, a single tensor without flattening, and the peak is updated after
         every operator as there."""
-        fake_mode = active_fake_mode()
+        fake_mode = _active_fake_mode()
         if func is _WAIT_TENSOR and fake_mode:
             res = args[0]  # as MemTracker: a wait returns its input, not the fake kernel's new tensor
         else:
