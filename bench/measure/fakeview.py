@@ -2,12 +2,13 @@
 
 Why: on these CPUs a ``FakeTensorMode`` cache hit costs about 200 us per operator, even for a view
 (the cache key from every argument's metadata, then a new fake tensor built from the entry), and
-views are about a third of a simulation's operators. A view needs neither: its output is its
-input's storage seen with other sizes and strides, which the op's meta kernel computes in a few
-microseconds. ``call`` does for the views in ``VIEWS`` what ``FakeTensorMode`` does when its cache
-misses on one: the meta kernel inside ``in_kernel_invocation_manager`` (the fake input taken as the
-meta tensor it wraps), each output wrapped as a ``FakeTensor`` of that mode on the input's fake
-device. It skips the cache key and the entry, not a step of the result.
+views are about 40% of the operators a simulated step sends to it (device queries aside). A view
+needs neither: its output is its input's storage seen with other sizes and strides, which the op's
+meta kernel computes in a few microseconds. ``call`` does for the views in ``VIEWS`` what
+``FakeTensorMode`` does when its cache misses on one: the meta kernel inside
+``in_kernel_invocation_manager`` (the fake input taken as the meta tensor it wraps), each output
+wrapped as a ``FakeTensor`` of that mode on the input's fake device. It skips the cache key and the
+entry, not a step of the result.
 
 It applies only where that is exactly what ``FakeTensorMode`` would return: an op of ``VIEWS``
 (out-of-place views whose only tensor argument is the viewed one: no ``inplace_view`` op, no
