@@ -34,6 +34,9 @@ VIEWS = frozenset({
     aten.select.int, aten.detach.default, aten.alias.default, aten.as_strided.default, aten.expand.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.split.Tensor,
     aten.split_with_sizes.default, aten.unbind.int, aten.narrow.default, aten.diagonal.default,
+    # a view autograd does not track as one (reshape's): its output aliases its input all the same, and
+    # FakeTensorMode runs its whole dispatch for it every time (its cache bypasses "unsafe view")
+    aten._unsafe_view.default,
 })
 
 
