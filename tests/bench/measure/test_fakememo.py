@@ -11,32 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.measure import fakememo
+from tests.bench.measure.fakemodes import PassOn, Through, facts
 
 aten = torch.ops.aten
-
-
-class Memo(TorchDispatchMode):
-    """A dispatch mode whose operators go through fakememo.call (as bench.measure.simulate.PeakTracker's)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return fakememo.call(func, args, kwargs or {}, active_fake_mode())
-
-
-class PassOn(TorchDispatchMode):
-    """The same place in the dispatch, every operator passed on to FakeTensorMode."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-def _facts(t: torch.Tensor) -> tuple:
-    return (type(t), t.fake_mode, t.fake_device, tuple(t.shape), t.stride(), t.storage_offset(),
-            t.untyped_storage().nbytes(), t.dtype, t.requires_grad, t.is_conj(), t.is_neg())
 
 
 # (name, operator call on tensors a [4, 6] fp32, b [6, 3] fp32 (transposed storage), g [4, 6] requiring grad)
@@ -69,7 +49,7 @@ def test_a_rebuilt_output_is_fake_tensor_modes_cached_answer(name):
         with PassOn():
             op(a, b, g)  # torch's cache holds the answer from here on
             want = op(a, b, g)
-        with Memo():
+        with Through(fakememo.call):
             kept = op(a, b, g)  # answered from torch's cache, kept
             assert len(fakememo._outputs) >= 1, "nothing was kept"
             hits = FakeTensorMode.cache_hits
@@ -77,7 +57,7 @@ def test_a_rebuilt_output_is_fake_tensor_modes_cached_answer(name):
             assert FakeTensorMode.cache_hits == hits, "the second call reached FakeTensorMode's cache"
     for out in (kept, got):
         assert isinstance(out, FakeTensor) and out.fake_mode is mode
-        assert _facts(out) == _facts(want)
+        assert facts(out) == facts(want)
         storages = {t.untyped_storage()._cdata for t in (a, b, g, want)}
         assert out.untyped_storage()._cdata not in storages  # a storage of its own
     assert got.untyped_storage()._cdata != kept.untyped_storage()._cdata
@@ -89,7 +69,7 @@ def test_a_key_holds_what_the_output_depends_on():
     with FakeTensorMode():
         a, b, g = _inputs()
         outs = []
-        with Memo():
+        with Through(fakememo.call):
             for _ in range(2):  # once to fill torch's cache, once to keep
                 outs = [a * 2.0, a * 2, b * 2.0, a.bfloat16() * 2.0, torch.empty(4, 6, dtype=torch.float16) * 2.0]
             floats = [torch.empty(3) for _ in range(3)]  # kept under the default dtype float32
@@ -122,10 +102,10 @@ def test_what_is_not_one_fresh_cached_answer_is_never_kept(why):
         a, _, _ = _inputs()
         for _ in range(3):
             if why == "a mode in between":
-                with PassOn(), Memo():  # Memo's operators pass PassOn before FakeTensorMode
+                with PassOn(), Through(fakememo.call):  # its operators pass PassOn before FakeTensorMode
                     out = a * 2.0
             else:
-                with Memo():
+                with Through(fakememo.call):
                     if why == "in place":
                         out = a.add_(1.0)
                         assert out is a

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.measure import fakeview
+from tests.bench.measure.fakemodes import PassOn, Through, facts
 
 aten = torch.ops.aten
 
@@ -43,20 +42,6 @@ CASES = [
 ]
 
 
-class Direct(TorchDispatchMode):
-    """A dispatch mode whose operators go through fakeview.call (as bench.measure.simulate.PeakTracker's)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return fakeview.call(func, args, kwargs or {}, active_fake_mode())
-
-
-class PassOn(TorchDispatchMode):
-    """The same place in the dispatch, every operator passed on to FakeTensorMode."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def _input(func, transposed: bool, device: str, requires_grad: bool) -> torch.Tensor:
     shape = [6, 8] if func is aten.t.default else [4, 6, 8]
     if transposed and func not in (aten.view.default, aten._unsafe_view.default):  # they need a contiguous input
@@ -67,11 +52,6 @@ def _input(func, transposed: bool, device: str, requires_grad: bool) -> torch.Te
         x = x.unsqueeze(0).unsqueeze(0)[0]  # a size-1 dimension 0 (and one of size 1 at dimension 1 for dims)
         x = x.unsqueeze(1) if func is aten.squeeze.dims else x
     return x.requires_grad_(requires_grad)
-
-
-def _facts(t: torch.Tensor) -> tuple:
-    return (type(t), t.fake_mode, t.fake_device, tuple(t.shape), t.stride(), t.storage_offset(),
-            t.untyped_storage()._cdata, t.dtype, t.requires_grad)
 
 
 @pytest.mark.parametrize("func,rest", CASES, ids=[str(f) for f, _ in CASES])
@@ -85,14 +65,14 @@ def test_a_direct_view_is_fake_tensor_modes_result(func, rest, device, transpose
         args = (x, *(rest or ()))
         with PassOn():
             want = func(*args)
-        with Direct():
+        with Through(fakeview.call):
             got = func(*args)
     wants = [want] if isinstance(want, torch.Tensor) else list(want)
     gots = [got] if isinstance(got, torch.Tensor) else list(got)
     assert type(got) is type(want) and len(gots) == len(wants)
     for g, w in zip(gots, wants, strict=True):
         assert isinstance(g, FakeTensor) and g.fake_mode is mode
-        assert _facts(g) == _facts(w)
+        assert facts(g) == facts(w)
         assert g.untyped_storage()._cdata == x.untyped_storage()._cdata  # a view: the input's storage
 
 
