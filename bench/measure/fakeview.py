@@ -1,8 +1,8 @@
 """Views of fake tensors made directly: FakeTensorMode's own result for them, without its cache.
 
-Why: on these CPUs a ``FakeTensorMode`` cache hit costs about 200 us per operator, even for a view
-(the cache key from every argument's metadata, then a new fake tensor built from the entry), and
-views are about 40% of the operators a simulated step sends to it (device queries aside). A view
+Why: a ``FakeTensorMode`` cache hit costs as much for a view as for any operator (the cache key from
+every argument's metadata, then a new fake tensor built from the entry), and views are a large share
+of the operators a simulated step sends to it (the measurements: results/speed/README.md). A view
 needs neither: its output is its input's storage seen with other sizes and strides, which the op's
 meta kernel computes in a few microseconds. ``call`` does for the views in ``VIEWS`` what
 ``FakeTensorMode`` does when its cache misses on one: the meta kernel inside
