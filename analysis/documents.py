@@ -19,9 +19,11 @@ Cells: tokens/s per device (simulated: the step-time model's, ``bench.stackmodel
 the measured median with its range, as ``table3_cpu``) and the attention work's imbalance, the
 slowest rank's (query, key) pairs over the mean rank's (``figures.doc_work``,
 ``bench.stackmodel.docwork``; 1: balanced). The CPU table (real gloo ranks) sets that modelled
-imbalance beside the measured one: the slowest rank's wall time in attention kernel calls over the
-mean rank's (``figures.attention_imbalance``, ``bench.measure.attntime``), "—" where a row measured
-none (a library that calls its own kernels, a row from before the measurement).
+imbalance beside the measured one: the slowest rank's time in attention kernel calls over the mean
+rank's (``figures.attention_imbalance``, ``bench.measure.attntime``), on the clock the row names
+(``figures.attention_clock``: the CPU time of a rank's one intra-op thread; rows without it, the wall
+clock), "—" where a row measured none (a library that calls its own kernels, a row from before the
+measurement).
 """
 from __future__ import annotations
 
@@ -227,10 +229,12 @@ def docs_table(rows=None, setup: DocsSetup = DOCS_LLAMA) -> Table:
              f"{ROW_WITHOUT_DOCS}: a row without documents (simulated: rank 0's attention alone, no imbalance "
              "recorded)."]
     if setup.cpu:
-        notes.append("max/mean modelled: the counted pairs' ratio above; max/mean measured: the slowest rank's wall "
-                     "time in attention kernel calls (forward, recomputation and backward, the median over the timed "
-                     "steps) over the mean rank's (`figures.attention_imbalance`, `bench.measure.attntime`); "
-                     f"{MISSING} where the row measured none (a library that calls its own kernels).")
+        notes.append("max/mean modelled: the counted pairs' ratio above; max/mean measured: the slowest rank's time "
+                     "in attention kernel calls (forward, recomputation and backward, the median over the timed "
+                     "steps) over the mean rank's (`figures.attention_imbalance`, `bench.measure.attntime`), on the "
+                     "row's `figures.attention_clock` (`thread`: the CPU time of the rank's one intra-op thread; rows "
+                     f"without it: the wall clock); {MISSING} where the row measured none (a library that calls its "
+                     "own kernels).")
         notes.append("Measured on gloo ranks: `median [min–max]` over the timed steps, † where the host ran "
                      "other work (as table3_cpu.md); CPU numbers say nothing about GPU throughput.")
     else:

@@ -92,15 +92,21 @@ class Figures:
     rank_peaks: list | None = None
     # emulated on CUDA, several ranks: each one's reserved peak as [rank, bytes], the ranks of rank_peaks
     rank_reserved_peaks: list | None = None
-    # real, CPU ranks: each rank's wall time in attention kernel calls per step (the median over the timed steps,
-    # rank order; bench.measure.attntime), and the slowest rank's over the mean; absent where not measured
+    # real, CPU ranks: each rank's time in attention kernel calls per step (the median over the timed steps,
+    # rank order; bench.measure.attntime), the slowest rank's over the mean, and the clock they were timed on
+    # (ATTENTION_CLOCKS; absent from rows made before it was recorded, which timed on the wall clock); absent
+    # where not measured
     rank_attention_s: list | None = None
     attention_imbalance: float | None = None
+    attention_clock: str | None = None
 
 
 # figures written only when measured, so that a row without them is written as it was before they existed
 OMITTED_WHEN_NONE = ("doc_work", "worst_rank", "rank_peaks", "rank_reserved_peaks", "rank_attention_s",
-                     "attention_imbalance")
+                     "attention_imbalance", "attention_clock")
+# the clocks a rank's attention time is taken on (bench.measure.attntime.CLOCKS): the wall clock, or the calling
+# thread's CPU time
+ATTENTION_CLOCKS = ("wall", "thread")
 
 
 @dataclass
@@ -274,12 +280,16 @@ def _check_ranks(f: Figures, world_size: int) -> None:
 
 
 def _check_attention(f: Figures, world_size: int) -> None:
-    """``rank_attention_s`` holds one time per rank, and ``attention_imbalance`` is its max over its mean."""
-    times, ratio = f.rank_attention_s, f.attention_imbalance
+    """``rank_attention_s`` holds one time per rank, ``attention_imbalance`` is its max over its mean, and
+    ``attention_clock`` (where recorded) names one of ``ATTENTION_CLOCKS``."""
+    times, ratio, clock = f.rank_attention_s, f.attention_imbalance, f.attention_clock
     if times is None:
-        if ratio is not None:
-            raise RowError("row.figures.attention_imbalance needs the times it compares (rank_attention_s)")
+        if ratio is not None or clock is not None:
+            raise RowError("row.figures.attention_imbalance and attention_clock need the times they describe "
+                           "(rank_attention_s)")
         return
+    if clock is not None and clock not in ATTENTION_CLOCKS:
+        raise RowError(f"row.figures.attention_clock = {clock!r} is not one of {', '.join(ATTENTION_CLOCKS)}")
     if len(times) != world_size or not all(_type_ok(t, float) and t >= 0 for t in times):
         raise RowError(f"row.figures.rank_attention_s = {times!r} must hold one time (seconds, >= 0) per rank of "
                        f"world size {world_size}")

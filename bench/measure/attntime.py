@@ -1,4 +1,4 @@
-"""Each rank's wall time in attention kernel calls over the timed steps of a real trial.
+"""Each rank's time in attention kernel calls over the timed steps of a real trial.
 
 Why. With packed documents the ranks of a sequence-sharded method attend for different amounts of
 work (``bench.stackmodel.docwork`` counts them, per rank, from the layout); a row's step time is the
@@ -7,12 +7,23 @@ attention kernel calls measures the imbalance the model predicts.
 
 How. ``AttentionTimer.step()`` is a context manager a measurement puts around one timed step
 (``bench.measure.run.measure_on_device``, warm-up steps left out): it installs itself as the
-``methods.core.kernels`` call timer for that step, which sums the wall time (``time.perf_counter``)
-and counts the calls of every kernel ``forward`` (recomputations under activation checkpointing
-included) and ``backward``, and restores the previous timer on exit. The methods are not told:
-every call through the kernel interface is timed, whoever makes it. The time is the host's, exact
-for CPU kernels (synchronous); on CUDA the host only launches them, so a measurement times CPU ranks
-alone (``timed_device``) and a CUDA row records none.
+``methods.core.kernels`` call timer for that step, which sums the time on its clock and counts the
+calls of every kernel ``forward`` (recomputations under activation checkpointing included) and
+``backward``, and restores the previous timer on exit. The methods are not told: every call through
+the kernel interface is timed, whoever makes it. The time is the host's, exact for CPU kernels
+(synchronous); on CUDA the host only launches them, so a measurement times CPU ranks alone
+(``timed_device``) and a CUDA row records none.
+
+Which clock (``attention_clock``, recorded in the row as ``figures.attention_clock``):
+
+* ``thread``: the calling thread's CPU time (``time.thread_time``), where torch runs a rank's kernels
+  on that thread alone (one intra-op thread: ``at::parallel_for`` and the BLAS calls run inline). It
+  is the kernel's own work, whether or not the rank was descheduled during the call, so it stays the
+  rank's attention cost when the ranks are time-sliced on fewer cores than ranks (4 ranks on 2 cores)
+  or share the host with other jobs, where wall time also counts the waits for a core.
+* ``wall``: ``time.perf_counter``, where a rank has several intra-op threads, whose work is not on the
+  calling thread's clock. Rows made before the clock was recorded used this one.
+
 
 A method whose library calls its own kernels (``rfa-zigzag``, ``yc-*``, ``ds-fpdt``, ``torch-cp``)
 makes no call through the interface: ``seconds`` is then None (not measured), never 0.
@@ -21,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -40,14 +52,31 @@ def timed_device(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+WALL, THREAD = "wall", "thread"
+CLOCKS: dict[str, Callable[[], float]] = {WALL: time.perf_counter, THREAD: time.thread_time}
+# what a row's note calls each clock's time
+CLOCK_SAID = {WALL: "wall time (time.perf_counter)",
+              THREAD: "CPU time of the calling thread, its one intra-op thread (time.thread_time)"}
+
+
+def attention_clock(intra_op_threads: int) -> str:
+    """The clock a rank with ``intra_op_threads`` torch threads times its kernel calls on (module docstring)."""
+    return THREAD if intra_op_threads == 1 else WALL
+
+
 @dataclass
 class StepAttention:
-    """One step's attention kernel calls: their count and summed wall time, by direction."""
+    """One step's attention kernel calls: their count and summed time on ``clock_name``, by direction."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
     forward_calls: int = 0
     backward_calls: int = 0
+    clock_name: str = WALL
+
+    def clock(self) -> float:
+        """A ``methods.core.kernels.CallTimer``'s clock: ``CLOCKS[clock_name]``."""
+        return CLOCKS[self.clock_name]()
 
     @property
     def seconds(self) -> float:
@@ -58,7 +87,7 @@ class StepAttention:
         return self.forward_calls + self.backward_calls
 
     def record(self, direction: str, seconds: float) -> None:
-        """A ``methods.core.kernels.CallTimer``: one call's wall time."""
+        """A ``methods.core.kernels.CallTimer``: one call's time on ``clock``."""
         if direction == "forward":
             self.forward_s += seconds
             self.forward_calls += 1
@@ -71,14 +100,22 @@ class StepAttention:
 
 @dataclass
 class AttentionTimer:
-    """The timed steps' attention, one ``StepAttention`` per ``step()`` (module docstring)."""
+    """The timed steps' attention, one ``StepAttention`` per ``step()``, on ``clock`` (``CLOCKS``; None:
+    ``attention_clock`` of torch's intra-op threads now)."""
 
+    clock: str | None = None
     steps: list[StepAttention] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.clock is None:
+            self.clock = attention_clock(torch.get_num_threads())
+        if self.clock not in CLOCKS:
+            raise ValueError(f"an attention clock is one of {sorted(CLOCKS)}, got {self.clock!r}")
 
     @contextlib.contextmanager
     def step(self) -> Iterator[StepAttention]:
         """Time the kernel calls of one step (the block inside)."""
-        current = StepAttention()
+        current = StepAttention(clock_name=self.clock)
         previous = kernels.set_call_timer(current)
         try:
             yield current

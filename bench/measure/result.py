@@ -91,6 +91,7 @@ class Measurement:
     skipped_calls: dict[str, int] | None = None  # emulated with attention_math=skip: attention calls answered (count)
     attention_times_s: list[float] | None = None  # real, CPU: each timed step's attention kernel seconds (attntime)
     attention_calls: dict[str, int] | None = None  # real, CPU: attention kernel calls per step, forward and backward
+    attention_clock: str | None = None  # real, CPU: the clock the attention was timed on (attntime); combined: ranks'
     rank_attention_s: list[float] | None = None  # real, combined: each rank's median attention seconds, rank order
     rank_attention_calls: list[list[int]] | None = None  # real, combined: [forward, backward] calls per step, by rank
     rank: int | None = None  # simulated, emulated: the rank measured; of several (worst_of), the worst

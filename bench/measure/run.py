@@ -77,7 +77,7 @@ from ..stackmodel.steptime import (
 from ..stackmodel.workspace import KernelWorkspace
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import launch
-from .attntime import NONE_SEEN, NOT_ON_CUDA, AttentionTimer, median_seconds, timed_device
+from .attntime import CLOCK_SAID, NONE_SEEN, NOT_ON_CUDA, AttentionTimer, median_seconds, timed_device
 from .attntime import imbalance as attention_imbalance
 from .result import AllocatorReplay, KeptTrace, LoadAround, Measurement, failed
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
@@ -383,6 +383,7 @@ def measure_on_device(trial: Trial, group, device: torch.device,
         times.append(time.perf_counter() - t0)
     if attention is not None:
         out.attention_times_s, out.attention_calls = attention.seconds(), attention.calls()
+        out.attention_clock = attention.clock
     if device.type == "cuda":
         out.peak_bytes = torch.cuda.max_memory_allocated(device)
         out.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
@@ -514,7 +515,9 @@ def _combine_ranks(results: list[Measurement]) -> Measurement:
         out.step_times_s = slowest_rank_steps([r.step_times_s for r in results])
         out.compute_time_s = StepStats(tuple(out.step_times_s)).median
     out.own_threads = sum(r.threads or 1 for r in results if r.host == first.host)
-    if all(r.attention_times_s for r in results):  # every rank timed its attention (attntime)
+    clocks = {r.attention_clock for r in results}
+    out.attention_clock = clocks.pop() if len(clocks) == 1 else None
+    if all(r.attention_times_s for r in results) and out.attention_clock:  # every rank timed it, on one clock
         out.rank_attention_s = [median_seconds(r.attention_times_s) for r in results]
         out.rank_attention_calls = [[(r.attention_calls or {}).get(d, 0) for d in ("forward", "backward")]
                                     for r in results]
@@ -551,13 +554,15 @@ def _attention_figures(f: Figures, result: Measurement, trial: Trial) -> list[st
         return [NOT_ON_CUDA if trial.preset().kind == "cuda" else NONE_SEEN]
     f.rank_attention_s = list(result.rank_attention_s)
     f.attention_imbalance = round(attention_imbalance(f.rank_attention_s), 6)
+    f.attention_clock = result.attention_clock
     calls = ", ".join(f"{fwd}+{bwd}" for fwd, bwd in result.rank_attention_calls or [])
     modelled = (f", the modelled one (doc_work.imbalance, counted pairs) {f.doc_work['imbalance']:.3f}"
                 if f.doc_work else "")
-    return [f"rank_attention_s: each rank's wall time in attention kernel calls (methods.core.kernels, "
-            f"time.perf_counter around each synchronous CPU call; forward, recomputations included, + backward "
-            f"calls per step by rank: {calls}), the median over the timed steps (bench.measure.attntime); measured "
-            f"imbalance (attention_imbalance, slowest rank over the mean) {f.attention_imbalance:.3f}{modelled}"]
+    return [f"rank_attention_s: each rank's {CLOCK_SAID[f.attention_clock]} in attention kernel calls "
+            f"(methods.core.kernels, around each synchronous CPU call; forward, recomputations included, + backward "
+            f"calls per step by rank: {calls}), the median over the timed steps (bench.measure.attntime, "
+            f"attention_clock {f.attention_clock}); measured imbalance (attention_imbalance, slowest rank over the "
+            f"mean) {f.attention_imbalance:.3f}{modelled}"]
 
 
 def _ranks_said(trial: Trial, result: Measurement) -> str:

@@ -66,14 +66,14 @@ document, then ``offset_blocks`` within it). With documents:
 
 ``docs=None`` with ``q_offset >= 0`` is exactly the behaviour described above it.
 
-Timing hook. ``set_call_timer`` installs a ``CallTimer`` that receives the wall time
-(``time.perf_counter``) of every public ``forward``/``backward`` call of the kernels above, whoever
-makes it (a method's autograd function, ``_Attention``, a ring loop, a wrapper's interface). A
-measurement turns it on around the steps it times (``bench.measure.attntime``) and off after: the
-methods do not know they are timed. A call made inside a timed call is not timed again. With no
-timer installed a call costs one global read. The time is the host's: exact for synchronous (CPU)
-kernels; on CUDA it would be the launch only, which is why the measurement turns it on for CPU
-ranks alone.
+Timing hook. ``set_call_timer`` installs a ``CallTimer`` that receives the time, on the timer's own
+``clock`` (the wall clock, or the calling thread's CPU clock: ``bench.measure.attntime`` says which and
+why), of every public ``forward``/``backward`` call of the kernels above, whoever makes it (a method's
+autograd function, ``_Attention``, a ring loop, a wrapper's interface). A measurement turns it on
+around the steps it times and off after: the methods do not know they are timed. A call made inside a
+timed call is not timed again. With no timer installed a call costs one global read. The time is the
+host's: exact for synchronous (CPU) kernels; on CUDA it would be the launch only, which is why the
+measurement turns it on for CPU ranks alone.
 """
 from __future__ import annotations
 
@@ -81,7 +81,6 @@ import functools
 import importlib
 import math
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -126,10 +125,14 @@ class Kernel(Protocol):
 
 
 class CallTimer(Protocol):
-    """What ``set_call_timer`` installs: told the wall time of each timed kernel call."""
+    """What ``set_call_timer`` installs: told the time of each timed kernel call on its own clock."""
+
+    def clock(self) -> float:
+        """Seconds on the timer's clock (``time.perf_counter``, ``time.thread_time``, ...)."""
+        ...
 
     def record(self, direction: str, seconds: float) -> None:
-        """One call: ``direction`` is ``"forward"`` or ``"backward"``, ``seconds`` its wall time."""
+        """One call: ``direction`` is ``"forward"`` or ``"backward"``, ``seconds`` its time on ``clock``."""
         ...
 
 
@@ -155,12 +158,12 @@ def _timed(direction: str):
             if timer is None or _timing_depth:
                 return fn(self, *args, **kwargs)
             _timing_depth += 1
-            t0 = time.perf_counter()
+            t0 = timer.clock()
             try:
                 result = fn(self, *args, **kwargs)
             finally:
                 _timing_depth -= 1
-            timer.record(direction, time.perf_counter() - t0)
+            timer.record(direction, timer.clock() - t0)
             return result
 
         return call
