@@ -79,6 +79,7 @@ from ..training.step import build_attention, build_model, make_batch, maybe_prim
 from . import launch
 from .attntime import CLOCK_SAID, NONE_SEEN, NOT_ON_CUDA, AttentionTimer, median_seconds, timed_device
 from .attntime import imbalance as attention_imbalance
+from .fakeroute import fast_fake
 from .result import AllocatorReplay, KeptTrace, LoadAround, Measurement, failed
 from .simulate import fake_process_group, fake_tensors, no_param_init, track_peaks
 from .skipmath import NOTE as SKIP_NOTE
@@ -205,9 +206,10 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
     needs = fake_flash_attn.needs_it(methods.get_info(trial.method).requires)
     with fake_flash_attn.installed(check=needs) as added, fake_process_group(trial.world_size, rank) as group, \
             runtime, fake_tensors(torch.float32, meta_host=accelerator and not on_gpu_path), no_param_init():
-        built, batch = _build(trial, group, device, host=host, fake=True)
-        if trial.step.scope == "model":
-            maybe_prime_optimizer(*built)
+        with fast_fake():  # untracked: FakeTensorMode's known answers without its dispatch (fakeroute)
+            built, batch = _build(trial, group, device, host=host, fake=True)
+            if trial.step.scope == "model":
+                maybe_prime_optimizer(*built)
         run = step_fn(trial.step.scope, built, batch, trial.step, group)
         # paper stack, term 8: the cuBLAS workspaces the caching allocator holds from the first GEMMs
         workspaces = [torch.empty(n, dtype=torch.uint8, device=device)

@@ -30,18 +30,13 @@ from methods.core.hostmem import simulated_host
 from methods.core.tiling import compressing_repeats
 
 from ..stackmodel.simmode import SimulationMode
-from . import fakememo, fakeview, tape
+from . import fakeroute, tape
+from .fakeroute import active_fake_mode
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _ADD, _DEL, _REF, _SIZE = _UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF, _UpdateType.SIZE
 # output types tracked without flattening (MemTracker flattens every output with tree_map_only)
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter, FakeTensor})
-
-
-def _active_fake_mode() -> FakeTensorMode | None:
-    """``torch._guards.active_fake_mode()`` without building the whole mode stack in Python on every operator:
-    ``FakeTensorMode`` is an infra mode, held in the dispatcher's FAKE slot, which this reads."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
 @contextlib.contextmanager
@@ -228,13 +223,11 @@ class PeakTracker(SimulationMode, MemTracker):
         on DTensors never reaches here, ``declines_dtensor``): the outputs are tracked in the order
         ``tree_map_only`` visits them, a single tensor without flattening, and the peak is updated after
         every operator as there."""
-        fake_mode = _active_fake_mode()
+        fake_mode = active_fake_mode()
         if func is _WAIT_TENSOR and fake_mode:
             res = args[0]  # as MemTracker: a wait returns its input, not the fake kernel's new tensor
         else:
-            # a view made directly, another op's cached answer replayed: what FakeTensorMode itself returns
-            call = fakeview.call if func in fakeview.VIEWS else fakememo.call
-            res = call(func, args, kwargs, fake_mode)
+            res = fakeroute.call(func, args, kwargs, fake_mode)  # what FakeTensorMode itself returns
         if fake_mode is self._fake_mode_on_entry:
             if self._in_opt:
                 reftype = _MemRefType.OPT

@@ -1,0 +1,86 @@
+"""Where an operator under simulation goes: FakeTensorMode's known answers made without its dispatch.
+
+``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a view of
+``fakeview.VIEWS`` made directly (``fakeview``), else an answer ``FakeTensorMode`` gave from its cache
+replayed from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what
+``FakeTensorMode`` would.
+
+Two dispatch modes use it. The memory tracker (``simulate.PeakTracker``) calls it for every operator of
+the tracked step. ``FastFake`` does nothing else: it is entered for the untracked work a simulation does
+before the step (building the model and FSDP2's sharding of it, the optimizer's priming step,
+``bench.measure.run.measure_simulated``), which goes through the same operators as the step and, without
+it, through ``FakeTensorMode``'s whole dispatch each time: about half of a warm tiny-model trial.
+
+The priming step also runs DTensor's sharding propagation once per foreach operator, which on a model of
+many layers is mostly ``_propagate_use_strided_shard_flag`` scanning every argument of the operator once
+per tensor of its lists (quadratic in the parameters). ``FastFake`` skips those scans where they can
+change nothing (``_strided_flag_once``).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..stackmodel.simmode import any_dtensor
+from . import fakememo, fakeview
+
+
+def active_fake_mode() -> FakeTensorMode | None:
+    """``torch._guards.active_fake_mode()`` without building the whole mode stack in Python on every operator:
+    ``FakeTensorMode`` is an infra mode, held in the dispatcher's FAKE slot, which this reads."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
+    """``func(*args, **kwargs)`` below a dispatch mode whose next mode is ``fake_mode`` (module docstring)."""
+    route = fakeview.call if func in fakeview.VIEWS else fakememo.call
+    return route(func, args, kwargs, fake_mode)
+
+
+class FastFake(TorchDispatchMode):
+    """Every operator through ``call`` (module docstring). An operator on DTensors goes back to DTensor
+    (``NotImplemented``), whose local operators come through again, as under the memory tracker."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any_dtensor(types):
+            return NotImplemented
+        return call(func, args, kwargs or {}, active_fake_mode())
+
+
+@contextlib.contextmanager
+def fast_fake() -> Iterator[None]:
+    """``FastFake`` entered, with DTensor's strided-shard flag scanned once per operator (module docstring)."""
+    with _strided_flag_once(), FastFake():
+        yield
+
+
+@contextlib.contextmanager
+def _strided_flag_once() -> Iterator[None]:
+    """DTensor's ``_propagate_use_strided_shard_flag(strategy, schema)`` first looks for a ``_StridedShard`` among
+    every argument's placements and returns, changing nothing, where there is none; a foreach operator's
+    propagation calls it once per tensor of its lists with the same schema. Within this context the answer
+    of that look is kept for the last schema seen (held, so its identity cannot be reused), and the original
+    runs only where a ``_StridedShard`` is there. What it does to the strategies is therefore unchanged."""
+    from torch.distributed.tensor import _sharding_prop
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    original = _sharding_prop._propagate_use_strided_shard_flag
+    last: list = [None, False]  # the schema last looked at, and whether it holds a _StridedShard
+
+    def once(op_strategy, op_schema) -> None:
+        if last[0] is not op_schema:
+            last[0] = op_schema
+            last[1] = any(isinstance(p, _StridedShard) for spec in op_schema.args_spec for p in spec.placements)
+        if last[1]:
+            original(op_strategy, op_schema)
+
+    _sharding_prop._propagate_use_strided_shard_flag = once
+    try:
+        yield
+    finally:
+        _sharding_prop._propagate_use_strided_shard_flag = original

@@ -1,0 +1,77 @@
+"""bench.measure.fakeroute: the untracked work before a simulated step (the model built and sharded by FSDP2,
+the optimizer primed) gives the same measurement through ``FastFake`` as through ``FakeTensorMode`` alone, and
+DTensor's strided-shard flag is scanned once per operator without changing what the original does.
+
+The views and cached answers themselves are checked against FakeTensorMode's by test_fakeview.py and
+test_fakememo.py; whole simulations' figures by tests/bench/stackmodel/test_sim_equality.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+from bench.measure import fakeroute, run
+from bench.measure.config import StepConfig
+from bench.measure.trial import Trial
+
+
+def _figures(trial: Trial) -> dict:
+    out = run.measure_simulated(trial).to_dict()
+    out.get("allocator", {}).pop("replay_s", None)  # the replay's own wall time
+    return out
+
+
+@pytest.mark.parametrize("stack", ["paper", "lean"])
+def test_a_trial_measures_the_same_with_and_without_the_fast_path(stack, monkeypatch):
+    """UPipe on 4 ranks, FSDP2 and AdamW primed: parameters, gradients and optimizer state all come from the
+    untracked build and priming, so every figure would move if ``FastFake`` answered differently."""
+    trial = Trial.make("upipe", "tiny-llama", 4096, 4, step=StepConfig(stack=stack))
+    fast = _figures(trial)
+    monkeypatch.setattr(run, "fast_fake", contextlib.nullcontext)
+    plain = _figures(trial)
+    assert fast == plain
+    assert fast["peak_by_category"]["optstate"] > 0 and fast["peak_by_category"]["parameter"] > 0
+
+
+class _Schema:
+    """An operator's schema as the flag's scan reads it (``args_spec``), counting the scans."""
+
+    def __init__(self, *placements) -> None:
+        self.specs = [SimpleNamespace(placements=(p,)) for p in placements]
+        self.scans = 0
+
+    @property
+    def args_spec(self) -> list:
+        self.scans += 1
+        return self.specs
+
+
+class Untouchable:
+    """A strategy any read of which fails: the original returns before reading it where no _StridedShard is."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the strategy's {name} was read")
+
+
+def test_the_strided_flag_is_scanned_once_and_the_original_runs_where_a_strided_shard_is(monkeypatch):
+    calls = []
+    original = _sharding_prop._propagate_use_strided_shard_flag
+    plain = _Schema(Shard(0), Shard(1))
+    original(Untouchable(), plain)  # the original itself: nothing to do without a _StridedShard
+    monkeypatch.setattr(_sharding_prop, "_propagate_use_strided_shard_flag",
+                        lambda strategy, schema: calls.append((strategy, schema)))
+    strided = _Schema(Shard(0), _StridedShard(0, split_factor=2))
+    plain.scans = 0
+    with fakeroute._strided_flag_once():
+        once = _sharding_prop._propagate_use_strided_shard_flag
+        for _ in range(3):  # a foreach operator: one call per tensor of its lists, with one schema
+            once(Untouchable(), plain)
+        for child in range(3):
+            once(("child", child), strided)
+    assert plain.scans == 1 and strided.scans == 1
+    assert calls == [(("child", c), strided) for c in range(3)]  # the original, for the strided schema only
+    assert _sharding_prop._propagate_use_strided_shard_flag is not once  # restored on exit
