@@ -108,7 +108,10 @@ import itertools, json, os, resource, sys, time
 from torch._subclasses.fake_tensor import FakeTensorMode
 from bench.measure.run import measure_simulated
 from bench.measure.trial import Trial
-from bench.measure.config import StepConfig
+try:
+    from bench.measure.config import StepConfig
+except ImportError:  # a base from before the module moved (57cd16c, the base of issue 38)
+    from bench.training.config import StepConfig
 
 method, model, seq_len, world, stack = sys.argv[1:6]
 ops = itertools.count()
