@@ -296,7 +296,8 @@ def worst_of(trial: Trial, by_rank: dict[int, Measurement]) -> Measurement:
     several, ``rank_peaks`` (each rank's judged peak): a failed rank first (an error before an OOM), then
     a rank whose modelled allocator ran out, then the largest judged device peak, then the largest host
     peak; a tie goes to the lowest rank. The worst rank's whole measurement stands for the trial (its
-    counts, communication and notes too)."""
+    counts, communication and notes too), but for the slowest rank's attention under packed documents
+    (``_slowest_rank_attention``)."""
     severity = {"error": 2, "oom": 1}
 
     def key(rank: int) -> tuple:
@@ -310,7 +311,27 @@ def worst_of(trial: Trial, by_rank: dict[int, Measurement]) -> Measurement:
     out = dataclasses.replace(by_rank[worst], rank=worst)
     if len(by_rank) > 1 and all(r.status == "ok" for r in by_rank.values()):
         out.rank_peaks = [[rank, judged_peak(trial, by_rank[rank])] for rank in sorted(by_rank)]
+        _slowest_rank_attention(trial, by_rank, out)
     return out
+
+
+def _slowest_rank_attention(trial: Trial, by_rank: dict[int, Measurement], out: Measurement) -> None:
+    """Under packed documents the step waits for the slowest rank's attention (``bench.stackmodel.docwork``).
+    Where a rank with the most counted pairs was simulated and the worst by memory has fewer, ``out``'s counts
+    take that rank's own attention FLOPs and varlen excess (the excess goes by its calls' document lengths, not
+    by pairs), and ``out.attention_rank`` says so; otherwise ``build_row`` carries the worst rank's over by the
+    pairs."""
+    work = docwork.trial_work(trial) if trial.mode == "simulated" else None
+    if work is None or out.step_counts is None or work.pairs[out.rank] == max(work.pairs):
+        return
+    # a simulated rank with the most pairs (on a USP mesh the ranks of a ring position have the same)
+    slow = next((r for r in sorted(by_rank) if work.pairs[r] == max(work.pairs)), None)
+    if slow is None or by_rank[slow].step_counts is None:
+        return
+    own = by_rank[slow].step_counts
+    out.step_counts = dataclasses.replace(out.step_counts, flops_attention=own.flops_attention,
+                                          flops_attention_varlen_excess=own.flops_attention_varlen_excess)
+    out.attention_rank = slow
 
 
 def measure_worst_rank(trial: Trial, keep_trace: bool = False,
@@ -655,10 +676,13 @@ def build_row(trial: Trial, result: Measurement, wall_s: float, device_name: str
         if trial.step.scope == "model":
             counts = result.step_counts
             if work is not None and counts is not None:  # the step waits for the slowest rank's attention
-                simulated = result.rank or 0  # the counts are this rank's (the worst of those simulated)
-                counts = slowest_rank_counts(counts, work.pairs[simulated], max(work.pairs))
-                ratio = max(work.pairs) / work.pairs[simulated] if work.pairs[simulated] else float("inf")
-                notes.append(docwork.NOTE.format(rank=work.slowest_rank, simulated=simulated, ratio=ratio))
+                if result.attention_rank is not None:  # the slowest rank's own, simulated (worst_of)
+                    notes.append(docwork.NOTE_OWN.format(rank=result.attention_rank, worst=result.rank))
+                else:  # the counts are the rank's simulated (the worst of those simulated): carried over
+                    simulated = result.rank or 0
+                    counts = slowest_rank_counts(counts, work.pairs[simulated], max(work.pairs))
+                    ratio = max(work.pairs) / work.pairs[simulated] if work.pairs[simulated] else float("inf")
+                    notes.append(docwork.NOTE.format(rank=work.slowest_rank, simulated=simulated, ratio=ratio))
             for key, value in figures_from_counts(counts, preset, link, f.tokens_per_device,
                                                   trial.method, *stack_constants(trial.step.stack)).items():
                 setattr(f, key, value)

@@ -49,6 +49,10 @@ NOTE = ("docs: the modelled step takes the slowest rank's attention, rank {rank}
         "rank {simulated}'s counted attention FLOPs; bench.stackmodel.docwork); the flash op's varlen calls at their "
         "rate measured by document length and heads per call (bench.stackmodel.varlenrate), blockwise calls at the "
         "dense one")
+NOTE_OWN = ("docs: the modelled step takes the slowest rank's attention, rank {rank}'s own counted attention FLOPs and "
+            "their varlen excess (simulated; the step's other terms are rank {worst}'s, the worst by memory; "
+            "bench.stackmodel.docwork); the flash op's varlen calls at their rate measured by document length and "
+            "heads per call (bench.stackmodel.varlenrate), blockwise calls at the dense one")
 FLOPS_PER_PAIR_PER_HEAD_DIM = 4 + 10  # forward 4·d, backward 10·d per (query, key) pair and head
 
 

@@ -1,6 +1,7 @@
 """bench.stackmodel.docwork: per-rank attention work under packed documents, counted from the methods' layouts."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -110,3 +111,48 @@ def test_the_slowest_ranks_attention_is_carried_from_the_simulated_rank(simulate
     [note] = [n for n in row.notes if "slowest rank's attention" in n]
     ratio = max(want.pairs) / want.pairs[simulated]
     assert f"({ratio:.3f} x the simulated rank {simulated}'s counted attention FLOPs" in note, note
+
+
+def test_the_slowest_ranks_own_attention_is_taken_where_it_was_simulated():
+    """Every rank of a ring simulated (the worst by memory is not the slowest): the trial's counts take the
+    slowest rank's own attention FLOPs and varlen excess, everything else the worst rank's, and the row's step
+    uses them as they are (the excess goes by the calls' document lengths: carrying it by pairs from another
+    rank would not give the slowest rank's)."""
+    from bench.measure.result import Measurement
+    from bench.measure.run import build_row, worst_of
+    from bench.measure.trial import Trial
+    from bench.stackmodel.counts import StepCounts
+    from records.workloads import DocsSpec
+
+    trial = Trial.make("ring", "tiny-llama", S, 4, mode="simulated", docs=DocsSpec(lengths=SKEWED.lengths))
+    slow = rank_work("ring", SPEC, 4, SKEWED, n_layers=get_config("tiny-llama").n_layers).slowest_rank
+    worst = (slow + 1) % 4  # the largest peak
+
+    def rank(r: int) -> Measurement:
+        counts = StepCounts(flops_matmul=1e12 + r, flops_attention=1e11 * (r + 1),
+                            flops_attention_varlen_excess=1e9 * r)
+        return Measurement(status="ok", peak_bytes=(2 if r == worst else 1) << 30, host_peak_bytes=0,
+                           step_counts=counts)
+
+    out = worst_of(trial, {r: rank(r) for r in range(4)})
+    assert (out.rank, out.attention_rank) == (worst, slow)
+    assert out.step_counts.flops_matmul == 1e12 + worst  # the worst rank's other terms
+    assert (out.step_counts.flops_attention, out.step_counts.flops_attention_varlen_excess) == (1e11 * (slow + 1),
+                                                                                              1e9 * slow)
+    row = build_row(trial, out, 1.0)
+    assert row.figures.step_time_model["counts"]["flops.attention"] == 1e11 * (slow + 1)  # not carried again
+    [note] = [n for n in row.notes if "slowest rank's attention" in n]
+    assert f"rank {slow}'s own counted attention FLOPs" in note and f"rank {worst}'s, the worst by memory" in note
+    alone = worst_of(trial, {slow: rank(slow), worst: rank(worst)})  # also where only some ranks were simulated
+    assert alone.attention_rank == slow
+    carried = worst_of(trial, {r: rank(r) for r in range(4) if r != slow})  # the slowest not simulated: carried
+    assert carried.attention_rank is None
+    usp = Trial.make("usp", "tiny-llama", S, 4, mode="simulated", options={"ulysses_degree": 2},
+                     docs=DocsSpec(lengths=SKEWED.lengths))
+    pairs = rank_work("usp", SPEC, 4, SKEWED, {"ulysses_degree": 2}).pairs
+    top = [r for r in range(4) if pairs[r] == max(pairs)]
+    low = next(r for r in range(4) if pairs[r] < max(pairs))
+    simulated = {low: rank(low), top[-1]: dataclasses.replace(rank(top[-1]), peak_bytes=1)}  # as a mesh's positions
+    assert len(top) == 2 and worst_of(usp, simulated).attention_rank == top[-1]  # a rank with the same pairs
+    one_sequence = Trial.make("ring", "tiny-llama", S, 4, mode="simulated")
+    assert worst_of(one_sequence, {r: rank(r) for r in range(4)}).attention_rank is None
