@@ -461,6 +461,12 @@ def extrapolated(trial, workdir: str, cache: dict | None = None, slope: dict | N
     worst = worst_of(trial, {rank: dataclasses.replace(got.result, status=got.row.status)
                              for rank, got in by_rank.items()})
     row, result = by_rank[worst.rank].row, by_rank[worst.rank].result
+    if trial.documents() is not None:
+        # the row as the runner builds it from the worst rank (worst_of): its counts are that rank's, not rank
+        # 0's, where the step's attention is carried to the slowest rank's by pairs, or the slowest rank's own
+        result = dataclasses.replace(result, rank=worst.rank, rank_peaks=worst.rank_peaks,
+                                     step_counts=worst.step_counts, attention_rank=worst.attention_rank)
+        row = build_row(trial, dataclasses.replace(result, status="ok"), 0.0)
     f = row.figures
     _, compared = budgeted_peak(trial, f)
     load = row_load(trial, row)  # the binding budget's fill: device memory, or host memory for offloads

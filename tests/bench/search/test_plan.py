@@ -491,6 +491,25 @@ def test_plan_with_documents_reaches_the_rows(tmp_path, capsys, monkeypatch):
         assert modelled_time(e, "h100-80g", e.max_context) == pytest.approx(row.figures.step_time_s, rel=1e-9)
 
 
+def test_a_plans_row_under_documents_is_the_runners_on_every_deciding_rank(tmp_path, monkeypatch):
+    """Every deciding rank simulated (the tests' CPAB_SIM_RANKS=0 lifted): the plan's row for a ring with documents
+    is the one the runner builds from the worst rank, its step's attention the slowest rank's, not carried from
+    rank 0's pairs by a rank's own counts (rank 3 holds the long document and decides both here)."""
+    from bench.measure.run import run_trial
+    from bench.search.plan import extrapolated
+
+    monkeypatch.setenv("CPAB_SIM_RANKS", "deciding")
+    path = tmp_path / "tiny2.json"
+    path.write_text(json.dumps({**TINY, "n_layers": 2}))
+    trial = Trial.make("ring", str(path), 32768, 4, mode="simulated", options={"layout": "contiguous"},
+                       docs=DocsSpec(lengths=(512,) * 32 + (16384,)), step=StepConfig(stack="lean"))
+    runner = run_trial(trial)
+    planned = extrapolated(trial, str(tmp_path)).row
+    assert runner.figures.worst_rank == planned.figures.worst_rank == runner.figures.doc_work["slowest_rank"] == 3
+    assert planned.figures.step_time_s == pytest.approx(runner.figures.step_time_s, rel=1e-12)
+    assert planned.figures.step_time_model["counts"] == runner.figures.step_time_model["counts"]
+
+
 # --------------------------------------------------------------------------- the Hugging Face stack (--stack hf)
 
 HF_LLAMA = "bench/model_configs/hf/Llama-3.1-8B/config.json"
