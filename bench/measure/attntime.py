@@ -24,7 +24,6 @@ Which clock (``attention_clock``, recorded in the row as ``figures.attention_clo
 * ``wall``: ``time.perf_counter``, where a rank has several intra-op threads, whose work is not on the
   calling thread's clock. Rows made before the clock was recorded used this one.
 
-
 A method whose library calls its own kernels (``rfa-zigzag``, ``yc-*``, ``ds-fpdt``, ``torch-cp``)
 makes no call through the interface: ``seconds`` is then None (not measured), never 0.
 """

@@ -9,7 +9,7 @@ Two dispatch modes use it. The memory tracker (``simulate.PeakTracker``) calls i
 the tracked step. ``FastFake`` does nothing else: it is entered for the untracked work a simulation does
 before the step (building the model and FSDP2's sharding of it, the optimizer's priming step,
 ``bench.measure.run.measure_simulated``), which goes through the same operators as the step and, without
-it, through ``FakeTensorMode``'s whole dispatch each time: about half of a warm tiny-model trial.
+it, through ``FakeTensorMode``'s whole dispatch each time (what that cost: results/speed/README.md).
 
 The priming step also runs DTensor's sharding propagation once per foreach operator, which on a model of
 many layers is mostly ``_propagate_use_strided_shard_flag`` scanning every argument of the operator once
