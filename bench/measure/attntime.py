@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from methods.core import kernels
+from records.schema import ATTENTION_CLOCKS
 
 # a row's note when a real trial's ranks timed no attention (bench.measure.run.build_row)
 NONE_SEEN = ("rank_attention_s not measured: no attention call went through methods.core.kernels in the timed "
@@ -51,7 +52,7 @@ def timed_device(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-WALL, THREAD = "wall", "thread"
+WALL, THREAD = ATTENTION_CLOCKS  # the names a row records (records.schema validates them)
 CLOCKS: dict[str, Callable[[], float]] = {WALL: time.perf_counter, THREAD: time.thread_time}
 # what a row's note calls each clock's time
 CLOCK_SAID = {WALL: "wall time (time.perf_counter)",
