@@ -43,6 +43,8 @@ from records.schema import ATTENTION_CLOCKS
 # a row's note when a real trial's ranks timed no attention (bench.measure.run.build_row)
 NONE_SEEN = ("rank_attention_s not measured: no attention call went through methods.core.kernels in the timed "
              "steps (the method's library calls its own kernels)")
+MIXED_CLOCKS = ("rank_attention_s not reported: the ranks timed their attention on different clocks (their torch "
+                "intra-op threads differ: give every rank the same --threads)")
 NOT_ON_CUDA = ("rank_attention_s not measured on CUDA: the kernels run asynchronously, and timing them would "
                "need a synchronisation around each call that changes the step")
 

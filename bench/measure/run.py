@@ -77,7 +77,7 @@ from ..stackmodel.steptime import (
 from ..stackmodel.workspace import KernelWorkspace
 from ..training.step import build_attention, build_model, make_batch, maybe_prime_optimizer, step_fn
 from . import launch
-from .attntime import CLOCK_SAID, NONE_SEEN, NOT_ON_CUDA, AttentionTimer, median_seconds, timed_device
+from .attntime import CLOCK_SAID, MIXED_CLOCKS, NONE_SEEN, NOT_ON_CUDA, AttentionTimer, median_seconds, timed_device
 from .attntime import imbalance as attention_imbalance
 from .fakeroute import fast_fake
 from .result import AllocatorReplay, KeptTrace, LoadAround, Measurement, failed
@@ -574,6 +574,8 @@ def _attention_figures(f: Figures, result: Measurement, trial: Trial) -> list[st
     if result.status != "ok":
         return []
     if result.rank_attention_s is None:
+        if result.attention_times_s and result.attention_clock is None:  # timed, on clocks _combine_ranks refused
+            return [MIXED_CLOCKS]
         return [NOT_ON_CUDA if trial.preset().kind == "cuda" else NONE_SEEN]
     f.rank_attention_s = list(result.rank_attention_s)
     f.attention_imbalance = round(attention_imbalance(f.rank_attention_s), 6)

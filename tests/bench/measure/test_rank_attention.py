@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.measure.attntime import (
     CLOCKS,
+    MIXED_CLOCKS,
     NONE_SEEN,
     NOT_ON_CUDA,
     THREAD,
@@ -146,6 +147,20 @@ def test_a_cuda_row_says_its_attention_is_not_timed():
     row = build_row(trial, Measurement(compute_time_s=1.0, step_times_s=[1.0]), 1.0)
     assert NOT_ON_CUDA in row.notes and NONE_SEEN not in row.notes
     assert row.figures.rank_attention_s is None and row.figures.attention_imbalance is None
+
+
+def test_ranks_timed_on_different_clocks_report_no_times_and_say_why():
+    trial = Trial.make("ulysses", "tiny-llama", 1024, 2, mode="real", device="cpu", warmup=1, iters=1, smoke=True)
+
+    def rank(clock: str) -> Measurement:
+        return Measurement(compute_time_s=1.0, step_times_s=[1.0], attention_times_s=[0.5],
+                           attention_calls={"forward": 1, "backward": 1}, attention_clock=clock)
+
+    row = build_row(trial, _combine_ranks([rank(THREAD), rank(WALL)]), 1.0)
+    assert MIXED_CLOCKS in row.notes and NONE_SEEN not in row.notes
+    assert row.figures.rank_attention_s is None and row.figures.attention_clock is None
+    same = build_row(trial, _combine_ranks([rank(THREAD), rank(THREAD)]), 1.0)
+    assert same.figures.rank_attention_s == [0.5, 0.5] and same.figures.attention_clock == THREAD
 
 
 def test_a_row_refuses_attention_times_that_do_not_match_its_ranks():
