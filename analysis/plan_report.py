@@ -63,7 +63,7 @@ def render(res: dict[str, Any], wall_times: bool = True) -> str:
     hf = res["stack"] == hfstack.NAME
     counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
     version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
-    consts = stack_constants(hfstack.NAME)[0] if hf else constants_of(version)
+    consts = stack_constants(hfstack.NAME, version)[0] if hf else constants_of(version)
     baseline_of = res.get("baseline_of", "UPipe's paper setup")
     lines = [
         f"plan: {res['model']} on {res['gpus']} x {res['device']} ({res['nodes']} node(s)), "

@@ -889,7 +889,7 @@ def step_constants(stack: str, counts: StepCounts) -> tuple[StepTimeConstants, s
     under ``stack``: the hf stack's kernel and rate (``steptime.stack_constants``, as its simulated rows
     take them); else the constants fitted on counts of their version (``constants_for``)."""
     if stack == hfstack.NAME:
-        return stack_constants(stack)
+        return stack_constants(stack, counts_version(counts))
     return constants_for(counts), None
 
 

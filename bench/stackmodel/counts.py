@@ -17,6 +17,8 @@ simulation cache in ``step_counts`` (``bench.search.plan.SimCache``), with strin
 * ``bytes.memory_bound`` and ``bytes.memory_bound_calls`` (absent from counts of version 2)
 * ``comm.<op>.<group size>.<members in the rank's node>.bytes`` and ``.calls``; the same under
   ``comm_attn.`` for the attention's own calls of a kind it waits on (``Collective.attention``)
+* ``counts_version``: the version of the counting (``COUNTS_VERSION``), written from version 4 on; counts
+  without it are of version 3 where they have ``bytes.memory_bound``, else of version 2
 * any other key: an event noted by a method (``methods.core.events``: ``pipeline.chunk_passes``)
 
 :meth:`StepCounts.from_flat` and :meth:`StepCounts.to_flat` are the one place that form is read
@@ -32,6 +34,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+# what ``bench.stackmodel.stepcount`` counts: 2 the FLOPs, host copies and collectives; 3 the memory-bound kernels'
+# bytes, the skipped tiles weighed; 4 the indexing kernels' bytes as the rows they index, not the whole tensors
+COUNTS_VERSION = 4
+VERSION_KEY = "counts_version"  # the flat key of StepCounts.version
 KERNEL_CLASSES = ("matmul", "attention", "other")
 VARLEN_EXCESS = "attention_varlen_excess"  # flops.<this>: the varlen calls' excess (module docstring)
 ISSUERS = ("method", "offload")
@@ -95,6 +101,16 @@ class StepCounts:
     memory_bound: Traffic | None = None  # the memory-bound kernels' calls and HBM bytes; None: counts of version 2
     events: dict[str, float] = field(default_factory=dict)  # events the methods noted, by name (count)
     collectives: dict[Collective, Traffic] = field(default_factory=dict)  # collective calls by kind, first seen first
+    version: int | None = None  # the counting's version (COUNTS_VERSION); None: counts from before it was written
+
+    def known_version(self) -> int | None:
+        """``version``, or for counts from before it was written 3 (with the memory-bound bytes) or 2; None for
+        empty counts (``StepCounts()``), which any version can join."""
+        if self.version is not None:
+            return self.version
+        if self == StepCounts():
+            return None
+        return 3 if self.memory_bound is not None else 2
 
     def host_bytes(self, issuer: str) -> float:
         """Bytes ``issuer``'s copies moved, device to host plus host to device."""
@@ -108,7 +124,13 @@ class StepCounts:
         """Counts whose every figure is ``fn`` of that figure in each of ``parts`` (a figure a part
         lacks is 0): extrapolation over layers, per-layer increments, interpolation over lengths.
         An entry of any part is an entry of the result; ``memory_bound`` is None only where it is
-        None in every part."""
+        None in every part. Counts of different versions (``known_version``) are refused with a
+        ``ValueError``: their figures do not count the same thing."""
+        versions = {v for p in parts if (v := p.known_version()) is not None}
+        if len(versions) > 1:
+            raise ValueError(f"step counts of versions {sorted(versions)} cannot be combined: simulate them again "
+                             f"with today's counting (version {COUNTS_VERSION})")
+        version = next((p.version for p in parts if p.version is not None), None)
         def entries(get: Callable[[StepCounts], dict]) -> dict:
             keys = dict.fromkeys(k for p in parts for k in get(p))
             return {k: Traffic(fn(*(get(p).get(k, Traffic()).calls for p in parts)),
@@ -126,6 +148,7 @@ class StepCounts:
                 fn(*((b or Traffic()).calls for b in bound)), fn(*((b or Traffic()).bytes for b in bound))),
             events={name: fn(*(p.events.get(name, 0) for p in parts)) for name in names},
             collectives=entries(lambda p: p.collectives),
+            version=version,
         )
 
     # ----------------------------------------------------------------------- the flat form (module docstring)
@@ -137,11 +160,17 @@ class StepCounts:
         flops: dict[str, float] = {}
         pairs: dict[object, dict[str, float]] = {}  # Traffic entries (in order first seen) -> {"calls", "bytes"}
         events: dict[str, float] = {}
+        version = None
         for key, value in flat.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"step count {key!r} must be a number, got {value!r}")
             head, _, rest = key.partition(".")
-            if head == "flops":
+            if key == VERSION_KEY:
+                if not isinstance(value, int) or not 4 <= value <= COUNTS_VERSION:
+                    raise ValueError(f"step count {key!r} must be an integer from 4 to {COUNTS_VERSION} (earlier "
+                                     f"counts do not write it), got {value!r}")
+                version = value
+            elif head == "flops":
                 if rest not in (*KERNEL_CLASSES, VARLEN_EXCESS):
                     raise ValueError(f"step count {key!r}: the FLOPs classes are {', '.join(KERNEL_CLASSES)} "
                                      f"(and {VARLEN_EXCESS})")
@@ -188,7 +217,7 @@ class StepCounts:
                    flops_attention_varlen_excess=flops.get(VARLEN_EXCESS, 0.0),
                    host_copies={k: v for k, v in traffic.items() if isinstance(k, HostCopy)},
                    memory_bound=traffic.get("memory_bound"), events=events,
-                   collectives={k: v for k, v in traffic.items() if isinstance(k, Collective)})
+                   collectives={k: v for k, v in traffic.items() if isinstance(k, Collective)}, version=version)
 
     def to_flat(self) -> dict[str, float]:
         """The flat form (module docstring), keys sorted as rows store them."""
@@ -205,8 +234,11 @@ class StepCounts:
         for kind, t in self.collectives.items():
             out[f"{_flat_name(kind)}.bytes"] = t.bytes
             out[f"{_flat_name(kind)}.calls"] = t.calls
+        if self.version is not None:
+            out[VERSION_KEY] = self.version
         for name, n in self.events.items():
-            if name in out or name.partition(".")[0] in ("flops", "host", "bytes", *_COMM_PREFIXES):
+            if name in out or name == VERSION_KEY or name.partition(".")[0] in ("flops", "host", "bytes",
+                                                                                 *_COMM_PREFIXES):
                 raise ValueError(f"event name {name!r} collides with the counts' own keys: name it otherwise")
             out[name] = n
         return dict(sorted(out.items()))

@@ -48,9 +48,20 @@ updates, device-to-device copies) is memory-bound on a GPU: it must read its ten
 write its outputs from HBM at least once. Counted as those bytes (``bytes.memory_bound``), each
 tensor as the distinct elements it spans (a broadcast dimension, stride 0, counted once); views
 and allocations move nothing and are skipped; ``copy_``/``fill_``/``zero_`` and the random fills
-only write their destination, and ``new_zeros``/``new_ones``/``new_full`` their output (their tensor
-argument gives only the dtype and device). A lower bound: a kernel that re-reads an input (a norm's two
-passes) moves more, and fused kernels (a fused AdamW) less.
+only write their destination, and ``new_zeros``/``new_ones``/``new_full`` and
+``zeros_like``/``ones_like``/``full_like`` their output (their tensor argument gives only the shape,
+dtype and device). The indexing kernels move the rows they index, not the whole tensors they index
+into (``_indexed_bytes``; counts of version 4): a gather (``index_select``, ``index``, ``gather``,
+``embedding``) reads as many elements of its source as it writes to its output, plus the index; an
+in-place scatter (``index_copy_``, ``index_add_``, ``index_put_``, ``scatter_``, ``scatter_add_``,
+``scatter_reduce_``) reads its source and the index and writes the rows of its destination that the
+index names, reading them first where it accumulates (CUDA's ``index_select``/``gather`` and
+``index_add_``/``scatter_add_`` kernels loop over the index, ATen's ``native/cuda/Indexing.cu`` and
+``ScatterGatherKernel.cu``). Before version 4 they counted the whole source or destination: the
+ring's packed ``doc-zigzag`` calls, which gather and scatter their rows on every ring step, and the
+loss's ``gather``/``scatter_add_`` over the vocabulary-wide logits, were overcounted. A lower bound:
+a kernel that re-reads an input (a norm's two passes) moves more, and fused kernels (a fused AdamW)
+less.
 
 Events (``methods.core.events``): what a method notes as it runs, for costs that go by a count
 of pieces of its schedule rather than by FLOPs or bytes: ``pipeline.chunk_passes``, one per
@@ -72,7 +83,7 @@ from methods.core import events
 from methods.core.tiling import counted_as
 
 from . import varlencount
-from .counts import KERNEL_CLASSES, HostCopy, StepCounts, Traffic
+from .counts import COUNTS_VERSION, KERNEL_CLASSES, HostCopy, StepCounts, Traffic
 from .simmode import Counter, SimulationMode, any_dtensor
 
 aten = torch.ops.aten
@@ -361,7 +372,14 @@ _NO_DATA_OPS = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided"
 # write their output (or destination) without reading the first argument: in-place fills and copies, and
 # the ``new_*`` constructors, whose first argument only gives the dtype and device (``q.new_zeros(...)``)
 _WRITE_ONLY_OPS = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_",
-                             "new_zeros", "new_ones", "new_full"})
+                             "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"})
+# gathers: read from their source only the elements they write to their output (module docstring);
+# the argument positions of the index tensors
+_GATHER_INDEX_ARGS = {"index_select": (2,), "gather": (2,), "index": (1,), "embedding": (1,)}
+# in-place scatters: (position of the index argument(s), position of the source or None, whether the destination's
+# indexed elements are also read: an accumulating kernel)
+_SCATTER_OPS = {"index_copy_": (2, 3, False), "index_add_": (2, 3, True), "scatter_": (2, 3, False),
+                "scatter_add_": (2, 3, True), "scatter_reduce_": (2, 3, True), "index_put_": (1, 2, None)}
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
 
 
@@ -407,6 +425,44 @@ class MemoryTraffic(Counter):
         return [t for t in torch.utils._pytree.tree_leaves(tree)
                 if isinstance(t, torch.Tensor) and t.device.type == self.accelerator]
 
+    def _indexed_bytes(self, name: str, args: tuple, kwargs: dict, out) -> int | None:
+        """The bytes an indexing kernel moves (module docstring): the elements it gathers or scatters, the
+        index, and (accumulating) the destination's indexed elements read; None where the indexed elements
+        are not known from the shapes (a boolean mask's), or the destination is not on the accelerator."""
+        def index_bytes(positions: tuple[int, ...]) -> int:
+            found = [args[i] for i in positions if i < len(args)]
+            return sum(_span_bytes(t) for t in self._on_device(found))
+
+        if name in _GATHER_INDEX_ARGS:
+            if not isinstance(out, torch.Tensor) or out.device.type != self.accelerator:
+                return None
+            return 2 * _span_bytes(out) + index_bytes(_GATHER_INDEX_ARGS[name])
+        at, source_at, accumulates = _SCATTER_OPS[name]
+        dest = args[0]
+        if not isinstance(dest, torch.Tensor) or dest.device.type != self.accelerator:
+            return None
+        source = args[source_at] if source_at < len(args) else None
+        if name == "index_put_":  # x[indices] = values: the indexed shape is the integer indices' broadcast
+            indices = args[1]
+            given = [i for i in indices if i is not None]
+            if not given or any(i.dtype in (torch.bool, torch.uint8) for i in given):
+                return None  # a mask: how many elements it names is in its data
+            rest = [dest.shape[d] for d, i in enumerate(indices) if i is None] + list(dest.shape[len(indices):])
+            elements = torch.Size(torch.broadcast_shapes(*(i.shape for i in given))).numel() * torch.Size(rest).numel()
+            accumulates = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
+            idx = sum(_span_bytes(t) for t in self._on_device(given))
+        elif name.startswith("scatter"):
+            elements = args[2].numel()  # one element of the destination per element of the index
+            idx = index_bytes((at,))
+        else:  # index_copy_, index_add_: the source's rows
+            elements = source.numel() if isinstance(source, torch.Tensor) else 0
+            idx = index_bytes((at,))
+        region = elements * dest.element_size()
+        read_source = 0
+        if isinstance(source, torch.Tensor) and source.device.type == self.accelerator:
+            read_source = min(_span_bytes(source), elements * source.element_size())
+        return read_source + idx + region * (2 if accumulates else 1)
+
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         if _LocalOpsMode.propagating or not isinstance(func, torch._ops.OpOverload):
             return
@@ -423,6 +479,9 @@ class MemoryTraffic(Counter):
             moved = _span_bytes(args[0]) + _span_bytes(out)  # a cast on the device (bf16 logits to fp32)
         elif name in _NO_DATA_OPS:  # a copy to or from the host is a host copy (HostCopies)
             return
+        elif (name in _GATHER_INDEX_ARGS or name in _SCATTER_OPS) \
+                and (indexed := self._indexed_bytes(name, args, kwargs, out)) is not None:
+            moved = indexed
         else:
             writes = self._on_device(out)
             if written is not None:  # in-place (the _foreach_ ones return nothing): the written arguments
@@ -467,4 +526,5 @@ class StepCounter:
         return StepCounts(flops_matmul=flops["matmul"], flops_attention=flops["attention"],
                           flops_other=flops["other"], flops_attention_varlen_excess=self.flops.varlen_excess,
                           host_copies=dict(self.copies.counts),
-                          memory_bound=Traffic(self.traffic.calls, self.traffic.bytes), events=dict(self.events))
+                          memory_bound=Traffic(self.traffic.calls, self.traffic.bytes), events=dict(self.events),
+                          version=COUNTS_VERSION)

@@ -115,7 +115,7 @@ from typing import Any
 
 from methods.core.events import CHUNK_PASSES
 
-from .counts import Collective, StepCounts, Traffic
+from .counts import COUNTS_VERSION, Collective, StepCounts, Traffic
 from .hardware import CommCounter, DevicePreset, LinkModel
 from .stack import scratch_model
 
@@ -124,10 +124,10 @@ from .stack import scratch_model
 # 4: DeepSpeed FPDT's per-chunk synchronisation (pipeline.chunk_passes), eff_matmul measured, not fitted;
 # 5: the paper's ring-step barriers (comm.barrier.*) at their own fitted barrier_s
 STEPTIME_VERSION = 5
-# the counts' own version (what bench.stackmodel.stepcount counts): 3 since the memory-bound bytes. Version 4 of the
-# model added pipeline.chunk_passes, which only the DeepSpeed-FPDT term reads (the Table 3 model, on counts it
-# collects itself), so counts of version 3 are complete for everything else and need no re-simulation
-COUNTS_VERSION = 3
+# the counts' own version (bench.stackmodel.counts.COUNTS_VERSION: what bench.stackmodel.stepcount counts): 3 since
+# the memory-bound bytes, 4 since the indexing kernels' bytes are the rows they index. Version 4 of the model added
+# pipeline.chunk_passes, which only the DeepSpeed-FPDT term reads (the Table 3 model, on counts it collects itself),
+# so counts of version 3 are complete for everything else and need no re-simulation
 HOST_LINK_Bps = 32e9 * 16 / 8 * 128 / 130  # PCIe 5.0 x16 per direction (see the module docstring)
 CRITICAL_OPS = ("all_to_all", "barrier")  # waited on before the next kernel
 OVERLAP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "send", "broadcast")  # FSDP2 prefetch, ring P2P
@@ -166,6 +166,10 @@ EFF_MATMUL_MEASURED = 0.783165
 # Llama3-8B 128K fit cell; charged at latency_s instead, the fit doubled the latency of every call (696 us).
 FITTED = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=0.630307, eff_attention_fa2=0.318587,
                            latency_s=459.679e-6, ds_fpdt_chunk_s=36.4536e-3, barrier_s=1218.39e-6)
+# what FITTED was on the version-3 counts (the indexing kernels' whole tensors counted): for counts of version 3
+# (committed rows simulated before version 4, the planner's cache), which these constants were fitted with
+FITTED_V3 = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=0.630307, eff_attention_fa2=0.318587,
+                              latency_s=459.679e-6, ds_fpdt_chunk_s=36.4536e-3, barrier_s=1218.39e-6)
 # what FITTED was before version 3, fitted on the version-2 counts (the tiles a simulation skips left out, no
 # memory-bound bytes): for counts made before version 3 (the planner's cache), which these constants absorbed
 FITTED_V2 = StepTimeConstants(eff_matmul=0.426829, eff_attention=0.614063, eff_attention_fa2=0.315194,
@@ -181,25 +185,33 @@ HF_CONSTANTS = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=E
                                  eff_attention_fa2=EFF_SDPA_FLASH_MEASURED, latency_s=FITTED.latency_s)
 
 
-def stack_constants(stack: str) -> tuple[StepTimeConstants, str | None]:
-    """(constants, attention kernel) of a simulated row under ``stack``: ``FITTED`` and the method's own
-    kernel (None: ``attention_kernel``) for the paper and lean stacks; under ``hf`` the kernel that runs
-    there, FlashAttention 2's code (flash_attention_2 or torch's SDPA; cuDNN stood in for by it), at
-    ``EFF_SDPA_FLASH_MEASURED``, with the model's other constants (the per-call latency still fitted),
-    no ring barrier and no FPDT term (the hf stack runs neither)."""
-    return (HF_CONSTANTS, "fa2") if stack == "hf" else (FITTED, None)
+def stack_constants(stack: str, version: int = COUNTS_VERSION) -> tuple[StepTimeConstants, str | None]:
+    """(constants, attention kernel) of a simulated row under ``stack`` with counts of ``version``: the
+    constants fitted on such counts (``constants_of``) and the method's own kernel (None:
+    ``attention_kernel``) for the paper and lean stacks; under ``hf`` the kernel that runs there,
+    FlashAttention 2's code (flash_attention_2 or torch's SDPA; cuDNN stood in for by it), at
+    ``EFF_SDPA_FLASH_MEASURED``, with the model's other constants (the per-call latency still fitted, that
+    of ``version``), no ring barrier and no FPDT term (the hf stack runs neither)."""
+    fitted = constants_of(version)
+    if stack != "hf":
+        return fitted, None
+    return replace(HF_CONSTANTS, latency_s=fitted.latency_s), "fa2"
 
 
 def counts_version(counts: StepCounts) -> int:
-    """3 for counts with the memory-bound bytes (``bench.stackmodel.stepcount`` since ``STEPTIME_VERSION`` 3,
-    skipped tiles weighed), else 2."""
-    return 3 if counts.memory_bound is not None else 2
+    """The counts' version (``StepCounts.known_version``; ``COUNTS_VERSION`` for empty counts): 4 for counts
+    that write it, else 3 for counts with the memory-bound bytes (``bench.stackmodel.stepcount`` since
+    ``STEPTIME_VERSION`` 3, skipped tiles weighed), else 2."""
+    known = counts.known_version()
+    return COUNTS_VERSION if known is None else known
 
 
 def constants_of(version: int) -> StepTimeConstants:
-    """The constants fitted on counts of ``version``: ``FITTED``, or ``FITTED_V2`` for older counts (which
-    leave out work that version-2 constants absorbed; with ``FITTED`` they would come out too fast)."""
-    return FITTED if version >= 3 else FITTED_V2
+    """The constants fitted on counts of ``version``: ``FITTED``; ``FITTED_V3`` for counts of version 3
+    (the indexing kernels' whole tensors counted, which those constants were fitted with); ``FITTED_V2``
+    for older counts (which leave out work that version-2 constants absorbed; with ``FITTED`` they would
+    come out too fast)."""
+    return FITTED if version >= 4 else FITTED_V3 if version == 3 else FITTED_V2
 
 
 def constants_for(counts: StepCounts) -> StepTimeConstants:
@@ -374,7 +386,7 @@ def scale_counts(counts: StepCounts, from_len: int, to_len: int) -> StepCounts:
                       flops_other=counts.flops_other * r, host_copies=bytes_scaled(counts.host_copies),
                       memory_bound=None if bound is None else Traffic(bound.calls, bound.bytes * r),
                       events={k: v * r for k, v in counts.events.items()},
-                      collectives=bytes_scaled(counts.collectives))
+                      collectives=bytes_scaled(counts.collectives), version=counts.version)
 
 
 def figures_from_counts(counts: StepCounts | None, device: DevicePreset, link: LinkModel,

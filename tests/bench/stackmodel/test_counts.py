@@ -20,9 +20,18 @@ from bench.measure.run import guarded, measure_simulated
 from bench.measure.trial import Trial
 from bench.model.config import get_config
 from bench.stackmodel import stack
-from bench.stackmodel.counts import Collective, HostCopy, StepCounts, Traffic
+from bench.stackmodel.counts import COUNTS_VERSION, Collective, HostCopy, StepCounts, Traffic
 from bench.stackmodel.hardware import get_device, get_link
-from bench.stackmodel.steptime import FITTED, STEPTIME_VERSION, figures_from_counts, step_time
+from bench.stackmodel.steptime import (
+    FITTED,
+    FITTED_V3,
+    STEPTIME_VERSION,
+    constants_for,
+    counts_version,
+    figures_from_counts,
+    scale_counts,
+    step_time,
+)
 
 RESULTS = Path(__file__).resolve().parents[3] / "results"
 
@@ -164,11 +173,33 @@ FLOPS = {"flops.matmul": 1, "flops.attention": 2, "flops.other": 0}
     ({**FLOPS, "bytes.memory_bound_calls": 1}, "bytes.memory_bound"),
     ({**FLOPS, "bytes.other": 1}, "bytes.other"),
     ({**FLOPS, "pipeline.chunk_passes": "12"}, "pipeline.chunk_passes"),
+    ({**FLOPS, "counts_version": 3}, "counts_version"),  # version 3 did not write it
+    ({**FLOPS, "counts_version": 4.0}, "counts_version"),
+    ({**FLOPS, "counts_version": COUNTS_VERSION + 1}, "counts_version"),
 ])
 def test_malformed_flat_counts_are_refused_naming_the_key(flat, named):
     with pytest.raises(ValueError, match=named.replace(".", r"\.")) as err:
         StepCounts.from_flat(flat)
     assert "\n" not in str(err.value)
+
+
+def test_the_counts_version_is_written_read_kept_and_not_mixed():
+    """Counts of this version carry it through the flat form, scaling and combining; counts from before it
+    was written are known by their content (3 with the memory-bound bytes, 2 without); counts of two
+    versions are not combined (their memory-bound bytes count different things), empty counts join any."""
+    new = StepCounts(flops_matmul=1, memory_bound=Traffic(1, 10), version=COUNTS_VERSION)
+    flat = new.to_flat()
+    assert flat["counts_version"] == COUNTS_VERSION and StepCounts.from_flat(flat) == new
+    old = dataclasses.replace(new, version=None)
+    assert "counts_version" not in old.to_flat() and old.known_version() == 3
+    assert dataclasses.replace(old, memory_bound=None).known_version() == 2
+    assert counts_version(StepCounts()) == COUNTS_VERSION
+    assert scale_counts(new, 1, 2).version == COUNTS_VERSION
+    assert StepCounts.combine([new, StepCounts()], lambda a, b: a + b).version == COUNTS_VERSION
+    assert StepCounts.combine([old, old], lambda a, b: a + b).version is None
+    with pytest.raises(ValueError, match=r"versions \[3, 4\] cannot be combined"):
+        StepCounts.combine([old, new], lambda a, b: a + b)
+    assert constants_for(new) is FITTED and constants_for(old) is FITTED_V3
 
 
 def test_an_event_named_like_a_count_is_refused_on_writing():

@@ -217,6 +217,36 @@ def test_memory_traffic_counts_what_kernels_read_and_write():
     assert traffic.bytes == 8400 + 12000 + 12000 + 3 * 2000
 
 
+def test_indexing_kernels_move_the_rows_they_index_not_the_whole_tensors():
+    """A gather reads as many source elements as it writes, plus the index; an in-place scatter reads its
+    source and the index and writes the indexed rows (reading them first where it accumulates); a mask,
+    whose count is in its data, keeps the whole tensors; a *_like constructor reads nothing."""
+    big, idx = torch.ones(1000, 100), torch.arange(0, 1000, 100)  # 400,000 bytes; 10 indices of 8 bytes
+    rows = torch.ones(10, 100)  # 4,000 bytes: what the index names
+    flat_idx = torch.zeros(10, 100, dtype=torch.int64)  # 8,000 bytes
+    mask, zero = big[:, 0] > 0, torch.zeros(())  # 1,000 bytes; 4 bytes
+    cases = [
+        (lambda: big.index_select(0, idx), 2 * 4000 + 80),
+        (lambda: big[idx], 2 * 4000 + 80),  # aten.index
+        (lambda: torch.nn.functional.embedding(idx, big), 2 * 4000 + 80),
+        (lambda: big.gather(0, flat_idx), 2 * 4000 + 8000),
+        (lambda: big.index_copy_(0, idx, rows), 4000 + 80 + 4000),
+        (lambda: big.index_add_(0, idx, rows), 4000 + 80 + 2 * 4000),
+        (lambda: big.scatter_add_(0, flat_idx, rows), 4000 + 8000 + 2 * 4000),
+        (lambda: big.scatter_(0, flat_idx, rows), 4000 + 8000 + 4000),
+        (lambda: big.index_put_((idx,), rows), 4000 + 80 + 4000),
+        (lambda: big.index_put_((idx,), rows, accumulate=True), 4000 + 80 + 2 * 4000),
+        (lambda: big.index_put_((mask,), zero), 400_000 + 1000 + 4 + 400_000),  # a mask: the whole tensors
+        (lambda: torch.zeros_like(big), 400_000),
+        (lambda: torch.full_like(big, 2.0), 400_000),
+    ]
+    for i, (run, moved) in enumerate(cases):
+        traffic = MemoryTraffic("cpu")
+        with traffic:
+            run()
+        assert traffic.bytes == moved, (i, traffic.bytes, moved)
+
+
 def test_memory_bound_bytes_take_the_device_bandwidth():
     dev, link = get_device("h100-80g"), get_link("nvlink-h100")
     terms = step_time(StepCounts(memory_bound=Traffic(1, dev.hbm_Bps)), dev, link)["terms"]
