@@ -97,7 +97,7 @@ class Measurement:
     rank: int | None = None  # simulated, emulated: the rank measured; of several (worst_of), the worst
     rank_peaks: list[list[int]] | None = None  # several ranks simulated or emulated: [rank, judged peak (bytes)]
     # simulated with documents, several ranks: a simulated rank with the most counted attention pairs, where ``rank``
-    # has fewer: ``step_counts`` then holds its own attention FLOPs and varlen excess (worst_of)
+    # has fewer: ``step_counts`` are then its own, the whole step's (worst_of)
     attention_rank: int | None = None
     rank_reserved_peaks: list[list[int]] | None = None  # several ranks emulated on CUDA: [rank, reserved peak]
     trace: KeptTrace | None = field(default=None, compare=False, repr=False)  # keep_trace: to replay (not in to_dict)

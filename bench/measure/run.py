@@ -296,8 +296,8 @@ def worst_of(trial: Trial, by_rank: dict[int, Measurement]) -> Measurement:
     several, ``rank_peaks`` (each rank's judged peak): a failed rank first (an error before an OOM), then
     a rank whose modelled allocator ran out, then the largest judged device peak, then the largest host
     peak; a tie goes to the lowest rank. The worst rank's whole measurement stands for the trial (its
-    counts, communication and notes too), but for the slowest rank's attention under packed documents
-    (``_slowest_rank_attention``)."""
+    counts, communication and notes too), but for the counts of the slowest rank under packed documents
+    (``_slowest_rank_counts``)."""
     severity = {"error": 2, "oom": 1}
 
     def key(rank: int) -> tuple:
@@ -311,16 +311,17 @@ def worst_of(trial: Trial, by_rank: dict[int, Measurement]) -> Measurement:
     out = dataclasses.replace(by_rank[worst], rank=worst)
     if len(by_rank) > 1 and all(r.status == "ok" for r in by_rank.values()):
         out.rank_peaks = [[rank, judged_peak(trial, by_rank[rank])] for rank in sorted(by_rank)]
-        _slowest_rank_attention(trial, by_rank, out)
+        _slowest_rank_counts(trial, by_rank, out)
     return out
 
 
-def _slowest_rank_attention(trial: Trial, by_rank: dict[int, Measurement], out: Measurement) -> None:
-    """Under packed documents the step waits for the slowest rank's attention (``bench.stackmodel.docwork``).
-    Where a rank with the most counted pairs was simulated and the worst by memory has fewer, ``out``'s counts
-    take that rank's own attention FLOPs and varlen excess (the excess goes by its calls' document lengths, not
-    by pairs), and ``out.attention_rank`` says so; otherwise ``build_row`` carries the worst rank's over by the
-    pairs."""
+def _slowest_rank_counts(trial: Trial, by_rank: dict[int, Measurement], out: Measurement) -> None:
+    """Under packed documents the step waits for the slowest rank (``bench.stackmodel.docwork``). Where a rank
+    with the most counted attention pairs was simulated and the worst by memory has fewer, ``out``'s counts are
+    that rank's own: its attention FLOPs and varlen excess (the excess goes by its calls' document lengths, not
+    by pairs) and the rest of its step (a ring's packed pieces differ by rank in their gathers and scatters too),
+    so that the modelled step is one rank's; ``out.attention_rank`` says which. Otherwise ``build_row`` carries
+    the worst rank's attention over by the pairs."""
     work = docwork.trial_work(trial) if trial.mode == "simulated" else None
     if work is None or out.step_counts is None or work.pairs[out.rank] == max(work.pairs):
         return
@@ -328,9 +329,7 @@ def _slowest_rank_attention(trial: Trial, by_rank: dict[int, Measurement], out: 
     slow = next((r for r in sorted(by_rank) if work.pairs[r] == max(work.pairs)), None)
     if slow is None or by_rank[slow].step_counts is None:
         return
-    own = by_rank[slow].step_counts
-    out.step_counts = dataclasses.replace(out.step_counts, flops_attention=own.flops_attention,
-                                          flops_attention_varlen_excess=own.flops_attention_varlen_excess)
+    out.step_counts = by_rank[slow].step_counts
     out.attention_rank = slow
 
 

@@ -327,7 +327,9 @@ def fresh_counts(trial, workdir: str, rank: int = 0) -> StepCounts | None:
     """The step counts of ``trial`` simulated anew on ``rank`` (extrapolated as ``sim_scheme`` says), for an entry
     whose cached simulations predate the counts of ``COUNTS_VERSION`` (memory figures do not
     depend on the counting, so the search's answer stands); the new results replace the cached
-    ones (the cache file gets the later line, which wins when it is read)."""
+    ones (the cache file gets the later line, which wins when it is read). Not where the cache may not
+    simulate (a committed plan re-rendered): there older counts keep the constants fitted on their
+    version (``steptime.constants_of``)."""
     cfg = trial.config()
     trial = dataclasses.replace(trial, mode="simulated")
     how = sim_scheme(trial)
@@ -810,7 +812,8 @@ def _search_entry(args) -> Entry:
         entry.peak_bytes, entry.host_peak_bytes = best.peak_bytes, best.host_peak_bytes
         entry.comm_time_s = best.comm_time_s
         entry.step_counts, entry.rank = getattr(best, "step_counts", None), getattr(best, "rank", 0)
-        if entry.step_counts and counts_version(entry.step_counts) < COUNTS_VERSION:
+        if entry.step_counts and counts_version(entry.step_counts) < COUNTS_VERSION \
+                and (_CACHE is None or _CACHE.simulate):  # re-rendering (no simulation): the counts' own constants
             entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir, entry.rank)
         ranks = deciding_ranks(entry.trial)
         if len(ranks) > 1:  # which of the deciding ranks holds the most

@@ -44,14 +44,14 @@ from methods.core.layouts import LayoutPlan, Run, plan_layout
 from methods.core.seqlayout import SequenceLayoutMethod, layout_of, pad_of
 from methods.core.spec import AttnSpec
 
-# a simulated row's note when the step time takes the slowest rank's attention (bench.measure.run.build_row):
-# carried over from the simulated rank by pairs, or the slowest rank's own where it was simulated; then the rates
+# a simulated row's note when the step time waits for the slowest rank (bench.measure.run.build_row): its attention
+# carried over from the simulated rank by pairs, or the slowest rank's own counts where it was simulated; the rates
 _RATES = ("the flash op's varlen calls at their rate measured by document length and heads per call "
           "(bench.stackmodel.varlenrate), blockwise calls at the dense one")
 NOTE = ("docs: the modelled step takes the slowest rank's attention, rank {rank}'s ({ratio:.3f} x the simulated "
         "rank {simulated}'s counted attention FLOPs; bench.stackmodel.docwork); " + _RATES)
-NOTE_OWN = ("docs: the modelled step takes the slowest rank's attention, rank {rank}'s own counted attention FLOPs and "
-            "their varlen excess (simulated; the step's other terms are rank {worst}'s, the worst by memory; "
+NOTE_OWN = ("docs: the modelled step is the slowest rank's, rank {rank}'s own counts (its attention FLOPs and their "
+            "varlen excess, and the rest of its step; simulated; the peaks are rank {worst}'s, the worst by memory; "
             "bench.stackmodel.docwork); " + _RATES)
 FLOPS_PER_PAIR_PER_HEAD_DIM = 4 + 10  # forward 4·d, backward 10·d per (query, key) pair and head
 
