@@ -237,7 +237,9 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
     device_key = str(device)  # the simulated accelerator's device
     device_peak = peaks.get(device_key)
     host_peak = peaks.get(host) if host != device_key else None
-    counts = dataclasses.replace(steps.counts(), collectives=comm_counts(counter, trial.link_model().ranks_per_node))
+    # the collectives' members in the simulated rank's own node (rank 8 of 16: node 1), not rank 0's
+    counts = dataclasses.replace(steps.counts(),
+                                 collectives=comm_counts(counter, trial.link_model().ranks_per_node, rank))
     out = Measurement(
         peak_bytes=device_peak.total if device_peak else 0,
         peak_by_category=dict(device_peak.by_category) if device_peak else {},

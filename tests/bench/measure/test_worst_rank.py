@@ -147,6 +147,17 @@ def test_the_ranks_of_a_usp_ulysses_group_hold_the_same(three_blocks):
     assert deciding_ranks(trial) == (0, 2)
 
 
+def test_a_ranks_collectives_are_placed_from_its_own_node():
+    """USP's Ulysses groups of 8 on 16 ranks (two nodes of 8): rank 8's group is ranks 8-15, all in rank
+    8's node, so its all-to-alls go over NVLink as rank 0's do (counted from rank 0's node, they had no
+    member in it and went over InfiniBand)."""
+    trial = Trial.make("usp", "tiny-llama", SEQ, 16, {"ulysses_degree": 8}, mode="simulated", device="h100-80g")
+    trial.validate()
+    kinds = {r: {k for k in measure_simulated(trial, rank=r).step_counts.collectives if k.op == "all_to_all"}
+             for r in (0, 8)}
+    assert kinds[0] and kinds[8] == kinds[0] and {(k.size, k.in_node) for k in kinds[8]} == {(8, 8)}
+
+
 @pytest.fixture(scope="module")
 def shallow_ring(ring_ranks, tmp_path_factory):
     """``_ring()`` on a 6-layer tiny model, and ``simulated(trial, keep_trace, rank)``: each rank's 3- and
