@@ -20,13 +20,14 @@ from bench.measure.run import guarded, measure_simulated
 from bench.measure.simulate import fake_process_group
 from bench.measure.trial import Trial
 from bench.model.config import flops_per_step, get_config
-from bench.stackmodel.counts import Collective, HostCopy, StepCounts, Traffic
+from bench.stackmodel.counts import COUNTS_VERSION, Collective, HostCopy, StepCounts, Traffic
 from bench.stackmodel.hardware import CommCounter, get_device, get_link
 from bench.stackmodel.stepcount import MemoryTraffic, causal_pairs
 from bench.stackmodel.steptime import (
     EFF_MATMUL_MEASURED,
     FITTED,
     FITTED_V2,
+    FITTED_V3,
     STEPTIME_VERSION,
     StepTimeConstants,
     collective_seconds,
@@ -505,8 +506,9 @@ def test_the_plan_times_with_this_model():
     old = _flat({"flops.matmul": 1e15, "flops.attention": 2e15, "comm.all_to_all.8.8.bytes": 1e10,
                  "comm.all_to_all.8.8.calls": 100, "host.offload.d2h_bytes": 1e9, "host.offload.d2h_calls": 4,
                  "host.offload.h2d_bytes": 1e9, "host.offload.h2d_calls": 4})
-    new = dataclasses.replace(old, memory_bound=Traffic(1000, 1e13))
-    for counts, constants in ((old, FITTED_V2), (new, FITTED)):
+    v3 = dataclasses.replace(old, memory_bound=Traffic(1000, 1e13))
+    v4 = dataclasses.replace(v3, version=COUNTS_VERSION)
+    for counts, constants in ((old, FITTED_V2), (v3, FITTED_V3), (v4, FITTED)):
         e = Entry("upipe", Trial.make("upipe", "llama3-8b", 1 << 20, 8), max_context=1 << 20, step_counts=counts)
         want = step_time(scale_counts(counts, 1 << 20, 1 << 19), get_device("h100-80g"), get_link("nvlink-h100"),
                          constants, "fa3")
