@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.stackmodel.counts import StepCounts
 from bench.stackmodel.hardware import get_device, get_link
-from bench.stackmodel.steptime import FITTED, STEPTIME_VERSION, step_time
+from bench.stackmodel.steptime import FITTED, STEPTIME_VERSION, constants_for, step_time
 
 GiB = 2**30
 
@@ -77,7 +77,7 @@ def modelled_step_s(sim: dict, compute_only: bool = False, attention: bool = Tru
     kernels for a row that skipped their arithmetic."""
     counts = StepCounts.from_flat(sim["figures"]["step_time_model"]["counts"])
     device = get_device(sim["device"])
-    model = step_time(counts, device, get_link(device.link), FITTED, "fa2")
+    model = step_time(counts, device, get_link(device.link), constants_for(counts), "fa2")  # those of its version
     seconds = model["compute_time_s" if compute_only else "step_time_s"]
     return seconds if attention else seconds - model["terms"]["compute_attention_s"]
 
