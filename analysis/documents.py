@@ -238,10 +238,12 @@ def docs_table(rows=None, setup: DocsSetup = DOCS_LLAMA) -> Table:
         notes.append("Measured on gloo ranks: `median [min–max]` over the timed steps, † where the host ran "
                      "other work (as table3_cpu.md); CPU numbers say nothing about GPU throughput.")
     else:
-        notes.append("Simulated: the step-time model's throughput (`bench.stackmodel.steptime`), its attention the "
-                     "slowest rank's, each varlen call at the rate measured for its documents' lengths and heads "
-                     "per call (`bench.stackmodel.varlenrate`). Tokens count once per device whatever the "
-                     "documents, so a draw of short documents (fewer causal pairs) runs faster than one sequence.")
+        notes.append("Simulated: the step-time model's throughput (`bench.stackmodel.steptime`), the step the "
+                     "slowest rank's (its own counts where it was simulated, else the worst rank's with the "
+                     "attention carried by pairs; the row's notes say which), each varlen call at the rate measured "
+                     "for its documents' lengths and heads per call (`bench.stackmodel.varlenrate`). Tokens count "
+                     "once per device whatever the documents, so a draw of short documents (fewer causal pairs) "
+                     "runs faster than one sequence.")
     notes += ["Each distribution is one seeded draw per length (`records/workloads/data/README.md`): " + d
               for d in draws(ours)]
     if not len(ours):

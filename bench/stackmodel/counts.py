@@ -26,8 +26,9 @@ and written; ``to_flat(from_flat(d)) == d`` for every form ``from_flat`` accepts
 stay ints) and, for sorted input as rows store it, key order included.
 
 The collectives keep the order they were first seen in (the calls of the step, or the keys of the
-flat form): the step-time model sums their times in that order, so a figure computed from a
-step's counts, or from the same counts read back from a row, is the same to the bit.
+flat form); the step-time model sums their times in the order of their flat keys (``flat_name``), so
+a figure computed from a step's counts, or from the same counts read back from a row, is the same to
+the bit whatever order a rank issued them in.
 """
 from __future__ import annotations
 
@@ -198,8 +199,8 @@ class StepCounts:
                     kind = Collective(parts[0], int(parts[1]), int(parts[2]), _COMM_PREFIXES[head])
                 except ValueError as err:
                     raise ValueError(f"step count {key!r}: {err}") from None
-                if f"{_flat_name(kind)}.{parts[3]}" != key:
-                    raise ValueError(f"step count {key!r} is not written as {_flat_name(kind)}.{parts[3]}")
+                if f"{flat_name(kind)}.{parts[3]}" != key:
+                    raise ValueError(f"step count {key!r} is not written as {flat_name(kind)}.{parts[3]}")
                 pairs.setdefault(kind, {})[parts[3]] = value
             else:
                 events[key] = value
@@ -210,7 +211,7 @@ class StepCounts:
         for entry, pair in pairs.items():
             if len(pair) != 2:
                 have = next(iter(pair))
-                raise ValueError(f"step counts have the {have} of {_flat_name(entry)} but not its "
+                raise ValueError(f"step counts have the {have} of {flat_name(entry)} but not its "
                                  f"{'calls' if have == 'bytes' else 'bytes'}: each comes with the other")
         traffic = {entry: Traffic(pair["calls"], pair["bytes"]) for entry, pair in pairs.items()}
         return cls(flops_matmul=flops["matmul"], flops_attention=flops["attention"], flops_other=flops["other"],
@@ -232,8 +233,8 @@ class StepCounts:
             out["bytes.memory_bound"] = self.memory_bound.bytes
             out["bytes.memory_bound_calls"] = self.memory_bound.calls
         for kind, t in self.collectives.items():
-            out[f"{_flat_name(kind)}.bytes"] = t.bytes
-            out[f"{_flat_name(kind)}.calls"] = t.calls
+            out[f"{flat_name(kind)}.bytes"] = t.bytes
+            out[f"{flat_name(kind)}.calls"] = t.calls
         if self.version is not None:
             out[VERSION_KEY] = self.version
         for name, n in self.events.items():
@@ -244,7 +245,7 @@ class StepCounts:
         return dict(sorted(out.items()))
 
 
-def _flat_name(entry: object) -> str:
+def flat_name(entry: object) -> str:
     """The flat key of a Traffic entry, less its ``.bytes``/``.calls`` (``_bytes``/``_calls``) ending."""
     if isinstance(entry, Collective):
         prefix = next(p for p, attention in _COMM_PREFIXES.items() if attention == entry.attention)

@@ -115,7 +115,7 @@ from typing import Any
 
 from methods.core.events import CHUNK_PASSES
 
-from .counts import COUNTS_VERSION, Collective, StepCounts, Traffic
+from .counts import COUNTS_VERSION, Collective, StepCounts, Traffic, flat_name
 from .hardware import CommCounter, DevicePreset, LinkModel
 from .stack import scratch_model
 
@@ -271,10 +271,12 @@ def collective_seconds(op: str, nbytes: float, size: int, in_node: int, link: Li
 
 def _comm_terms(counts: StepCounts, link: LinkModel, latency_s: float, barrier_s: float) -> dict[str, float]:
     """Critical and overlapped communication: bandwidth time plus ``latency_s`` per call, ``barrier_s``
-    per barrier (``barrier_calls``, also among ``critical_calls``); summed in the collectives' order."""
+    per barrier (``barrier_calls``, also among ``critical_calls``); summed in the order of the collectives'
+    flat keys (``StepCounts.to_flat``), so that counts read back from a row give its figures to the bit
+    whatever order the step issued them in."""
     out = {"critical_s": 0.0, "overlapped_s": 0.0, "critical_calls": 0.0, "overlapped_calls": 0.0,
            "barrier_calls": 0.0}
-    for kind, traffic in counts.collectives.items():
+    for kind, traffic in sorted(counts.collectives.items(), key=lambda item: f"{flat_name(item[0])}.bytes"):
         op, calls = kind.op, traffic.calls
         t = collective_seconds(op, traffic.bytes, kind.size, kind.in_node, link) + calls * (
             barrier_s if op == "barrier" else latency_s)
