@@ -14,6 +14,7 @@ from typing import Any
 import methods
 from bench.search.plan import MAX_COST
 from bench.stackmodel import hfstack
+from bench.stackmodel.counts import COUNTS_VERSION
 from bench.stackmodel.steptime import constants_of, counts_version, stack_constants
 from records import GiB, human
 
@@ -62,7 +63,7 @@ def render(res: dict[str, Any], wall_times: bool = True) -> str:
     docs = res.get("docs") is not None
     hf = res["stack"] == hfstack.NAME
     counted = [e.step_counts for e in res["entries"] if getattr(e, "step_counts", None)]
-    version = min((counts_version(c) for c in counted), default=3)  # the cache may mix; say the oldest
+    version = min((counts_version(c) for c in counted), default=COUNTS_VERSION)  # the cache may mix; say the oldest
     consts = stack_constants(hfstack.NAME, version)[0] if hf else constants_of(version)
     baseline_of = res.get("baseline_of", "UPipe's paper setup")
     lines = [

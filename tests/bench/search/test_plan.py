@@ -34,6 +34,7 @@ from bench.search.plan import (
     search_max,
     sim_scheme,
 )
+from bench.stackmodel.counts import COUNTS_VERSION
 from records.workloads import DocsSpec
 
 TINY = {"dim": 128, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4, "head_dim": 16, "ffn_dim": 384,
@@ -203,7 +204,7 @@ def test_plan_on_a_config_file(planned, tmp_path, capsys, monkeypatch):
     assert (planned.root / "figs" / "plan_tiny6_4xh100-80g.png").exists()
     simulated = len(planned.cache.read_text().splitlines())
     assert simulated > 0 and f"{simulated} new simulations" in text
-    assert "on counts of v3" in text
+    assert f"on counts of v{COUNTS_VERSION}" in text
     assert not (planned.root / "results").exists()  # a user's plan writes no committed data
     cache = tmp_path / "sims.ndjson"  # the runs below rewrite and append to it: the module's plan keeps its own
     shutil.copyfile(planned.cache, cache)
@@ -221,18 +222,17 @@ def test_plan_on_a_config_file(planned, tmp_path, capsys, monkeypatch):
     again = plan_here()
     assert ": 0 new simulations" in again and len(cache.read_text().splitlines()) == simulated
     assert lines(again, "recommendation") == lines(text, "recommendation")
-    # simulations made before the step-time counts of v3 (no memory-bound bytes), here those of ring (the
-    # recommended configuration): the searches answer from the cache, and the counts at ring's answer
-    # are simulated anew (no mix of model versions), nothing else
+    # simulations made before the step-time counts of this version (v3: no counts_version key), here those of
+    # ring (the recommended configuration): the searches answer from the cache, and the counts at ring's
+    # answer are simulated anew (no mix of model versions), nothing else
     entries_ = [json.loads(line) for line in cache.read_text().splitlines()]
     stale = [d for d in entries_ if json.loads(d["key"])["method"] == "ring"]
-    for d in stale:  # counts of v2 have neither the memory-bound bytes nor their calls
-        d["result"]["step_counts"].pop("bytes.memory_bound")
-        d["result"]["step_counts"].pop("bytes.memory_bound_calls", None)
+    for d in stale:
+        d["result"]["step_counts"].pop("counts_version")
     cache.write_text("".join(json.dumps(d) + "\n" for d in entries_))
     assert stale and lines(text, "recommendation: ring:")
     old = plan_here()
-    assert "on counts of v3" in old and f": {len(stale)} new simulations" in old
+    assert f"on counts of v{COUNTS_VERSION}" in old and f": {len(stale)} new simulations" in old
     assert lines(old, "longest context") == lines(text, "longest context")
     assert lines(old, "recommendation") == lines(text, "recommendation")
     assert not (tmp_path / "results").exists()  # a user's plan writes no committed data
