@@ -1,9 +1,15 @@
 """Where an operator under simulation goes: FakeTensorMode's known answers made without its dispatch.
 
 ``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a view of
-``fakeview.VIEWS`` made directly (``fakeview``), else an answer ``FakeTensorMode`` gave from its cache
-replayed from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what
-``FakeTensorMode`` would.
+``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or receive answered with its work
+handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave from its cache replayed from a cheaper key
+(``fakememo``), else the operator itself. Each returns exactly what ``FakeTensorMode`` would.
+
+A ring's sends and receives (``dist.batch_isend_irecv``: two per ring step, layer and pass, on every rank
+simulated) are ``c10d.send``/``c10d.recv_``, whose fake kernel (``torch.distributed._meta_registrations``)
+only makes a ``FakeWork`` handle: no tensor is made or changed, so ``FakeTensorMode`` has nothing to cache
+and goes through its whole uncached dispatch each time (a tenth of a 16-rank ring trial's time). Where every
+tensor is a fake tensor of the active mode, ``call`` makes the handle as that kernel does.
 
 Two dispatch modes use it. The memory tracker (``simulate.PeakTracker``) calls it for every operator of
 the tracked step. ``FastFake`` does nothing else: it is entered for the untracked work a simulation does
@@ -23,7 +29,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._meta_registrations import create_fakework
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..stackmodel.simmode import any_dtensor
@@ -36,8 +43,15 @@ def active_fake_mode() -> FakeTensorMode | None:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
+# c10d's point-to-point operators whose fake kernel makes a work handle and nothing else (module docstring)
+_WORK_ONLY = frozenset({torch.ops.c10d.send.default, torch.ops.c10d.recv_.default})
+
+
 def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
     """``func(*args, **kwargs)`` below a dispatch mode whose next mode is ``fake_mode`` (module docstring)."""
+    if func in _WORK_ONLY and fake_mode is not None and not kwargs \
+            and all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in args[0]):
+        return create_fakework(args, return_first_arg=False)
     route = fakeview.call if func in fakeview.VIEWS else fakememo.call
     return route(func, args, kwargs, fake_mode)
 

@@ -37,6 +37,21 @@ def test_a_trial_measures_the_same_with_and_without_the_fast_path(stack, monkeyp
     assert fast["peak_by_category"]["optstate"] > 0 and fast["peak_by_category"]["parameter"] > 0
 
 
+def test_a_rings_sends_and_receives_get_their_work_handle_directly_and_measure_the_same(monkeypatch):
+    """The ring on 4 ranks (two-layer tiny model, paper stack): its ``batch_isend_irecv`` sends and receives are
+    answered with the handle the fake kernel makes (``_WORK_ONLY``), every one of them, and every figure is what
+    ``FakeTensorMode``'s own dispatch of them gives."""
+    trial = Trial.make("ring", "tiny-llama", 4096, 4, step=StepConfig(stack="paper"))
+    made = []
+    original = fakeroute.create_fakework
+    monkeypatch.setattr(fakeroute, "create_fakework", lambda *a, **k: made.append(1) or original(*a, **k))
+    fast = _figures(trial)
+    sends = sum(n for k, n in fast["step_counts"].items() if k.startswith("comm.send.") and k.endswith(".calls"))
+    assert sends > 0 and len(made) == 2 * sends  # a receive for every send
+    monkeypatch.setattr(fakeroute, "_WORK_ONLY", frozenset())
+    assert _figures(trial) == fast
+
+
 class _Schema:
     """An operator's schema as the flag's scan reads it (``args_spec``), counting the scans."""
 
