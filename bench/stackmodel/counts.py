@@ -125,13 +125,13 @@ class StepCounts:
         """Counts whose every figure is ``fn`` of that figure in each of ``parts`` (a figure a part
         lacks is 0): extrapolation over layers, per-layer increments, interpolation over lengths.
         An entry of any part is an entry of the result; ``memory_bound`` is None only where it is
-        None in every part. Counts of different versions (``known_version``) are refused with a
-        ``ValueError``: their figures do not count the same thing."""
+        None in every part. Counts of different versions (``known_version``: a planner's cached simulation
+        beside a new one) make counts of the oldest, which do not write their version, so that whoever reads
+        them takes them as old (the planner simulates them again before it times them)."""
         versions = {v for p in parts if (v := p.known_version()) is not None}
-        if len(versions) > 1:
-            raise ValueError(f"step counts of versions {sorted(versions)} cannot be combined: simulate them again "
-                             f"with today's counting (version {COUNTS_VERSION})")
-        version = next((p.version for p in parts if p.version is not None), None)
+        version = min(versions) if versions else None
+        if version is not None and version < 4:
+            version = None  # the versions before 4 are known by their content
         def entries(get: Callable[[StepCounts], dict]) -> dict:
             keys = dict.fromkeys(k for p in parts for k in get(p))
             return {k: Traffic(fn(*(get(p).get(k, Traffic()).calls for p in parts)),
