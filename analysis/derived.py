@@ -38,8 +38,8 @@ class CommittedPlan:
     device: str = "h100-80g"
     stack: str = "paper"
     wall_times: bool = True  # False: its .md holds no wall seconds, so a re-rendering is byte for byte the same
-    # the ranks simulated ($CPAB_SIM_RANKS): "deciding", or "0" for a plan whose cache holds rank 0 only (the
-    # 16-GPU plans: simulating USP's second ring position takes hours on the CPU host; their header says so)
+    # the ranks simulated ($CPAB_SIM_RANKS): "deciding", or "0" for a plan whose cache holds rank 0 only (its
+    # header says so); every committed plan now holds every deciding rank
     sim_ranks: str = "deciding"
 
     def command(self) -> str:
@@ -51,8 +51,8 @@ class CommittedPlan:
                 f"{stack}{pools} --cache results/plan/sims.ndjson --out-dir paper_figs")
 
 
-PLANS = (CommittedPlan("llama3-8b", 8), CommittedPlan("llama3-8b", 16, 2, "shared", sim_ranks="0"),
-         CommittedPlan("qwen3-32b", 16, 2, "shared", sim_ranks="0"),
+PLANS = (CommittedPlan("llama3-8b", 8), CommittedPlan("llama3-8b", 16, 2, "shared"),
+         CommittedPlan("qwen3-32b", 16, 2, "shared"),
          CommittedPlan("bench/model_configs/hf/Llama-3.1-8B/config.json", 8, pools=None, stack="hf",
                        wall_times=False))
 

@@ -817,7 +817,7 @@ def _search_entry(args) -> Entry:
             entry.step_counts = fresh_counts(dataclasses.replace(entry.trial, seq_len=found), workdir, entry.rank)
         ranks = deciding_ranks(entry.trial)
         if len(ranks) > 1:  # which of the deciding ranks holds the most
-            entry.extra["rank"] = f"rank {entry.rank} of {len(ranks)} deciding"
+            entry.extra["rank"] = f"rank {entry.rank}, the worst of {len(ranks)} deciding"
     if err is not None:
         entry.error = err.message[:160]
     entry.seconds = time.perf_counter() - t0

@@ -294,7 +294,8 @@ def test_the_planners_search_probes_on_the_worst_rank_and_ends_exact_on_every_ra
     assert n == len(set(asked)) < 2 * WORLD * len(ranks_at)  # fewer than every rank at every probed length
     # the plan's entry holds that rank's figures and says which rank decided
     entry = plan_mod._search_entry((plan_mod.Entry("ring", trial), 4096, 64 * 4096, str(tmp_path), 4 * 4096))
-    assert entry.max_context == found and entry.rank == 2 and entry.extra["rank"] == f"rank 2 of {WORLD} deciding"
+    assert entry.max_context == found and entry.rank == 2
+    assert entry.extra["rank"] == f"rank 2, the worst of {WORLD} deciding"
 
 
 def _m(peak: int, reserved: int | None = None, host: int = 0, status: str = "ok", oom: str | None = None):
