@@ -80,15 +80,15 @@ OTHER_OUTPUTS: tuple[tuple[str, str, str, str], ...] = (
      "the same for Llama3-8B on 16 x H100 in 2 nodes (usp and usp-upipe added; the levers are added to "
      "usp-upipe, which has no fused attention norm)",
      "`python -m bench plan --model llama3-8b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
-     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; the planner "
-     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)",
+     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; every deciding "
+     "rank); `make figs-plans` re-renders it from that cache",
      "simulated (h100-80g, paper and lean stacks)"),
     ("[plan_qwen3-32b_16xh100-80g.md](plan_qwen3-32b_16xh100-80g.md), "
      "[plan_qwen3-32b_16xh100-80g.png](plan_qwen3-32b_16xh100-80g.png)",
      "the same for Qwen3-32B on 16 x H100 in 2 nodes (as Llama3-8B's 16-GPU plan)",
      "`python -m bench plan --model qwen3-32b --gpus 16 --nodes 2 --device h100-80g --allocator-pools shared "
-     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; the planner "
-     "now asks for simulations the cache lacks, so `make figs-plans` leaves it as it is)",
+     "--cache results/plan/sims.ndjson --out-dir paper_figs` (results/plan/README.md; every deciding "
+     "rank); `make figs-plans` re-renders it from that cache",
      "simulated (h100-80g, paper and lean stacks)"),
     ("[hf_fidelity.md](hf_fidelity.md)",
      "the Hugging Face stack's published anchors (ALST: Llama-8B at 500K on 1 H100, 3.7M on 8, 15M on 32) against "
