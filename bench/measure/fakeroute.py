@@ -8,8 +8,8 @@ handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave from its cache r
 A ring's sends and receives (``dist.batch_isend_irecv``: two per ring step, layer and pass, on every rank
 simulated) are ``c10d.send``/``c10d.recv_``, whose fake kernel (``torch.distributed._meta_registrations``)
 only makes a ``FakeWork`` handle: no tensor is made or changed, so ``FakeTensorMode`` has nothing to cache
-and goes through its whole uncached dispatch each time (a tenth of a 16-rank ring trial's time). Where every
-tensor is a fake tensor of the active mode, ``call`` makes the handle as that kernel does.
+and goes through its whole uncached dispatch each time (what that cost: results/speed/README.md). Where
+every tensor is a fake tensor of the active mode, ``call`` makes the handle as that kernel does.
 
 Two dispatch modes use it. The memory tracker (``simulate.PeakTracker``) calls it for every operator of
 the tracked step. ``FastFake`` does nothing else: it is entered for the untracked work a simulation does

@@ -163,9 +163,8 @@ EFF_MATMUL_MEASURED = 0.783165
 # rate (0.31-0.36, kernels.ndjson). latency_s is still above NCCL's own (~10-50 us per call): a fitted, not a
 # measured, figure. Before version 4 of the model a single latency (0.9 ms) also absorbed DeepSpeed FPDT's per-chunk
 # cost. barrier_s, per barrier of the paper's ring code (paper stack term 9), is fitted by Ring's 928 barriers in the
-# Llama3-8B 128K fit cell; charged at latency_s instead, the fit doubled the latency of every call (696 us). On the
-# version-4 counts (5-9% fewer memory-bound bytes in the fit cells: the loss's gather and scatter_add_ no longer
-# count the whole logits) latency_s rose from 460 to 495 us and the others moved by 1.2% or less (FITTED_V3).
+# Llama3-8B 128K fit cell; charged at latency_s instead, the fit doubled the latency of every call (696 us). Refitted
+# on the version-4 counts (what moved against FITTED_V3: docs/steptime.md, "Counts versions").
 FITTED = StepTimeConstants(eff_matmul=EFF_MATMUL_MEASURED, eff_attention=0.630977, eff_attention_fa2=0.318545,
                            latency_s=495.294e-6, ds_fpdt_chunk_s=36.4032e-3, barrier_s=1233.51e-6)
 # what FITTED was on the version-3 counts (the indexing kernels' whole tensors counted): for counts of version 3

@@ -18,7 +18,7 @@ the command below, from a worktree of that commit.
 Counts of version 4 (``bench.stackmodel.counts.COUNTS_VERSION``: the indexing kernels' bytes are the
 rows they index) changed the golden figures on purpose: the file was written again by that commit's
 code, and against the file before it every figure of every case was the same except
-``step_counts["bytes.memory_bound"]`` (6-11% less) and the new ``step_counts["counts_version"]``.
+``step_counts["bytes.memory_bound"]`` (fewer bytes) and the new ``step_counts["counts_version"]``.
 
 The golden file was first written by the base commit's code (``git merge-base main simspeed``), from a
 worktree of that commit, with this file run as a script::
