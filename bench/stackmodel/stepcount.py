@@ -443,21 +443,19 @@ class MemoryTraffic(Counter):
             return None
         source = args[source_at] if source_at < len(args) else None
         if name == "index_put_":  # x[indices] = values: the indexed shape is the integer indices' broadcast
-            indices = args[1]
+            indices = args[at]
             given = [i for i in indices if i is not None]
             if not given or any(i.dtype in (torch.bool, torch.uint8) for i in given):
                 return None  # a mask: how many elements it names is in its data
             rest = [dest.shape[d] for d, i in enumerate(indices) if i is None] + list(dest.shape[len(indices):])
             elements = torch.Size(torch.broadcast_shapes(*(i.shape for i in given))).numel() * torch.Size(rest).numel()
             accumulates = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
-            idx = sum(_span_bytes(t) for t in self._on_device(given))
         elif name.startswith("scatter"):
-            elements = args[2].numel()  # one element of the destination per element of the index
-            idx = index_bytes((at,))
+            elements = args[at].numel()  # one element of the destination per element of the index
         else:  # index_copy_, index_add_: the source's rows
             elements = source.numel() if isinstance(source, torch.Tensor) else 0
-            idx = index_bytes((at,))
         region = elements * dest.element_size()
+        idx = index_bytes((at,))  # the index tensor, or index_put_'s list of them
         read_source = 0
         if isinstance(source, torch.Tensor) and source.device.type == self.accelerator:
             read_source = min(_span_bytes(source), elements * source.element_size())
