@@ -91,7 +91,7 @@ def load_library_func(module: str, name: str):
 
 def per_document_plan(docs: Documents, world_size: int) -> LayoutPlan:
     """The per-document zigzag of ``docs`` over ``world_size`` ranks, padded (``ring``'s ``doc-zigzag``)."""
-    return layouts.plan_layout("doc-zigzag", docs.seq_len, world_size, world_size, docs, True, NAME)
+    return layouts.plan_layout("doc-zigzag", docs.seq_len, world_size, world_size, docs, True, NAME, interleaved=True)
 
 
 @functools.lru_cache(maxsize=64)

@@ -239,7 +239,7 @@ def check_local_share(who: str, layout: str, plan: LayoutPlan, docs: Documents, 
 
 def plan_layout(
     layout: str, seq_len: int, ring_size: int, world_size: int, docs: Documents | None = None, pad: bool = True,
-    who: str = "this method",
+    who: str = "this method", interleaved: bool = False,
 ) -> LayoutPlan:
     """The plan of ``layout`` for a sequence of ``seq_len`` tokens (with ``docs``, its documents)
     over a ring of ``ring_size`` ranks whose parts are split contiguously into ``world_size`` ranks.
@@ -249,6 +249,12 @@ def plan_layout(
     document into 2R chunks; with ``pad`` it pads each to a multiple of 2R (and the whole to a
     multiple of ``layout_multiple`` with a trailing padding document), without ``pad`` it refuses
     lengths that would need padding. Every refusal is one line naming the fix.
+
+    ``doc-zigzag``'s order within a ring rank's part (``_sectioned_order``): the real tokens of its head
+    chunks, those of its tail chunks, then the padding, so that a ring step's packed calls take their rows
+    and keys as slices (``ringpack``: no gather of rows and no scatter of results); with ``interleaved``,
+    each document's head and tail side by side with its padding, the order ring-flash-attn's varlen zigzag
+    expects. Either order gives every rank the same tokens.
     """
     check_layout(layout, who)
     multiple = layout_multiple(layout, ring_size, world_size)
@@ -271,11 +277,11 @@ def plan_layout(
             f"length(s) are not divisible by {two_r} (e.g. {short[0]}); allow padding (pad=True) or give lengths "
             f"that are multiples of {two_r}"
         )
-    groups: list[Run] = []  # each document with its padding: (padded start, padded length)
+    groups: list[tuple[int, int, int]] = []  # each document with its padding: (padded start, padded length, real)
     lengths: list[int] = []
     real: list[int] = []  # per padded document: its first token in the given sequence, -1 for padding
     for n, start in zip(docs.lengths, docs.starts, strict=True):
-        groups.append((sum(lengths), n + -n % two_r))
+        groups.append((sum(lengths), n + -n % two_r, n))
         lengths.append(n)
         real.append(start)
         if n % two_r:
@@ -288,11 +294,40 @@ def plan_layout(
             f"at world size {world_size}; allow padding (pad=True) or pad the sequence"
         )
     if tail:
-        groups.append((sum(lengths), tail))
+        groups.append((sum(lengths), tail, 0))
         lengths.append(tail)
         real.append(-1)
     padded = Documents.from_lengths(lengths)
-    # ring rank j takes chunks j and 2R-1-j of every document (zigzag_runs lists them ring rank by ring rank)
-    order = [run for j in range(ring_size) for start, n in groups
-             for run in zigzag_runs(n, ring_size, start)[2 * j : 2 * j + 2]]
+    order = (_interleaved_order if interleaved else _sectioned_order)(groups, ring_size)
     return LayoutPlan(tuple(merge_runs(order)), world_size, padded, tuple(real), padded.seq_len - seq_len)
+
+
+def _interleaved_order(groups: list[tuple[int, int, int]], ring_size: int) -> list[Run]:
+    """Ring rank j takes chunks j and 2R-1-j of every document with its padding, side by side, documents in
+    order (``zigzag_runs`` lists the chunks ring rank by ring rank)."""
+    return [run for j in range(ring_size) for start, n, _ in groups
+            for run in zigzag_runs(n, ring_size, start)[2 * j: 2 * j + 2]]
+
+
+def _sectioned_order(groups: list[tuple[int, int, int]], ring_size: int) -> list[Run]:
+    """Ring rank j's chunks j and 2R-1-j of every document in three sections: the real tokens of its head
+    chunks, those of its tail chunks, then the padding of both. Documents go in the same order in every
+    section and on every rank: by how many of their 2R chunks hold a real token, most first (then in order),
+    so that for every chunk the documents whose chunk holds real tokens come first. A ring step's rows then
+    meet their held keys in one piece per section (``ringpack``)."""
+    def cut(start: int, n: int, real_n: int) -> list[tuple[Run, Run]]:
+        """Each chunk's (real part, padding part)."""
+        parts = []
+        for first, c in zigzag_runs(n, ring_size, start):
+            keep = min(max(start + real_n - first, 0), c)
+            parts.append(((first, keep), (first + keep, c - keep)))
+        return parts
+
+    chunks = [cut(*g) for g in groups]
+    ranked = sorted(range(len(groups)), key=lambda g: -sum(1 for part, _ in chunks[g] if part[1]))
+    order: list[Run] = []
+    for j in range(ring_size):
+        mine = [2 * j, 2 * j + 1] if ring_size > 1 else [0]
+        order += [chunks[g][i][0] for i in mine for g in ranked]
+        order += [chunks[g][i][1] for i in mine for g in ranked]
+    return [run for run in order if run[1]]

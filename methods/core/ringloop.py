@@ -31,7 +31,8 @@ in a call (then merged as the empty set it is). At step ``i`` rank ``r`` holds t
   layout, which cuts every document into 2R chunks, so four calls per document per step) and a kernel
   with a variable-length form on the tensors' device (``kernel.packs(device)``), a step's calls are
   packed into a few variable-length calls instead (``ringpack``), as ring-flash-attn's zigzag varlen
-  ring makes them.
+  ring makes them; the layout's sections let each call take its rows as a slice and merge in place
+  (``_merge_into``) where ring-flash-attn gathers half the rows and scatters the output back.
 
 A new schedule (striped attention's: step ``i`` is causal with offset 0 or -1) is a class with those
 two members; docs/adding-a-method.md shows one.
@@ -144,7 +145,7 @@ class RunsSchedule:
         """``blocks`` of the same step packed into variable-length calls (``ringpack.pack``)."""
         key = (rank, step) if self.keys is not None else (rank, (rank - step) % size)
         if key not in self._packed:
-            self._packed[key] = ringpack.pack(self.blocks(step, rank, size, local_len))
+            self._packed[key] = ringpack.pack(self.blocks(step, rank, size, local_len), local_len)
         return self._packed[key]
 
     def _pairs(self, queries, keys) -> list[RingBlock]:
@@ -182,8 +183,24 @@ def _packs(schedule: RingSchedule, kernel, q: torch.Tensor) -> bool:
     return bool(getattr(schedule, "pack", False)) and packs is not None and packs(q.device)
 
 
-def _gather(t: torch.Tensor, index: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
-    return t if index is None else t.index_select(dim, index)
+def _gather(t: torch.Tensor, rows: ringpack.Rows, dim: int = 1) -> torch.Tensor:
+    """The ``rows`` of ``t`` along ``dim``: all of it, a view of a slice, or a gathered copy."""
+    if rows is None:
+        return t
+    if isinstance(rows, slice):
+        return t.narrow(dim, rows.start, rows.stop - rows.start)
+    return t.index_select(dim, rows)
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """``merge_partials`` (with ``may_be_empty``) written into ``out`` and ``lse`` in place (views of a packed
+    call's slice of the step's accumulators): the old part rescaled in place and the block's added with its
+    weight, instead of three new fp32 temporaries and a copy back."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    ref = new_lse.masked_fill(new_lse == float("-inf"), 0.0)
+    out.mul_(torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1))
+    out.addcmul_(block_out, torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(new_lse)
 
 
 # ----------------------------------------------------------------------- the loop
@@ -219,9 +236,9 @@ def ring_forward(q, k, v, scale: float, kernel, group, schedule: RingSchedule):
 
 
 def _packed_forward(q, kb, vb, out, lse, calls: list[ringpack.PackedCall], kernel, scale: float):
-    """One ring step as packed calls: each gathers its query and key rows (none when they are the whole
-    block in order), and its output is merged into those rows (``may_be_empty``: a row of the local block
-    may have seen no key yet)."""
+    """One ring step as packed calls: each takes its query and key rows (a view where they are one piece,
+    else a gather), and its output is merged into those rows (``may_be_empty``: a row of the local block
+    may have seen no key yet), in place where they are a slice, else gathered and scattered back."""
     n = q.shape[1]
     for call in calls:
         qi = ringpack.index(call.rows, n, q.device)
@@ -233,6 +250,9 @@ def _packed_forward(q, kb, vb, out, lse, calls: list[ringpack.PackedCall], kerne
             continue
         if out is None:
             out, lse = _empty(q, vb)
+        if isinstance(qi, slice):
+            _merge_into(_gather(out, qi), _gather(lse, qi, 2), blk_out, blk_lse)
+            continue
         merged_out, merged_lse = merge_partials(out.index_select(1, qi), lse.index_select(2, qi), blk_out, blk_lse,
                                                 True)
         out.index_copy_(1, qi, merged_out)
@@ -277,8 +297,8 @@ def ring_backward(dout, q, k, v, out, lse, scale: float, kernel, group, schedule
             if dk is None:
                 dk, dv = accumulators(step)
             for acc, grad, at in ((dq, dq_b, qi), (dk, dk_b, ki), (dv, dv_b, ki)):
-                if at is None:
-                    acc += grad
+                if at is None or isinstance(at, slice):
+                    _gather(acc, at).add_(grad)
                 else:
                     acc.index_add_(1, at, grad.float())
             del dq_b, dk_b, dv_b

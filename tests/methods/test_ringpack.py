@@ -2,8 +2,10 @@
 
 * The packing on its own (no ranks): for every ring step of several document layouts, the packed calls see
   exactly what the step's calls see (the kernels' masking rule, as an explicit mask), every row at most
-  once per call; ``doc-zigzag``'s ring steps are one call each (two at step 0), whatever the documents,
-  and allgather-kv's one step at most a call per chunk of a document.
+  once per call. Under a causal mask no real token's row or key is ever gathered (only padding documents'
+  strays), and where no document needs padding ``doc-zigzag``'s ring steps are two calls (three unmasked),
+  each taking its rows and keys as slices, whatever the documents; allgather-kv's one step is at most a
+  call per chunk of a document.
 * The ring methods on gloo ranks with a kernel that packs (the tests' flash-attn stand-in, whose varlen
   functions run on CPU): output, dx and every weight gradient against the reference, at 2 and 4 ranks,
   causal and not, fp32 (and bf16 for the ring); the packed calls were made, the per-pair calls were not. With the
@@ -23,7 +25,8 @@ from tests.methods.cases import SPECS, TOLERANCE, check_documents_against_refere
 
 LAYOUTS = {"many-short": (3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 3),
            "long-among-short": (3, 5, 40, 2, 7, 4, 3),
-           "one": (64,)}
+           "one": (64,),
+           "no-padding": (8, 16, 24, 8, 40, 32)}  # multiples of 2R at 2 and 4 ring ranks
 
 
 def dense(blocks, local_len: int, held_len: int, packed: bool) -> torch.Tensor:
@@ -55,24 +58,40 @@ def test_packed_calls_see_what_the_steps_calls_see(name, causal, ring):
     plan = layouts.plan_layout("doc-zigzag", docs.seq_len, ring, ring, docs)
     schedule = RunsSchedule([plan.rank_runs(j, ring) for j in range(ring)], causal, plan.docs, pack=True)
     n = plan.local_len
+    padding = {i for i, first in enumerate(plan.real) if first < 0}
+    doc_of = plan.docs.doc_ids().tolist()
     for rank in range(ring):
         for step in range(ring):
             calls = schedule.packed(step, rank, ring, n)
             pairs = dense(schedule.blocks(step, rank, ring, n), n, n, packed=False)
             assert torch.equal(dense(calls, n, n, packed=True), pairs), (rank, step)
             assert pairs.max() <= 1
-            # one call per step, two at step 0 under a causal mask (its diagonal chunks, then the chunks
-            # the later chunk of each document sees whole), however many documents
-            assert len(calls) <= (2 if causal and step == 0 else 1), (rank, step, len(calls))
+            held = (rank - step) % ring
+            for call in calls:
+                for spans, part in ((call.rows, rank), (call.cols, held)):
+                    if isinstance(ringpack.index(spans, n, "cpu"), torch.Tensor) and causal:
+                        positions = [p for start, m in plan.rank_runs(part, ring) for p in range(start, start + m)]
+                        gathered = {doc_of[positions[i]] for start, m in spans for i in range(start, start + m)}
+                        assert gathered <= padding, (rank, step, "a real token gathered")
+            if not plan.padding:
+                # the causal rounds: the whole block's diagonal chunks and the tails against the heads at step 0;
+                # from an earlier rank the heads and the tails against the held heads, from a later one the
+                # tails against the held heads and tails (unmasked: a third), each in one piece
+                assert len(calls) <= (2 if causal else 3), (rank, step, len(calls))
+                assert all(not isinstance(ringpack.index(spans, n, "cpu"), torch.Tensor)
+                           for call in calls for spans in (call.rows, call.cols)), (rank, step)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_all_gathered_keys_pack_into_a_call_per_chunk_at_most(causal):
+@pytest.mark.parametrize("name", ["many-short", "no-padding"])
+def test_all_gathered_keys_pack_into_a_few_calls_per_chunk(name, causal):
     """allgather-kv's one step (``RunsSchedule`` with ``keys``: a rank's queries against the whole sequence
     in layout order) under ``doc-zigzag`` at 4 ranks. The gathered keys are in the ranks' order, so the 2R
-    chunks of a document lie apart: a query chunk's earlier chunks are separate sequences, one call each at
-    most (2R calls, whatever the number of documents)."""
-    docs = Documents.from_lengths(LAYOUTS["many-short"])
+    chunks of a document lie apart, each rank's in its head and tail sections: a query section meets each
+    earlier chunk's section as a sequence of its own: at most two calls per chunk (4R) under a causal mask,
+    whatever the number of documents; where no document needs padding, a call per chunk (one more unmasked),
+    every one taking slices. (Unmasked, padding documents shorter than a chunk add stray calls.)"""
+    docs = Documents.from_lengths(LAYOUTS[name])
     plan = layouts.plan_layout("doc-zigzag", docs.seq_len, 4, 4, docs)
     for rank in range(4):
         schedule = RunsSchedule([plan.rank_runs(rank)], causal, plan.docs, keys=layouts.merge_runs(list(plan.order)),
@@ -80,13 +99,20 @@ def test_all_gathered_keys_pack_into_a_call_per_chunk_at_most(causal):
         calls = schedule.packed(0, rank, 1, plan.local_len)
         pairs = dense(schedule.blocks(0, rank, 1, plan.local_len), plan.local_len, plan.padded_len, packed=False)
         assert torch.equal(dense(calls, plan.local_len, plan.padded_len, packed=True), pairs)
-        assert len(calls) <= 2 * 4 and pairs.max() <= 1
+        assert pairs.max() <= 1
+        assert not causal or len(calls) <= 4 * 4, len(calls)
+        if not plan.padding:
+            assert len(calls) <= 2 * 4 + (not causal), len(calls)
+            assert all(not isinstance(ringpack.index(spans, total, "cpu"), torch.Tensor) for call in calls
+                       for spans, total in ((call.rows, plan.local_len), (call.cols, plan.padded_len)))
 
 
-def test_the_gather_is_skipped_where_the_rows_are_the_whole_block():
+def test_the_gather_is_skipped_where_the_rows_are_one_piece():
     assert ringpack.index(((0, 3), (3, 5)), 8, "cpu") is None
     assert ringpack.index(((3, 5), (0, 3)), 8, "cpu").tolist() == [3, 4, 5, 6, 7, 0, 1, 2]
-    assert ringpack.index(((0, 3),), 8, "cpu").tolist() == [0, 1, 2]
+    assert ringpack.index(((0, 3),), 8, "cpu") == slice(0, 3)
+    assert ringpack.index(((2, 3), (5, 1)), 8, "cpu") == slice(2, 6)
+    assert ringpack.index(((0, 3), (4, 1)), 8, "cpu").tolist() == [0, 1, 2, 4]
     call = ringpack.PackedCall(((0, 3), (5, 2)), ((1, 3), (4, 2)), False)
     assert call.cu_q == [0, 3, 5] and call.cu_k == [0, 3, 5]
 
