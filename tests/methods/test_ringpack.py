@@ -117,6 +117,29 @@ def test_the_gather_is_skipped_where_the_rows_are_one_piece():
     assert call.cu_q == [0, 3, 5] and call.cu_k == [0, 3, 5]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_in_place_merge_is_the_merge(dtype):
+    """``ringloop._merge_into`` (a packed call's output merged into a slice of the accumulators) against
+    ``merge_partials``: rows seen on both sides, on one side only, and on neither (LSE ``-inf``: they stay 0)."""
+    from methods.core.kernels import merge_partials
+    from methods.core.ringloop import _merge_into
+
+    g = torch.Generator().manual_seed(0)
+    out, block = torch.randn(1, 6, 2, 4, generator=g), torch.randn(1, 6, 2, 4, generator=g).to(dtype)
+    lse, block_lse = torch.randn(1, 2, 6, generator=g), torch.randn(1, 2, 6, generator=g)
+    lse[:, :, 1] = block_lse[:, :, 2] = float("-inf")  # row 1 unseen before, row 2 unseen by the block
+    lse[:, :, 3] = block_lse[:, :, 3] = float("-inf")  # row 3 seen by neither
+    out[:, 1] = out[:, 3] = 0.0
+    want_out, want_lse = merge_partials(out, lse, block, block_lse, may_be_empty=True)
+    got_out, got_lse = torch.zeros(1, 8, 2, 4), torch.full((1, 2, 8), float("-inf"))
+    got_out[:, 1:7], got_lse[:, :, 1:7] = out, lse
+    _merge_into(got_out[:, 1:7], got_lse[:, :, 1:7], block, block_lse)
+    torch.testing.assert_close(got_out[:, 1:7], want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_lse[:, :, 1:7], want_lse)
+    assert torch.equal(got_out[:, 4], torch.zeros(1, 2, 4)) and bool(torch.isinf(got_lse[:, :, 4]).all())  # row 3
+    assert not got_out[:, [0, 7]].any() and bool(torch.isinf(got_lse[:, :, [0, 7]]).all())  # outside untouched
+
+
 def test_only_a_kernel_with_a_varlen_form_on_the_device_packs():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not kernels.TorchKernel.packs(cpu) and kernels.TorchKernel.packs(cuda)
