@@ -21,10 +21,11 @@ zigzag varlen ring does. ``pack`` turns a step's calls into such calls:
 A round is one ``PackedCall``: the query rows and key rows it takes, in block order, and the cumulative
 lengths of its sequences. Rows in one piece in order are taken as a slice (``index`` gives None for the
 whole block, a ``slice`` for a part), others are gathered and their result scattered back, which is memory
-and traffic. ``doc-zigzag`` orders a rank's part as its head chunks, then its tail chunks
-(``layouts.plan_layout``), so every round of its ring steps is slices: at step 0, the causal chunks (the
-whole block) and the tails against the heads; from an earlier rank, the heads and then the tails against
-the held heads; from a later one, the tails against the held heads and then the held tails.
+and traffic. ``doc-zigzag`` holds a rank's part in sections, the real tokens of its head chunks, those of
+its tail chunks, then the padding (``layouts.plan_layout``), so the rounds of its ring steps are slices: at
+step 0, the causal chunks (the whole block) and the tails against the heads; from an earlier rank, the heads
+and then the tails against the held heads; from a later one, the tails against the held heads and then the
+held tails; a padding document's blocks, which break those pieces, go to small calls of their own.
 """
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def _one_piece_apart(members: list[Block]) -> list[list[Block]]:
     """A round cut into its stretches of blocks whose rows and keys both continue one another (one slice
     each): each stretch with at least an eighth of the round's rows is a call of its own, the stray rest
     one more call (gathered), so that a few stray blocks (a padding document's) cost a small gathered call
-    instead of gathering the whole round. A round of small pieces stays one gathered call."""
+    instead of gathering the whole round. A round of small pieces stays one gathered call. The eighth bounds
+    a round at nine calls."""
     stretches: list[list[Block]] = []
     for b in members:
         if stretches and stretches[-1][-1][1] == b[0] and stretches[-1][-1][3] == b[2]:
