@@ -2,7 +2,7 @@
 # Real-GPU checks of the simulation, run on one CUDA GPU from the repository root:
 #   bash scripts/gpu/validate.sh OUT_DIR PHASE...
 # PHASE: env | kernels | varlen | docs64 | mem128 | time64 | mem256 | wrappers | segments | emu128 | emulong | emu16 | emuskip
-#        | emurope | emuranks
+#        | emurope | emuranks | emudocs
 # (any order, several at once). $DEVICE: the device preset the rows name (default h100-80g; h200-141g on an H200).
 # Every trial is `python -m bench run --mode real` at world size 1 of the 4-block Llama3-8B
 # (scripts/gpu/llama3-8b-4l.yaml) with expandable segments, as the paper's runs set, except
@@ -150,6 +150,19 @@ for phase in "$@"; do
       emu_trial 8 "$emodel" "ring $len ws8 4l ranks" 190 --method ring --seq-len "$len" $ranks
       emu_trial 8 "$emodel" "ulysses $len ws8 4l ranks" 50 --method ulysses --seq-len "$len" $ranks
       emu_trial 8 "$emodel" "ring $len ws8 4l ranks docs" 150 --method ring --seq-len "$len" --docs prolong64k:0 $ranks ;;
-    *) echo "unknown phase $phase (env kernels varlen docs64 mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope emuranks)"; exit 2 ;;
+    emudocs)  # the packed ring under documents on CUDA: our `ring` in `doc-zigzag` (its sections: every varlen call
+      # on slices, merged in place; methods/core/ringpack.py) and in the global zigzag, a prolong64k draw
+      # (seed 0), each emulated on every deciding rank in turn with the attention computed (real varlen kernels,
+      # real allocator), the 4-block model at 256K on 8 ranks; $EMURANKS_MODEL and $EMURANKS_LEN as emuranks
+      # (a CPU dry run takes the per-pair calls: the torch kernel has no varlen form there). Caps: 2 x 200 s
+      if [ "${CPAB_SIM_RANKS:-deciding}" != deciding ]; then
+        echo "emudocs: CPAB_SIM_RANKS=$CPAB_SIM_RANKS would measure one rank; unset it"; exit 2
+      fi
+      docs="--docs prolong64k:0 --offload-keep first --rope-table none --warmup 1 --iters 1 --smoke"
+      len=${EMURANKS_LEN:-256K} emodel=${EMURANKS_MODEL:-$model}
+      emu_trial 8 "$emodel" "ring doc-zigzag $len ws8 4l docs" 200 --method ring --opt layout=doc-zigzag \
+        --seq-len "$len" $docs
+      emu_trial 8 "$emodel" "ring zigzag $len ws8 4l docs" 200 --method ring --seq-len "$len" $docs ;;
+    *) echo "unknown phase $phase (env kernels varlen docs64 mem128 time64 mem256 wrappers segments emu128 emulong emu16 emuskip emurope emuranks emudocs)"; exit 2 ;;
   esac
 done
