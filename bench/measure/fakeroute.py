@@ -1,15 +1,18 @@
 """Where an operator under simulation goes: FakeTensorMode's known answers made without its dispatch.
 
 ``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a view of
-``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or receive answered with its work
-handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave from its cache replayed from a cheaper key
-(``fakememo``), else the operator itself. Each returns exactly what ``FakeTensorMode`` would.
+``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or receive or an all-to-all answered
+with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave from its cache replayed from a
+cheaper key (``fakememo``), else the operator itself. Each returns exactly what ``FakeTensorMode`` would.
 
 A ring's sends and receives (``dist.batch_isend_irecv``: two per ring step, layer and pass, on every rank
-simulated) are ``c10d.send``/``c10d.recv_``, whose fake kernel (``torch.distributed._meta_registrations``)
-only makes a ``FakeWork`` handle: no tensor is made or changed, so ``FakeTensorMode`` has nothing to cache
-and goes through its whole uncached dispatch each time (what that cost: results/speed/README.md). Where
-every tensor is a fake tensor of the active mode, ``call`` makes the handle as that kernel does.
+simulated) are ``c10d.send``/``c10d.recv_``, and a head-parallel method's all-to-alls (``dist.all_to_all_single``:
+two per attention call, stage and pass) are ``c10d.alltoall_base_``, whose fake kernels
+(``torch.distributed._meta_registrations``) only make a ``FakeWork`` handle: no tensor is made or changed (the
+all-to-all's output was allocated by its caller), so ``FakeTensorMode`` has nothing to cache and goes through its
+whole uncached dispatch each time, the process group's script object checked on the way (what that cost:
+results/speed/README.md). Where every tensor is a fake tensor of the active mode, ``call`` makes the handle as
+that kernel does.
 
 Two dispatch modes use it. The memory tracker (``simulate.PeakTracker``) calls it for every operator of
 the tracked step. ``FastFake`` does nothing else: it is entered for the untracked work a simulation does
@@ -43,14 +46,16 @@ def active_fake_mode() -> FakeTensorMode | None:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
-# c10d's point-to-point operators whose fake kernel makes a work handle and nothing else (module docstring)
-_WORK_ONLY = frozenset({torch.ops.c10d.send.default, torch.ops.c10d.recv_.default})
+# c10d's operators whose fake kernel makes a work handle and nothing else (module docstring), each with the
+# arguments that hold its tensors: a send's or receive's list, an all-to-all's output and input
+_WORK_ONLY = {torch.ops.c10d.send.default: lambda args: args[0], torch.ops.c10d.recv_.default: lambda args: args[0],
+              torch.ops.c10d.alltoall_base_.default: lambda args: args[:2]}
 
 
 def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
     """``func(*args, **kwargs)`` below a dispatch mode whose next mode is ``fake_mode`` (module docstring)."""
     if func in _WORK_ONLY and fake_mode is not None and not kwargs \
-            and all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in args[0]):
+            and all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in _WORK_ONLY[func](args)):
         return create_fakework(args, return_first_arg=False)
     route = fakeview.call if func in fakeview.VIEWS else fakememo.call
     return route(func, args, kwargs, fake_mode)

@@ -48,7 +48,22 @@ def test_a_rings_sends_and_receives_get_their_work_handle_directly_and_measure_t
     fast = _figures(trial)
     sends = sum(n for k, n in fast["step_counts"].items() if k.startswith("comm.send.") and k.endswith(".calls"))
     assert sends > 0 and len(made) == 2 * sends  # a receive for every send
-    monkeypatch.setattr(fakeroute, "_WORK_ONLY", frozenset())
+    monkeypatch.setattr(fakeroute, "_WORK_ONLY", {})
+    assert _figures(trial) == fast
+
+
+def test_all_to_alls_get_their_work_handle_directly_and_measure_the_same(monkeypatch):
+    """UPipe on 4 ranks (two-layer tiny model, paper stack): its all-to-alls (``c10d.alltoall_base_``) are answered
+    with the handle the fake kernel makes, every one of them, and every figure is what ``FakeTensorMode``'s own
+    dispatch of them gives."""
+    trial = Trial.make("upipe", "tiny-llama", 4096, 4, step=StepConfig(stack="paper"))
+    made = []
+    original = fakeroute.create_fakework
+    monkeypatch.setattr(fakeroute, "create_fakework", lambda *a, **k: made.append(1) or original(*a, **k))
+    fast = _figures(trial)
+    calls = sum(n for k, n in fast["step_counts"].items() if k.startswith("comm.all_to_all.") and k.endswith(".calls"))
+    assert calls > 0 and len(made) == calls, (calls, len(made))
+    monkeypatch.setattr(fakeroute, "_WORK_ONLY", {})
     assert _figures(trial) == fast
 
 
