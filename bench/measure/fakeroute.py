@@ -14,6 +14,9 @@ whole uncached dispatch each time, the process group's script object checked on 
 results/speed/README.md). Where every tensor is a fake tensor of the active mode, ``call`` makes the handle as
 that kernel does.
 
+A fake tensor's device (``tensor.device``) is answered before ``call`` (``simmode.fake_device``), by both
+modes below.
+
 Two dispatch modes use it. The memory tracker (``simulate.PeakTracker``) calls it for every operator of
 the tracked step. ``FastFake`` does nothing else: it is entered for the untracked work a simulation does
 before the step (building the model and FSDP2's sharding of it, the optimizer's priming step,
@@ -36,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._meta_registrations import create_fakework
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..stackmodel.simmode import any_dtensor
+from ..stackmodel.simmode import any_dtensor, fake_device
 from . import fakememo, fakeview
 
 
@@ -66,6 +69,8 @@ class FastFake(TorchDispatchMode):
     (``NotImplemented``), whose local operators come through again, as under the memory tracker."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (device := fake_device(func, args, kwargs)) is not None:
+            return device
         if any_dtensor(types):
             return NotImplemented
         return call(func, args, kwargs or {}, active_fake_mode())

@@ -28,6 +28,10 @@ tracker pushed below every counter did. Every counter therefore sees what it saw
   declines DTensors (``declines_dtensor``), and then no counter sees it, as no mode below a declining
   one did; DTensor runs the local operators, which come through again.
 
+A fake tensor's device (``tensor.device`` on a ``FakeTensor``, the operator ``prim.device``, which a simulated
+step asks for tens of thousands of times) is answered at once with what ``FakeTensorMode`` answers
+(``fake_device``): no counter counts it, and nothing is made or changed.
+
 Two things a stack allowed are refused instead of merged: an operator on DTensors when the outermost
 counter takes them and one inside declines (stacked, the outer ones would see the operator and the
 inner ones its local operators only), and higher-order operators (a ``SimulationMode`` does not take
@@ -40,7 +44,19 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
+
+_DEVICE = torch.ops.prim.device.default
+
+
+def fake_device(func, args: tuple, kwargs: dict | None) -> torch.device | None:
+    """The answer to ``tensor.device`` on a fake tensor, as ``FakeTensorMode`` gives it (its ``_device_handler``:
+    ``meta`` inside a kernel's invocation, else the tensor's fake device); None for any other operator."""
+    if func is not _DEVICE or kwargs or len(args) != 1 or type(args[0]) is not FakeTensor:
+        return None
+    return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
 
 
 def any_dtensor(types) -> bool:
@@ -174,6 +190,8 @@ class SimulationMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and (device := fake_device(func, args, kwargs)) is not None:
+            return device
         if (self._declines or self._mixed) and any_dtensor(types):
             if self._declines:
                 return NotImplemented  # DTensor runs the local ops, which come back here
