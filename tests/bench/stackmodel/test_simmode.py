@@ -87,3 +87,34 @@ def test_counters_leave_in_the_reverse_order():
     mode.leave(b)
     mode.leave(a)
     assert mode.counters == ()
+
+
+class _Seen(Counter):
+    """A counter that records every operator its hooks see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def before(self, func, args, kwargs):
+        self.ops.append(func)
+
+
+def test_a_fake_tensors_device_is_answered_as_fake_tensor_mode_answers_it_and_no_counter_sees_it():
+    """``tensor.device`` asked from C++ on a fake tensor (``prim.device``: autograd asks it of every input and
+    output) under a ``SimulationMode``: the fake device outside a kernel's invocation and ``meta`` inside one, as
+    ``FakeTensorMode`` answers; no counter's hook runs for it, while the operators around it reach them."""
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    device = torch.ops.prim.device.default
+    seen = _Seen()
+    with FakeTensorMode() as fake:
+        t = torch.empty(3, device="cuda", requires_grad=True)
+        with SimulationMode() as mode, seen:
+            (t * 2).sum().backward()
+            assert mode.__torch_dispatch__(device, (type(t),), (t,)) == t.fake_device == torch.device("cuda", 0)
+            with in_kernel_invocation_manager(fake):
+                assert mode.__torch_dispatch__(device, (type(t),), (t,)) == torch.device("meta")
+        assert t.grad.device == t.device
+    assert device not in seen.ops
+    assert {torch.ops.aten.mul.Tensor, torch.ops.aten.sum.default} <= set(seen.ops)
