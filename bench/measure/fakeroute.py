@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._meta_registrations import create_fakework
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..stackmodel.simmode import any_dtensor, fake_device
+from ..stackmodel.simmode import DEVICE_QUERY, any_dtensor, fake_device
 from . import fakememo, fakeview
 
 
@@ -69,7 +69,7 @@ class FastFake(TorchDispatchMode):
     (``NotImplemented``), whose local operators come through again, as under the memory tracker."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (device := fake_device(func, args, kwargs)) is not None:
+        if func is DEVICE_QUERY and (device := fake_device(func, args, kwargs)) is not None:
             return device
         if any_dtensor(types):
             return NotImplemented

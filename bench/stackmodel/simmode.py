@@ -48,13 +48,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
-_DEVICE = torch.ops.prim.device.default
+DEVICE_QUERY = torch.ops.prim.device.default  # `tensor.device` asked from C++: a hot path, checked before the call
 
 
 def fake_device(func, args: tuple, kwargs: dict | None) -> torch.device | None:
     """The answer to ``tensor.device`` on a fake tensor, as ``FakeTensorMode`` gives it (its ``_device_handler``:
     ``meta`` inside a kernel's invocation, else the tensor's fake device); None for any other operator."""
-    if func is not _DEVICE or kwargs or len(args) != 1 or type(args[0]) is not FakeTensor:
+    if func is not DEVICE_QUERY or kwargs or len(args) != 1 or type(args[0]) is not FakeTensor:
         return None
     return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
 
@@ -190,7 +190,7 @@ class SimulationMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and (device := fake_device(func, args, kwargs)) is not None:
+        if func is DEVICE_QUERY and (device := fake_device(func, args, kwargs)) is not None:
             return device
         if (self._declines or self._mixed) and any_dtensor(types):
             if self._declines:

@@ -4,8 +4,8 @@
   exactly what the step's calls see (the kernels' masking rule, as an explicit mask), every row at most
   once per call. Under a causal mask no real token's row or key is ever gathered (only padding documents'
   strays), and where no document needs padding ``doc-zigzag``'s ring steps are two calls (three unmasked),
-  each taking its rows and keys as slices, whatever the documents; allgather-kv's one step is at most a
-  call per chunk of a document.
+  each taking its rows and keys as slices, whatever the documents; allgather-kv's one step is at most two
+  calls per chunk of a document under a causal mask.
 * The ring methods on gloo ranks with a kernel that packs (the tests' flash-attn stand-in, whose varlen
   functions run on CPU): output, dx and every weight gradient against the reference, at 2 and 4 ranks,
   causal and not, fp32 (and bf16 for the ring); the packed calls were made, the per-pair calls were not. With the
@@ -60,6 +60,8 @@ def test_packed_calls_see_what_the_steps_calls_see(name, causal, ring):
     n = plan.local_len
     padding = {i for i, first in enumerate(plan.real) if first < 0}
     doc_of = plan.docs.doc_ids().tolist()
+    positions = [[p for start, m in plan.rank_runs(part, ring) for p in range(start, start + m)]
+                 for part in range(ring)]  # each ring rank's rows, as global positions
     for rank in range(ring):
         for step in range(ring):
             calls = schedule.packed(step, rank, ring, n)
@@ -70,8 +72,7 @@ def test_packed_calls_see_what_the_steps_calls_see(name, causal, ring):
             for call in calls:
                 for spans, part in ((call.rows, rank), (call.cols, held)):
                     if isinstance(ringpack.index(spans, n, "cpu"), torch.Tensor) and causal:
-                        positions = [p for start, m in plan.rank_runs(part, ring) for p in range(start, start + m)]
-                        gathered = {doc_of[positions[i]] for start, m in spans for i in range(start, start + m)}
+                        gathered = {doc_of[positions[part][i]] for start, m in spans for i in range(start, start + m)}
                         assert gathered <= padding, (rank, step, "a real token gathered")
             if not plan.padding:
                 # the causal rounds: the whole block's diagonal chunks and the tails against the heads at step 0;

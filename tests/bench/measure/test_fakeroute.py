@@ -37,32 +37,25 @@ def test_a_trial_measures_the_same_with_and_without_the_fast_path(stack, monkeyp
     assert fast["peak_by_category"]["optstate"] > 0 and fast["peak_by_category"]["parameter"] > 0
 
 
-def test_a_rings_sends_and_receives_get_their_work_handle_directly_and_measure_the_same(monkeypatch):
-    """The ring on 4 ranks (two-layer tiny model, paper stack): its ``batch_isend_irecv`` sends and receives are
-    answered with the handle the fake kernel makes (``_WORK_ONLY``), every one of them, and every figure is what
-    ``FakeTensorMode``'s own dispatch of them gives."""
-    trial = Trial.make("ring", "tiny-llama", 4096, 4, step=StepConfig(stack="paper"))
+# (method, the collective its calls are counted under, work handles made per counted call): a ring's
+# batch_isend_irecv sends and receives (a receive for every send), a head-parallel method's all-to-alls
+WORK_ONLY_CASES = [("ring", "comm.send.", 2), ("upipe", "comm.all_to_all.", 1)]
+
+
+@pytest.mark.parametrize(("method", "counted", "per_call"), WORK_ONLY_CASES, ids=[m for m, _, _ in WORK_ONLY_CASES])
+def test_work_only_collectives_get_their_work_handle_directly_and_measure_the_same(method, counted, per_call,
+                                                                                  monkeypatch):
+    """On 4 ranks (two-layer tiny model, paper stack): a ring's sends and receives (``c10d.send``/``recv_``) and
+    UPipe's all-to-alls (``c10d.alltoall_base_``) are answered with the handle the fake kernel makes
+    (``_WORK_ONLY``), every one of them, and every figure is what ``FakeTensorMode``'s own dispatch of them
+    gives."""
+    trial = Trial.make(method, "tiny-llama", 4096, 4, step=StepConfig(stack="paper"))
     made = []
     original = fakeroute.create_fakework
     monkeypatch.setattr(fakeroute, "create_fakework", lambda *a, **k: made.append(1) or original(*a, **k))
     fast = _figures(trial)
-    sends = sum(n for k, n in fast["step_counts"].items() if k.startswith("comm.send.") and k.endswith(".calls"))
-    assert sends > 0 and len(made) == 2 * sends  # a receive for every send
-    monkeypatch.setattr(fakeroute, "_WORK_ONLY", {})
-    assert _figures(trial) == fast
-
-
-def test_all_to_alls_get_their_work_handle_directly_and_measure_the_same(monkeypatch):
-    """UPipe on 4 ranks (two-layer tiny model, paper stack): its all-to-alls (``c10d.alltoall_base_``) are answered
-    with the handle the fake kernel makes, every one of them, and every figure is what ``FakeTensorMode``'s own
-    dispatch of them gives."""
-    trial = Trial.make("upipe", "tiny-llama", 4096, 4, step=StepConfig(stack="paper"))
-    made = []
-    original = fakeroute.create_fakework
-    monkeypatch.setattr(fakeroute, "create_fakework", lambda *a, **k: made.append(1) or original(*a, **k))
-    fast = _figures(trial)
-    calls = sum(n for k, n in fast["step_counts"].items() if k.startswith("comm.all_to_all.") and k.endswith(".calls"))
-    assert calls > 0 and len(made) == calls, (calls, len(made))
+    calls = sum(n for k, n in fast["step_counts"].items() if k.startswith(counted) and k.endswith(".calls"))
+    assert calls > 0 and len(made) == per_call * calls, (calls, len(made))
     monkeypatch.setattr(fakeroute, "_WORK_ONLY", {})
     assert _figures(trial) == fast
 
