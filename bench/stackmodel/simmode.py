@@ -28,8 +28,8 @@ tracker pushed below every counter did. Every counter therefore sees what it saw
   declines DTensors (``declines_dtensor``), and then no counter sees it, as no mode below a declining
   one did; DTensor runs the local operators, which come through again.
 
-A fake tensor's device (``tensor.device`` on a ``FakeTensor``, the operator ``prim.device``, which a simulated
-step asks for tens of thousands of times) is answered at once with what ``FakeTensorMode`` answers
+A fake tensor's device (``tensor.device`` on a ``FakeTensor``, the operator ``prim.device``, which autograd asks
+of every input and output of every operator) is answered at once with what ``FakeTensorMode`` answers
 (``fake_device``): no counter counts it, and nothing is made or changed.
 
 Two things a stack allowed are refused instead of merged: an operator on DTensors when the outermost
