@@ -43,6 +43,7 @@ length the group cannot cut into equal slices.
 """
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +144,19 @@ class UPipeAttention:
         self.world_size = comm.world(group)[0]
         self.chunk_heads, self.kernel_name = chunk_heads, kernel
         self._schedules: dict[tuple[int, int, int, bool], Schedule] = {}
+        self.released = False
+
+    def release(self) -> None:
+        """Drop this function's references to its group (and the schedules holding it).
+
+        ``register`` calls it at interpreter exit (``atexit``, while Python is still whole). A
+        gloo group destroyed by ``dist.destroy_process_group`` but still referenced here would
+        outlive the interpreter's finalization; its worker thread, still releasing the last
+        collective's tensors, then takes the GIL of a finalizing interpreter and the process
+        aborts ("terminate called without an active exception"; pytorch/pytorch#190489). Once no
+        one holds the group, its destructor joins those threads first."""
+        self.group, self.released = None, True
+        self._schedules.clear()
 
     def check(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         """UPipe's constraints for this shape at the group's size (``ValueError``: one line)."""
@@ -165,6 +179,9 @@ class UPipeAttention:
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  **kwargs) -> tuple[torch.Tensor, None]:
+        if self.released:
+            raise RuntimeError(f"{NAME} attention was released at interpreter exit (its group with it); "
+                               f"call upipe_hf.register again for a new group")
         if attention_mask is not None:
             raise ValueError(f"{NAME} attention takes no attention mask (it attends causally over the whole "
                              f"sequence): pass no attention_mask, and no padded or packed sequences")
@@ -191,6 +208,7 @@ def register(group, chunk_heads: int | None = None, kernel: str | None = None, c
         fn.check(heads, getattr(text, "num_key_value_heads", None) or heads,
                  getattr(text, "head_dim", None) or text.hidden_size // heads)
     AttentionInterface.register(name, fn)
+    atexit.register(fn.release)  # the registry is global: without this it holds the group to the end
     return name
 
 

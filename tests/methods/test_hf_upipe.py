@@ -5,11 +5,13 @@ the correctness matrix's tolerance; bad input is refused in one line before any 
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,37 @@ def test_a_mask_or_dropout_is_refused_in_one_line():
         fn(torch.nn.Module(), q, q, q, torch.ones(1, 1, 8, 8))
     with pytest.raises(ValueError, match="no attention dropout"):
         fn(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+def test_register_releases_its_group_at_interpreter_exit(monkeypatch):
+    """The global registry would hold the group past ``dist.destroy_process_group`` into the
+    interpreter's finalization, where gloo's worker thread aborts the process taking the GIL
+    (``UPipeAttention.release``): ``register`` leaves an exit hook that drops it, and a call after
+    it is refused in one line."""
+    from transformers import AttentionInterface
+
+    class Group:  # a stand-in a weak reference can watch; comm.world answers for it
+        pass
+
+    hooks = []
+    monkeypatch.setattr(upipe_hf.atexit, "register", hooks.append)
+    monkeypatch.setattr(upipe_hf.comm, "world", lambda group: (1, 0))
+    monkeypatch.setitem(AttentionInterface._global_mapping, "upipe-release-test", None)
+    group = Group()
+    watch = weakref.ref(group)
+    name = upipe_hf.register(group, name="upipe-release-test")
+    fn = AttentionInterface._global_mapping[name]
+    fn.schedule(4, 4, 16, True)
+    del group
+    gc.collect()
+    assert watch() is not None and len(hooks) == 1
+    hooks[0]()
+    gc.collect()
+    assert watch() is None, "the registered function still holds its group after the exit hook"
+    q = torch.randn(1, 4, 8, 16)
+    with pytest.raises(RuntimeError, match="released at interpreter exit") as e:
+        fn(torch.nn.Module(), q, q, q, None)
+    assert "\n" not in str(e.value)
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "upipe-in-transformers.md"
