@@ -1,9 +1,19 @@
 """Where an operator under simulation goes: FakeTensorMode's known answers made without its dispatch.
 
-``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a view of
-``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or receive or an all-to-all answered
-with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave from its cache replayed from a
-cheaper key (``fakememo``), else the operator itself. Each returns exactly what ``FakeTensorMode`` would.
+``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a composite
+view decomposed (below), a view of ``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or
+receive or an all-to-all answered with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave
+from its cache replayed from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what
+``FakeTensorMode`` would.
+
+Composite views. Code running below autograd (torch's ring attention, which DTensor's handler for
+scaled-dot-product attention runs on the local tensors) sends CompositeImplicitAutograd views to the dispatch
+modes: ``chunk``, ``reshape``, ``flatten``, ``to``, ``contiguous`` (tens of thousands per simulated rank of
+``torch-cp``). ``FakeTensorMode`` builds a whole cache key for each, refuses to cache it (a composite view may
+or may not alias its input) and runs the composite kernel with itself entered, so each of its pieces pays a
+cache lookup too. ``call`` runs the same kernel (``func.decompose``) with ``FastFake`` entered, so that the
+pieces go through ``call``: where ``FakeTensorMode`` would take exactly that path (``_decompose``) and nothing
+else. The modes above see the composite operator alone, as before.
 
 A ring's sends and receives (``dist.batch_isend_irecv``: two per ring step, layer and pass, on every rank
 simulated) are ``c10d.send``/``c10d.recv_``, and a head-parallel method's all-to-alls (``dist.all_to_all_single``:
@@ -35,7 +45,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._decomp import decomposition_table, meta_table
+from torch._subclasses.fake_tensor import (
+    _DISPATCH_HANDLE_DIRECTLY,
+    _DISPATCH_META_HANDLERS,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.distributed._meta_registrations import create_fakework
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,12 +67,56 @@ def active_fake_mode() -> FakeTensorMode | None:
 
 # c10d's operators whose fake kernel makes a work handle and nothing else (module docstring), each with the
 # arguments that hold its tensors: a send's or receive's list, an all-to-all's output and input
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_DECOMPOSED: dict = {}  # operator -> _decomposed_each_time(operator)
+_PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format})
+
 _WORK_ONLY = {torch.ops.c10d.send.default: lambda args: args[0], torch.ops.c10d.recv_.default: lambda args: args[0],
               torch.ops.c10d.alltoall_base_.default: lambda args: args[:2]}
 
 
+def _decomposed_each_time(func) -> bool:
+    """Whether ``FakeTensorMode`` runs ``func``'s CompositeImplicitAutograd kernel on every call, with nothing
+    before it that a plain fake argument could change: a view its cache refuses ("CompositeImplicitAutograd":
+    whether the output aliases the input is not known before it runs), with no meta function, no Python
+    decomposition, no C++ meta kernel it prefers, not a lift and not an operator it answers before its cache."""
+    known = _DECOMPOSED.get(func)
+    if known is None:
+        known = _DECOMPOSED[func] = (
+            isinstance(func, torch._ops.OpOverload) and func.is_view
+            and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE)
+            and func not in meta_table and func not in decomposition_table
+            and torch.Tag.view_copy not in func.tags and func not in FakeTensorMode._cpp_meta_supports_symint
+            and func not in FakeTensorMode.lift_fns and func not in _DISPATCH_META_HANDLERS
+            and func not in _DISPATCH_HANDLE_DIRECTLY)
+    return known
+
+
+def _plain(arg: Any, fake_mode: FakeTensorMode) -> bool:
+    """A fake tensor of ``fake_mode`` with no constant and no symbolic size, or a plain value (or a list of them)."""
+    kind = type(arg)
+    if kind is FakeTensor:
+        return arg.fake_mode is fake_mode and arg.constant is None and not arg._has_symbolic_sizes_strides
+    if kind in (list, tuple):
+        return all(_plain(a, fake_mode) for a in arg)
+    return kind in _PLAIN
+
+
+def _decompose(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> bool:
+    """Whether ``call`` decomposes ``func`` itself (module docstring): ``FakeTensorMode`` would, and every argument
+    is plain, at least one a fake tensor, with no shape environment, no real tensors propagated, and that mode
+    the only one below."""
+    return (fake_mode is not None and _decomposed_each_time(func) and fake_mode.shape_env is None
+            and not fake_mode.propagate_real_tensors and torch._C._len_torch_dispatch_stack() == 1
+            and any(type(a) is FakeTensor for a in args)
+            and all(_plain(a, fake_mode) for a in args) and all(_plain(a, fake_mode) for a in kwargs.values()))
+
+
 def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
     """``func(*args, **kwargs)`` below a dispatch mode whose next mode is ``fake_mode`` (module docstring)."""
+    if _decompose(func, args, kwargs, fake_mode):
+        with FastFake():
+            return func.decompose(*args, **kwargs)
     if func in _WORK_ONLY and fake_mode is not None and not kwargs \
             and all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in _WORK_ONLY[func](args)):
         return create_fakework(args, return_first_arg=False)

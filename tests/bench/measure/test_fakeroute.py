@@ -11,12 +11,18 @@ import contextlib
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch._decomp import decomposition_table
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import _sharding_prop
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from bench.measure import fakeroute, run
 from bench.measure.config import StepConfig
 from bench.measure.trial import Trial
+from tests.bench.measure.fakemodes import PassOn, Through, facts
+
+aten = torch.ops.aten
 
 
 def _figures(trial: Trial) -> dict:
@@ -98,3 +104,52 @@ def test_the_strided_flag_is_scanned_once_and_the_original_runs_where_a_strided_
     assert plain.scans == 1 and strided.scans == 1
     assert calls == [(("child", c), strided) for c in range(3)]  # the original, for the strided schema only
     assert _sharding_prop._propagate_use_strided_shard_flag is not once  # restored on exit
+
+
+# CompositeImplicitAutograd views (what torch's ring attention calls below autograd, inside DTensor's handler),
+# each with the arguments after its input; the input is [4, 6, 8] or its transpose
+COMPOSITE_VIEWS = [
+    (aten.chunk.default, (3, 1)),
+    (aten.reshape.default, ([24, 8],)),
+    (aten.flatten.using_ints, (0, 1)),
+    (aten.to.dtype, (torch.float32,)),  # the same dtype: the input itself
+    (aten.to.dtype, (torch.bfloat16,)),  # another: a copy
+    (aten.contiguous.default, ()),
+    (aten.unflatten.int, (2, [2, 4])),
+    (aten.movedim.int, (0, 2)),
+]
+
+
+@pytest.mark.parametrize("func,rest", COMPOSITE_VIEWS, ids=[f"{f}-{r}" for f, r in COMPOSITE_VIEWS])
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_a_composite_view_decomposed_by_call_is_fake_tensor_modes_result(func, rest, transposed):
+    """Below autograd, as in the simulated ring, the view reaches the mode above FakeTensorMode; ``call``
+    decomposes it itself (its pieces through ``call`` again) and gives what FakeTensorMode's own decomposition
+    gives: the same facts, the input's storage where it gives a view, a new one where it copies, the input
+    itself where it returns it. FakeTensorMode is not asked for it."""
+    assert fakeroute._decomposed_each_time(func)
+    with FakeTensorMode() as mode:
+        x = torch.empty([8, 6, 4]).transpose(0, 2) if transposed else torch.empty([4, 6, 8])
+        with torch._C._AutoDispatchBelowAutograd():
+            with PassOn():
+                want = func(x, *rest)
+            bypasses = sum(FakeTensorMode.cache_bypasses.values())
+            with Through(fakeroute.call):
+                got = func(x, *rest)
+            assert sum(FakeTensorMode.cache_bypasses.values()) == bypasses, "FakeTensorMode was asked for it"
+    wants = [want] if isinstance(want, torch.Tensor) else list(want)
+    gots = [got] if isinstance(got, torch.Tensor) else list(got)
+    assert type(got) is type(want) and len(gots) == len(wants)
+    storage = x.untyped_storage()._cdata
+    for g, w in zip(gots, wants, strict=True):
+        assert g.fake_mode is mode and facts(g) == facts(w)
+        assert (g is x) == (w is x)
+        assert (g.untyped_storage()._cdata == storage) == (w.untyped_storage()._cdata == storage)
+
+
+def test_only_views_fake_tensor_mode_decomposes_on_every_call_are_decomposed():
+    """Not a plain view (made by its meta kernel), not a composite operator FakeTensorMode caches
+    (``log_sigmoid``), not one with a Python decomposition or a meta function."""
+    assert not fakeroute._decomposed_each_time(aten.view.default)
+    assert not fakeroute._decomposed_each_time(aten.log_sigmoid.default)
+    assert not any(fakeroute._decomposed_each_time(f) for f in list(decomposition_table)[:200])
