@@ -1,4 +1,4 @@
-"""FakeTensorMode's cache hits for fresh outputs, replayed from a cheaper key.
+"""FakeTensorMode's cache hits, replayed from a cheaper key.
 
 Why: most of a ``FakeTensorMode`` cache hit is building the cache key, every argument's whole metadata
 flattened through a chain of type checks (the measurements: results/speed/README.md). A simulated step repeats the same
@@ -6,17 +6,25 @@ few hundred (operator, shapes) pairs thousands of times, so the answer is the sa
 
 What it does: after ``FakeTensorMode`` has answered an operator *from its cache* (its hit counter rose by
 one, its miss and bypass counters did not move: the operator is one torch's own rules allow to cache,
-and nothing was dispatched beneath it) with a single new fake tensor (not an input, not on an input's
-storage, no constant), the output's metadata is kept under a key of the same facts torch's key holds
-(the operator; the default dtype and device and inference mode; every tensor argument's sizes, strides,
-offset, storage size, dtype, fake device, layout, ``requires_grad``, conjugate, negative and inference
-bits; every other argument's type and value). The next call with that key builds the output as torch's
-cache hit builds it (an empty strided meta tensor, its conjugate and negative bits, wrapped as a
-``FakeTensor`` on the kept fake device) without building torch's key. Only where that is the whole of
-what ``FakeTensorMode`` would do: the caller's next dispatch mode is the active ``FakeTensorMode``, with
-no shape environment, and every tensor argument is a plain strided ``FakeTensor`` of that mode without a
-constant; anything else (symbolic sizes, other arguments, views, in-place and tuple-returning operators,
-operators torch does not cache) goes to ``FakeTensorMode`` as before. Torch's counters are read around
+and nothing was dispatched beneath it), what torch's cache entry gave is kept under a key of the same facts
+torch's key holds (the operator; the default dtype and device and inference mode; every tensor argument's
+sizes, strides, offset, storage size, dtype, fake device, layout, ``requires_grad``, conjugate, negative and
+inference bits; every other argument's type and value), for three kinds of answer (``_answer``):
+
+* a single new fake tensor (not an input, not on an input's storage, no constant): its metadata. The next
+  call with that key builds the output as torch's cache hit builds it (an empty strided meta tensor, its
+  conjugate and negative bits, wrapped as a ``FakeTensor`` on the kept fake device);
+* one of the positional arguments, as an in-place operator returns it: its position. Torch's entry holds the
+  first position whose argument is the output and its hit returns that argument; only an output that is
+  exactly one argument is kept, so the position is torch's;
+* a tuple of new fake tensors, each on a storage of its own: each one's metadata, each rebuilt as above, as
+  torch's hit builds each output of a tuple from its entry.
+
+Each without building torch's key. Only where that is the whole of what ``FakeTensorMode`` would do: the
+caller's next dispatch mode is the active ``FakeTensorMode``, with no shape environment, and every tensor
+argument is a plain strided ``FakeTensor`` of that mode without a constant; anything else (symbolic sizes,
+other arguments, views, tuples holding a view or a number, operators torch does not cache) goes to
+``FakeTensorMode`` as before. Torch's counters are read around
 one call, so one thread dispatches at a time, as in a simulation (the autograd engine's thread runs the
 backward while the caller waits). Kept outputs, like torch's cache, last as long as the process.
 
@@ -38,7 +46,9 @@ _SCALARS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.devi
 _SEQUENCES = frozenset({list, tuple, torch.Size})
 _NO_KEY = object()
 
-# key -> (sizes, strides, dtype, layout, requires_grad, is_conj, is_neg, fake device) of the output
+# key -> (kind, facts): _NEW with the output's (sizes, strides, dtype, layout, requires_grad, is_conj, is_neg,
+# fake device); _INPUT with the position of the argument returned; _TUPLE with each output's facts (``_answer``)
+_NEW, _INPUT, _TUPLE = "new", "input", "tuple"
 _outputs: dict[tuple, tuple] = {}
 # operators not worth a key: those FakeTensorMode answers before its cache (prim.device, size, ...), and
 # those it answered with something this module does not keep (an input, a tuple) or without its cache
@@ -106,23 +116,57 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
         return func(*args, **kwargs)
     kept = _outputs.get(key)
     if kept is not None:
-        shape, stride, dtype, layout, requires_grad, conj, neg, device = kept
-        with in_kernel_invocation_manager(fake_mode):
-            empty = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
-                                        requires_grad=requires_grad)
-        if conj:
-            torch._C._set_conj(empty, True)
-        if neg:
-            torch._C._set_neg(empty, True)
-        return FakeTensor(fake_mode, empty, device)
+        kind, facts = kept
+        if kind is _NEW:
+            return _rebuild(facts, fake_mode)
+        if kind is _INPUT:
+            return args[facts]
+        return tuple(_rebuild(f, fake_mode) for f in facts)
     hits, misses = FakeTensorMode.cache_hits, FakeTensorMode.cache_misses
     bypasses = sum(FakeTensorMode.cache_bypasses.values())
     out = func(*args, **kwargs)
     bypassed = sum(FakeTensorMode.cache_bypasses.values()) != bypasses
     from_cache = FakeTensorMode.cache_hits == hits + 1 and FakeTensorMode.cache_misses == misses and not bypassed
-    if from_cache and _fresh(out, args, kwargs, fake_mode):
-        _outputs[key] = (tuple(out.shape), out.stride(), out.dtype, out.layout, out.requires_grad,
-                         out.is_conj(), out.is_neg(), out.fake_device)
-    elif from_cache or bypassed:  # an in-place or tuple answer, or one torch does not cache: not kept
+    answer = _answer(out, args, kwargs, fake_mode) if from_cache else None
+    if answer is not None:
+        _outputs[key] = answer
+    elif from_cache or bypassed:  # an answer not kept, or one torch does not cache
         _skipped.add(func)
     return out
+
+
+def _facts(out: FakeTensor) -> tuple:
+    return (tuple(out.shape), out.stride(), out.dtype, out.layout, out.requires_grad, out.is_conj(), out.is_neg(),
+            out.fake_device)
+
+
+def _rebuild(facts: tuple, fake_mode: FakeTensorMode) -> FakeTensor:
+    """A new fake tensor as torch's cache hit builds one from its entry's metadata."""
+    shape, stride, dtype, layout, requires_grad, conj, neg, device = facts
+    with in_kernel_invocation_manager(fake_mode):
+        empty = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
+                                    requires_grad=requires_grad)
+    if conj:
+        torch._C._set_conj(empty, True)
+    if neg:
+        torch._C._set_neg(empty, True)
+    return FakeTensor(fake_mode, empty, device)
+
+
+def _answer(out: Any, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> tuple | None:
+    """What to keep of an answer torch gave from its cache, or None: a new tensor's metadata (``_NEW``); the
+    position of the one positional argument an in-place operator returned, as torch's entry records it
+    (``_INPUT``: torch returns ``args[entry.inplace_idx]``, the first argument that is the output, so only an
+    output that is exactly one argument, and no keyword argument, is kept); or a tuple of new tensors, each on a
+    storage of its own (``_TUPLE``: torch builds each from its entry's metadata)."""
+    if _fresh(out, args, kwargs, fake_mode):
+        return _NEW, _facts(out)
+    if type(out) is FakeTensor:
+        at = [i for i, a in enumerate(args) if a is out]
+        if len(at) == 1 and not any(v is out for v in kwargs.values()):
+            return _INPUT, at[0]
+        return None
+    if type(out) is tuple and out and all(_fresh(t, args, kwargs, fake_mode) for t in out):
+        if len({t.untyped_storage()._cdata for t in out}) == len(out):
+            return _TUPLE, tuple(_facts(t) for t in out)
+    return None

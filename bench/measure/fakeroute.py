@@ -1,8 +1,9 @@
 """Where an operator under simulation goes: FakeTensorMode's known answers made without its dispatch.
 
 ``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a composite
-view decomposed (below), a view of ``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or
-receive or an all-to-all answered with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave
+view decomposed (below), a simulated flash-attention kernel's fake implementation run (below), a view of
+``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or receive, an all-to-all or a barrier
+answered with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave
 from its cache replayed from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what
 ``FakeTensorMode`` would.
 
@@ -14,6 +15,14 @@ or may not alias its input) and runs the composite kernel with itself entered, s
 cache lookup too. ``call`` runs the same kernel (``func.decompose``) with ``FastFake`` entered, so that the
 pieces go through ``call``: where ``FakeTensorMode`` would take exactly that path (``_decompose``) and nothing
 else. The modes above see the composite operator alone, as before.
+
+Simulated kernels. The flash-attention kernels simulation stands in for (``cpab_sim::fa2_*``/``fa3_*``,
+``bench.stackmodel.fake_flash_attn``; two per attention call and ring step) are custom operators, which
+``FakeTensorMode`` never caches: it builds their key, refuses it ("non-builtin") and runs their registered fake
+implementation with itself entered. ``call`` runs that implementation with ``FastFake`` entered (its
+``torch.empty`` calls through ``call``), under the same fake-implementation context, where the arguments are
+plain (``_own_kernel``). A barrier (yunchang's ring code issues one after every step) has a fake kernel that
+makes only a work handle, as a send has.
 
 A ring's sends and receives (``dist.batch_isend_irecv``: two per ring step, layer and pass, on every rank
 simulated) are ``c10d.send``/``c10d.recv_``, and a head-parallel method's all-to-alls (``dist.all_to_all_single``:
@@ -46,6 +55,7 @@ from typing import Any
 
 import torch
 from torch._decomp import decomposition_table, meta_table
+from torch._library import fake_impl, simple_registry
 from torch._subclasses.fake_tensor import (
     _DISPATCH_HANDLE_DIRECTLY,
     _DISPATCH_META_HANDLERS,
@@ -57,6 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..stackmodel.simmode import DEVICE_QUERY, any_dtensor, fake_device
 from . import fakememo, fakeview
+from .skipmath import SIM_NAMESPACE
 
 
 def active_fake_mode() -> FakeTensorMode | None:
@@ -72,7 +83,8 @@ _DECOMPOSED: dict = {}  # operator -> _decomposed_each_time(operator)
 _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 _WORK_ONLY = {torch.ops.c10d.send.default: lambda args: args[0], torch.ops.c10d.recv_.default: lambda args: args[0],
-              torch.ops.c10d.alltoall_base_.default: lambda args: args[:2]}
+              torch.ops.c10d.alltoall_base_.default: lambda args: args[:2],
+              torch.ops.c10d.barrier.default: lambda args: args[:1]}
 
 
 def _decomposed_each_time(func) -> bool:
@@ -112,11 +124,25 @@ def _decompose(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None
             and all(_plain(a, fake_mode) for a in args) and all(_plain(a, fake_mode) for a in kwargs.values()))
 
 
+def _own_kernel(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> bool:
+    """Whether ``call`` runs a simulated flash-attention kernel's fake implementation itself (module docstring):
+    ``FakeTensorMode`` would, every argument being plain, with no shape environment, no real tensors
+    propagated, no operator profiles, and that mode the only one below."""
+    return (fake_mode is not None and fake_mode.shape_env is None and not fake_mode.propagate_real_tensors
+            and torch._dynamo.config._custom_ops_profile is None and torch._C._len_torch_dispatch_stack() == 1
+            and all(_plain(a, fake_mode) for a in args) and all(_plain(a, fake_mode) for a in kwargs.values()))
+
+
 def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
     """``func(*args, **kwargs)`` below a dispatch mode whose next mode is ``fake_mode`` (module docstring)."""
     if _decompose(func, args, kwargs, fake_mode):
         with FastFake():
             return func.decompose(*args, **kwargs)
+    if getattr(func, "namespace", None) == SIM_NAMESPACE and _own_kernel(args, kwargs, fake_mode):
+        kernel = simple_registry.singleton.find(func.name()).fake_impl.kernel
+        ctx = fake_impl.FakeImplCtx(fake_mode, func)
+        with fake_impl.set_ctx_getter(lambda: ctx), FastFake():
+            return kernel(*args, **kwargs)
     if func in _WORK_ONLY and fake_mode is not None and not kwargs \
             and all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in _WORK_ONLY[func](args)):
         return create_fakework(args, return_first_arg=False)

@@ -1,5 +1,6 @@
 """bench.measure.fakememo: an output rebuilt from its key is FakeTensorMode's own cached answer, and nothing
-FakeTensorMode does not answer from its cache with one fresh tensor is kept.
+FakeTensorMode does not answer from its cache with one fresh tensor, one argument or a tuple of fresh tensors is
+kept.
 
 Each operator runs below a dispatch mode, as in a simulation: through ``fakememo.call`` (the first call
 keeps the output once torch's cache has answered, the second rebuilds it) and passed on to
@@ -94,7 +95,37 @@ def _(x):
     return torch.empty_like(x)
 
 
-@pytest.mark.parametrize("why", ["in place", "a tuple", "not cached by torch", "a constant", "a mode in between"])
+def test_an_in_place_answer_is_the_argument_and_a_tuple_is_rebuilt_output_by_output():
+    """An in-place operator answered from torch's cache is kept as the position of the argument it returned:
+    the replay returns that argument of the call at hand (another tensor of the same facts included). A tuple
+    of new tensors (``max``'s values and indices) is rebuilt output by output, each as torch's cache builds it,
+    on storages of their own."""
+    fakememo.clear()
+    with FakeTensorMode() as mode:
+        a, _, _ = _inputs()
+        other = torch.empty(4, 6)
+        with PassOn():
+            a.add_(1.0)  # torch's cache holds the answers from here on
+            want = torch.max(a, dim=1)
+            want = torch.max(a, dim=1)
+        with Through(fakememo.call):
+            assert a.add_(1.0) is a and torch.max(a, dim=1) is not None  # answered from torch's cache, kept
+            kinds = sorted(kind for kind, _ in fakememo._outputs.values())
+            assert kinds == [fakememo._INPUT, fakememo._TUPLE], fakememo._outputs
+            hits = FakeTensorMode.cache_hits
+            assert other.add_(1.0) is other and a.add_(1.0) is a
+            got = torch.max(a, dim=1)
+            assert FakeTensorMode.cache_hits == hits, "a replay reached FakeTensorMode's cache"
+    assert type(got) is type(want) and len(got) == len(want) == 2
+    storages = {a.untyped_storage()._cdata, *(t.untyped_storage()._cdata for t in want)}
+    for g, w in zip(got, want, strict=True):
+        assert g.fake_mode is mode and facts(g) == facts(w)
+        assert g.untyped_storage()._cdata not in storages
+    assert got[0].untyped_storage()._cdata != got[1].untyped_storage()._cdata
+
+
+@pytest.mark.parametrize("why", ["in place, the output twice an argument", "a tuple of views", "not cached by torch",
+                                 "a constant", "a mode in between"])
 def test_what_is_not_one_fresh_cached_answer_is_never_kept(why):
     fakememo.clear()
     real = torch.ones(3)
@@ -106,11 +137,11 @@ def test_what_is_not_one_fresh_cached_answer_is_never_kept(why):
                     out = a * 2.0
             else:
                 with Through(fakememo.call):
-                    if why == "in place":
-                        out = a.add_(1.0)
+                    if why == "in place, the output twice an argument":
+                        out = a.add_(a)
                         assert out is a
-                    elif why == "a tuple":
-                        out = torch.max(a, dim=1)
+                    elif why == "a tuple of views":
+                        out = a.unbind(0)
                     elif why == "not cached by torch":
                         out = _twice(a)  # not one of torch's own operators: its cache bypasses it
                     elif why == "a constant":
