@@ -17,8 +17,10 @@ inference bits; every other argument's type and value), for three kinds of answe
 * one of the positional arguments, as an in-place operator returns it: its position. Torch's entry holds the
   first position whose argument is the output and its hit returns that argument; only an output that is
   exactly one argument is kept, so the position is torch's;
-* a tuple of new fake tensors, each on a storage of its own: each one's metadata, each rebuilt as above, as
-  torch's hit builds each output of a tuple from its entry.
+* an integer or None (``record_stream``'s answer): the value, which torch's entry holds as it is;
+* a tuple of new fake tensors, each on a storage of its own, and such values (attention's outputs with their
+  sequence lengths): each one's metadata or value, each tensor rebuilt as above, as torch's hit builds each
+  output of a tuple from its entry.
 
 Each without building torch's key. Only where that is the whole of what ``FakeTensorMode`` would do: the
 caller's next dispatch mode is the active ``FakeTensorMode``, with no shape environment, and every tensor
@@ -47,8 +49,10 @@ _SEQUENCES = frozenset({list, tuple, torch.Size})
 _NO_KEY = object()
 
 # key -> (kind, facts): _NEW with the output's (sizes, strides, dtype, layout, requires_grad, is_conj, is_neg,
-# fake device); _INPUT with the position of the argument returned; _TUPLE with each output's facts (``_answer``)
-_NEW, _INPUT, _TUPLE = "new", "input", "tuple"
+# fake device); _INPUT with the position of the argument returned; _VALUE with the value; _TUPLE with each
+# output's facts or value (``_answer``)
+_NEW, _INPUT, _VALUE, _TUPLE = "new", "input", "value", "tuple"
+_VALUES = (int, type(None))  # what torch's entry holds as a constant value: returned as it is (bool is an int)
 _outputs: dict[tuple, tuple] = {}
 # operators not worth a key: those FakeTensorMode answers before its cache (prim.device, size, ...), and
 # those it answered with something this module does not keep (an input, a tuple) or without its cache
@@ -75,6 +79,10 @@ def _arg_key(arg: Any, fake_mode: FakeTensorMode, out: list) -> bool:
         out.append((tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.untyped_storage().nbytes(),
                     arg.dtype, arg.fake_device, arg.requires_grad, arg.is_conj(), arg.is_neg(),
                     arg.is_inference()))
+        return True
+    if isinstance(arg, torch.Stream):  # record_stream's: torch's key holds it by value (its id and device)
+        out.append(kind)
+        out.append(arg)
         return True
     if kind in _SEQUENCES:
         out.append(kind)
@@ -121,7 +129,9 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
             return _rebuild(facts, fake_mode)
         if kind is _INPUT:
             return args[facts]
-        return tuple(_rebuild(f, fake_mode) for f in facts)
+        if kind is _VALUE:
+            return facts
+        return tuple(f if isinstance(f, _VALUES) else _rebuild(f, fake_mode) for f in facts)
     hits, misses = FakeTensorMode.cache_hits, FakeTensorMode.cache_misses
     bypasses = sum(FakeTensorMode.cache_bypasses.values())
     out = func(*args, **kwargs)
@@ -157,8 +167,9 @@ def _answer(out: Any, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> t
     """What to keep of an answer torch gave from its cache, or None: a new tensor's metadata (``_NEW``); the
     position of the one positional argument an in-place operator returned, as torch's entry records it
     (``_INPUT``: torch returns ``args[entry.inplace_idx]``, the first argument that is the output, so only an
-    output that is exactly one argument, and no keyword argument, is kept); or a tuple of new tensors, each on a
-    storage of its own (``_TUPLE``: torch builds each from its entry's metadata)."""
+    output that is exactly one argument, and no keyword argument, is kept); an integer or None (``_VALUE``: the
+    constant value torch's entry returns); or a tuple of new tensors, each on a storage of its own, and values
+    (``_TUPLE``: torch builds each tensor from its entry's metadata and returns each value)."""
     if _fresh(out, args, kwargs, fake_mode):
         return _NEW, _facts(out)
     if type(out) is FakeTensor:
@@ -166,7 +177,11 @@ def _answer(out: Any, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> t
         if len(at) == 1 and not any(v is out for v in kwargs.values()):
             return _INPUT, at[0]
         return None
-    if type(out) is tuple and out and all(_fresh(t, args, kwargs, fake_mode) for t in out):
-        if len({t.untyped_storage()._cdata for t in out}) == len(out):
-            return _TUPLE, tuple(_facts(t) for t in out)
+    if isinstance(out, _VALUES):
+        return _VALUE, out
+    if type(out) is tuple and out:
+        new = [t for t in out if not isinstance(t, _VALUES)]
+        if all(_fresh(t, args, kwargs, fake_mode) for t in new) \
+                and len({t.untyped_storage()._cdata for t in new}) == len(new):
+            return _TUPLE, tuple(t if isinstance(t, _VALUES) else _facts(t) for t in out)
     return None

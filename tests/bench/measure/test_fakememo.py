@@ -149,3 +149,37 @@ def test_what_is_not_one_fresh_cached_answer_is_never_kept(why):
                         c.constant = real
                         out = c * 2.0
     assert not fakememo._outputs, fakememo._outputs
+
+
+def test_a_value_answer_and_a_tuple_with_values_are_replayed_as_torch_gives_them():
+    """On the simulated CUDA device: ``record_stream`` (its stream keyed by value, as torch keys it) answers
+    None, and flash attention's tuple holds new tensors, None and the sequence lengths; once torch's cache has
+    answered each, the replays give the same values and tensors of the same facts without reaching it."""
+    from bench.stackmodel import simcuda
+
+    fakememo.clear()
+    with simcuda.runtime(), FakeTensorMode() as mode:
+        a = torch.empty(4, 6, device="cuda")
+        q = torch.empty(1, 4, 8, 16, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.Stream()
+
+        def both():
+            return aten.record_stream(a, stream), aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True)
+
+        with PassOn():
+            both()  # torch's cache holds the answers from here on
+            want = both()
+        with Through(fakememo.call):
+            both()  # answered from torch's cache, kept
+            assert sorted(kind for kind, _ in fakememo._outputs.values()) == [fakememo._TUPLE, fakememo._VALUE]
+            hits = FakeTensorMode.cache_hits
+            got = both()
+            assert FakeTensorMode.cache_hits == hits, "a replay reached FakeTensorMode's cache"
+    assert got[0] is None and want[0] is None
+    assert type(got[1]) is type(want[1]) and len(got[1]) == len(want[1])
+    for g, w in zip(got[1], want[1], strict=True):
+        if isinstance(w, torch.Tensor):
+            assert g.fake_mode is mode and facts(g) == facts(w) and g.untyped_storage()._cdata != \
+                w.untyped_storage()._cdata
+        else:
+            assert g == w and type(g) is type(w)
