@@ -43,7 +43,7 @@ from records import GiB, Row, fidelity_anchor_note, human, read_rows, trial_key
 from records.facts import TABLE3_COLUMNS
 
 from ..measure.config import StepConfig
-from ..measure.run import HOST_OOM
+from ..measure.run import HOST_OOM, deciding_ranks
 from ..measure.trial import Trial
 from ..resolve import Request, resolve
 from ..search.extrapolate import layer_extrapolated_runner
@@ -323,11 +323,12 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def cost(trial: Trial) -> tuple[bool, int]:
-    """A trial's relative cost, for ordering a pool: the paper stack is about 3x slower (DeepSpeed's
-    TiledMLP and the allocator trace), then the tokens per rank times the layers simulated (the
-    operations the fake-tensor dispatch goes through, which dominate a simulation's time)."""
-    return trial.step.stack == "paper", trial.seq_len // trial.world_size * min(trial.config().n_layers, 4)
+def cost(trial: Trial) -> tuple[int, bool, int]:
+    """A trial's relative cost, for ordering a pool: first the ranks simulated (``deciding_ranks``: each is a
+    whole simulation, every rank of a 16-rank ring); then the paper stack, slower than the lean one (DeepSpeed's
+    TiledMLP and the allocator trace); then the tokens per rank times the layers simulated."""
+    return (len(deciding_ranks(trial)), trial.step.stack == "paper",
+            trial.seq_len // trial.world_size * min(trial.config().n_layers, 4))
 
 
 def run_one(trial: Trial) -> Row:

@@ -13,6 +13,7 @@ import pytest
 
 from analysis import fidelity_report
 from bench.cli import main
+from bench.measure.run import SIM_RANKS_ENV, deciding_ranks
 from bench.stackmodel import fidelity
 from bench.stackmodel.fidelity import PAPER_DIR, Anchor, Impl
 from records import FIDELITY_ANCHOR_NOTE
@@ -209,12 +210,15 @@ def test_fig1_ladder_is_one_anchor_per_bar():
         fidelity.fig1_rung("default", 8)
 
 
-def test_pool_order_puts_costly_trials_first():
-    """Ordering changes when a trial starts, never what it computes: the paper stack and the longer
-    sequence (per rank) come first."""
+def test_pool_order_puts_costly_trials_first(monkeypatch):
+    """Ordering changes when a trial starts, never what it computes: the trial simulating more ranks (a ring's
+    every rank), then the paper stack, then the longer sequence (per rank) come first."""
+    monkeypatch.setenv(SIM_RANKS_ENV, "deciding")  # as a user runs it (the tests simulate rank 0 alone)
     short, long = _tiny_anchors()[0], dataclasses.replace(_tiny_anchors()[0], seq_len=16 << 10)
-    trials = [short.trial("lean"), long.trial("lean"), short.trial("paper")]
-    assert sorted(trials, key=fidelity.cost, reverse=True) == [trials[2], trials[1], trials[0]]
+    ring = dataclasses.replace(short, impl=Impl("yc-usp", {"ulysses_degree": 1}))  # every rank of its ring
+    trials = [short.trial("lean"), long.trial("lean"), short.trial("paper"), ring.trial("lean")]
+    assert len(deciding_ranks(trials[3])) > 1 == len(deciding_ranks(trials[2]))
+    assert sorted(trials, key=fidelity.cost, reverse=True) == [trials[3], trials[2], trials[1], trials[0]]
     assert fidelity.cpu_seconds() > 0
 
 
