@@ -55,7 +55,7 @@ _NEW, _INPUT, _VALUE, _TUPLE = "new", "input", "value", "tuple"
 _VALUES = (int, type(None))  # what torch's entry holds as a constant value: returned as it is (bool is an int)
 _outputs: dict[tuple, tuple] = {}
 # operators not worth a key: those FakeTensorMode answers before its cache (prim.device, size, ...), and
-# those it answered with something this module does not keep (an input, a tuple) or without its cache
+# those it answered with something this module does not keep (a view, a list) or without its cache
 _UNKEYED = frozenset({*fake_tensor._DISPATCH_META_HANDLERS, *fake_tensor._DISPATCH_HANDLE_DIRECTLY})
 _skipped: set = set()
 

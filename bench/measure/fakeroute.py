@@ -3,9 +3,8 @@
 ``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a composite
 view decomposed (below), a simulated flash-attention kernel's fake implementation run (below), a view of
 ``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or receive, an all-to-all or a barrier
-answered with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave
-from its cache replayed from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what
-``FakeTensorMode`` would.
+answered with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave from its cache replayed
+from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what ``FakeTensorMode`` would.
 
 Composite views. Code running below autograd (torch's ring attention, which DTensor's handler for
 scaled-dot-product attention runs on the local tensors) sends CompositeImplicitAutograd views to the dispatch
@@ -76,12 +75,12 @@ def active_fake_mode() -> FakeTensorMode | None:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
-# c10d's operators whose fake kernel makes a work handle and nothing else (module docstring), each with the
-# arguments that hold its tensors: a send's or receive's list, an all-to-all's output and input
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _DECOMPOSED: dict = {}  # operator -> _decomposed_each_time(operator)
 _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format})
 
+# c10d's operators whose fake kernel makes a work handle and nothing else (module docstring), each with the
+# arguments that hold its tensors: a send's or receive's list, an all-to-all's output and input, a barrier's
 _WORK_ONLY = {torch.ops.c10d.send.default: lambda args: args[0], torch.ops.c10d.recv_.default: lambda args: args[0],
               torch.ops.c10d.alltoall_base_.default: lambda args: args[:2],
               torch.ops.c10d.barrier.default: lambda args: args[:1]}
@@ -140,9 +139,10 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
             return func.decompose(*args, **kwargs)
     if getattr(func, "namespace", None) == SIM_NAMESPACE and _own_kernel(args, kwargs, fake_mode):
         kernel = simple_registry.singleton.find(func.name()).fake_impl.kernel
-        ctx = fake_impl.FakeImplCtx(fake_mode, func)
-        with fake_impl.set_ctx_getter(lambda: ctx), FastFake():
-            return kernel(*args, **kwargs)
+        if kernel is not None:
+            ctx = fake_impl.FakeImplCtx(fake_mode, func)
+            with fake_impl.set_ctx_getter(lambda: ctx), FastFake():
+                return kernel(*args, **kwargs)
     if func in _WORK_ONLY and fake_mode is not None and not kwargs \
             and all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in _WORK_ONLY[func](args)):
         return create_fakework(args, return_first_arg=False)
