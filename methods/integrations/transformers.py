@@ -44,6 +44,7 @@ length the group cannot cut into equal slices.
 from __future__ import annotations
 
 import atexit
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -208,8 +209,15 @@ def register(group, chunk_heads: int | None = None, kernel: str | None = None, c
         fn.check(heads, getattr(text, "num_key_value_heads", None) or heads,
                  getattr(text, "head_dim", None) or text.hidden_size // heads)
     AttentionInterface.register(name, fn)
-    atexit.register(fn.release)  # the registry is global: without this it holds the group to the end
+    atexit.register(_release, weakref.ref(fn))  # the registry is global: it would hold the group to the end
     return name
+
+
+def _release(fn: weakref.ref) -> None:
+    """``UPipeAttention.release`` at exit for a function still alive (a replaced one was freed with its group)."""
+    alive = fn()
+    if alive is not None:
+        alive.release()
 
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor, group,

@@ -124,7 +124,7 @@ def test_register_releases_its_group_at_interpreter_exit(monkeypatch):
         pass
 
     hooks = []
-    monkeypatch.setattr(upipe_hf.atexit, "register", hooks.append)
+    monkeypatch.setattr(upipe_hf.atexit, "register", lambda hook, *args: hooks.append(lambda: hook(*args)))
     monkeypatch.setattr(upipe_hf.comm, "world", lambda group: (1, 0))
     monkeypatch.setitem(AttentionInterface._global_mapping, "upipe-release-test", None)
     group = Group()
@@ -142,6 +142,25 @@ def test_register_releases_its_group_at_interpreter_exit(monkeypatch):
     with pytest.raises(RuntimeError, match="released at interpreter exit") as e:
         fn(torch.nn.Module(), q, q, q, None)
     assert "\n" not in str(e.value)
+
+
+def test_a_replaced_registration_is_freed_with_its_group(monkeypatch):
+    """The exit hook holds the function weakly: registering again under the same name frees the first
+    function (and the group it held) at once, as before the hook."""
+    from transformers import AttentionInterface
+
+    class Group:
+        pass
+
+    monkeypatch.setattr(upipe_hf.comm, "world", lambda group: (1, 0))
+    monkeypatch.setitem(AttentionInterface._global_mapping, "upipe-release-test", None)
+    group = Group()
+    watch = weakref.ref(group)
+    upipe_hf.register(group, name="upipe-release-test")
+    upipe_hf.register(Group(), name="upipe-release-test")
+    del group
+    gc.collect()
+    assert watch() is None, "the replaced registration still holds its group"
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "upipe-in-transformers.md"
