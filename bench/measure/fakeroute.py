@@ -113,23 +113,26 @@ def _plain(arg: Any, fake_mode: FakeTensorMode) -> bool:
     return kind in _PLAIN
 
 
-def _decompose(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> bool:
-    """Whether ``call`` decomposes ``func`` itself (module docstring): ``FakeTensorMode`` would, and every argument
-    is plain, at least one a fake tensor, with no shape environment, no real tensors propagated, and that mode
-    the only one below."""
-    return (fake_mode is not None and _decomposed_each_time(func) and fake_mode.shape_env is None
-            and not fake_mode.propagate_real_tensors and torch._C._len_torch_dispatch_stack() == 1
-            and any(type(a) is FakeTensor for a in args)
+def _plain_call(args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> bool:
+    """Nothing ``FakeTensorMode`` checks before its decomposition or fake implementation could apply: no shape
+    environment, no real tensors propagated, that mode the only one below, and every argument plain."""
+    return (fake_mode.shape_env is None and not fake_mode.propagate_real_tensors
+            and torch._C._len_torch_dispatch_stack() == 1
             and all(_plain(a, fake_mode) for a in args) and all(_plain(a, fake_mode) for a in kwargs.values()))
+
+
+def _decompose(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> bool:
+    """Whether ``call`` decomposes ``func`` itself (module docstring): ``FakeTensorMode`` would, on a plain call
+    (``_plain_call``) with at least one fake tensor."""
+    return (fake_mode is not None and _decomposed_each_time(func) and any(type(a) is FakeTensor for a in args)
+            and _plain_call(args, kwargs, fake_mode))
 
 
 def _own_kernel(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> bool:
     """Whether ``call`` runs a simulated flash-attention kernel's fake implementation itself (module docstring):
-    ``FakeTensorMode`` would, every argument being plain, with no shape environment, no real tensors
-    propagated, no operator profiles, and that mode the only one below."""
-    return (fake_mode is not None and fake_mode.shape_env is None and not fake_mode.propagate_real_tensors
-            and torch._dynamo.config._custom_ops_profile is None and torch._C._len_torch_dispatch_stack() == 1
-            and all(_plain(a, fake_mode) for a in args) and all(_plain(a, fake_mode) for a in kwargs.values()))
+    ``FakeTensorMode`` would, on a plain call (``_plain_call``) with no operator profiles."""
+    return (fake_mode is not None and torch._dynamo.config._custom_ops_profile is None
+            and _plain_call(args, kwargs, fake_mode))
 
 
 def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
