@@ -3,7 +3,9 @@ the optimizer primed) gives the same measurement through ``FastFake`` as through
 DTensor's strided-shard flag is scanned once per operator without changing what the original does.
 
 The views and cached answers themselves are checked against FakeTensorMode's by test_fakeview.py and
-test_fakememo.py; whole simulations' figures by tests/bench/stackmodel/test_sim_equality.py.
+test_fakememo.py; whole simulations' figures by tests/bench/stackmodel/test_sim_equality.py; the simulated
+flash-attn kernels' and barriers' routes by tests/bench/stackmodel/test_simulated_flash_attn.py (a library
+method: simulated in a fresh process, which this module's process must not import).
 """
 from __future__ import annotations
 
@@ -154,27 +156,3 @@ def test_only_views_fake_tensor_mode_decomposes_on_every_call_are_decomposed():
     assert not fakeroute._decomposed_each_time(aten.log_sigmoid.default)
     assert not any(fakeroute._decomposed_each_time(f) for f in list(decomposition_table)[:200])
 
-
-def test_simulated_flash_kernels_and_barriers_are_answered_directly_and_measure_the_same(monkeypatch):
-    """yunchang's ring with flash-attn 3 on 4 ranks (two-layer tiny model, paper stack, the simulated kernels
-    ``cpab_sim::fa3_fwd``/``fa3_bwd``, a barrier after every ring step): every kernel call runs its fake
-    implementation through ``call`` (``_own_kernel``) and every barrier gets its work handle directly, and
-    every figure is what ``FakeTensorMode``'s own dispatch of them gives."""
-    trial = Trial.make("yc-usp", "tiny-llama", 4096, 4, {"attn_type": "fa3", "ulysses_degree": 1},
-                       step=StepConfig(stack="paper"))
-    own = []
-    original = fakeroute._own_kernel
-    monkeypatch.setattr(fakeroute, "_own_kernel", lambda *a: own.append(original(*a)) or own[-1])
-    barriers, made = [], []
-    barrier = torch.ops.c10d.barrier.default
-    tensors = fakeroute._WORK_ONLY[barrier]
-    # the arguments' ids, not the arguments: holding the barrier's tensor would move the host peak
-    monkeypatch.setitem(fakeroute._WORK_ONLY, barrier, lambda args: barriers.append(id(args)) or tensors(args))
-    make = fakeroute.create_fakework
-    monkeypatch.setattr(fakeroute, "create_fakework", lambda args, **k: made.append(id(args)) or make(args, **k))
-    fast = _figures(trial)
-    assert own and all(own), "a simulated kernel went to FakeTensorMode"
-    assert barriers and set(barriers) <= set(made), "a barrier went to FakeTensorMode"
-    monkeypatch.setattr(fakeroute, "_own_kernel", lambda *a: False)
-    monkeypatch.delitem(fakeroute._WORK_ONLY, barrier)
-    assert _figures(trial) == fast

@@ -85,16 +85,18 @@ print(json.dumps(codes), flush=True)
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory) -> dict[str, dict]:
     """What this module runs in fresh processes (``FRESH_RUNS``), by name: the row of each library trial
-    (each wrapper on tiny-llama, and ``yc-ulysses-8b``: yc-ulysses on Llama3-8B as ``YC_8B_ARGS``) and
-    ``fa3-probe``: ``FA3_PROBE``'s answer; what needs a library missing here is left out (its test skips)."""
+    (each wrapper on tiny-llama, and ``yc-ulysses-8b``: yc-ulysses on Llama3-8B as ``YC_8B_ARGS``),
+    ``fa3-probe``: ``FA3_PROBE``'s answer, and ``routes-probe``: ``ROUTES_PROBE``'s; what needs a library
+    missing here is left out (its test skips)."""
     out_dir = tmp_path_factory.mktemp("fresh")
     runs = {m: (m, *WRAPPER_ARGS) for m in WRAPPERS if libraries_present(m)}
     if libraries_present("yc-ulysses"):
         runs["yc-ulysses-8b"] = ("yc-ulysses", *YC_8B_ARGS)
     jobs: list = [_run_argv(method, out_dir / f"{name}.jsonl", *args) for name, (method, *args) in runs.items()]
-    probe = out_dir / "fa3-probe.json"
+    probe, routes = out_dir / "fa3-probe.json", out_dir / "routes-probe.json"
     if libraries_present("yc-usp"):
         jobs.append({"code": FA3_PROBE, "argv": [json.dumps(FA3_CASES), str(probe)]})
+        jobs.append({"code": ROUTES_PROBE, "argv": [str(routes)]})
     if not jobs:
         return {}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -109,6 +111,8 @@ def fresh(tmp_path_factory) -> dict[str, dict]:
         got[name] = json.loads(lines[0])
     if probe.exists():
         got["fa3-probe"] = json.loads(probe.read_text())
+    if routes.exists():
+        got["routes-probe"] = json.loads(routes.read_text())
     return got
 
 
@@ -206,3 +210,61 @@ def test_yunchang_fa3_ring_blocks_get_their_causal_flag(fresh):
     assert got["ring-fa"]["calls"] == []  # flash-attn 2's path
     assert got["ring-fa3"]["flops"] == got["ring-fa"]["flops"] > 0
     assert got["usp-fa3"]["flops"] == got["ring-fa"]["flops"]  # the same causal work per rank
+
+
+# In one fresh process (a job of ``FRESH_RUNS``): yunchang's ring with flash-attn 3 on 4 ranks (two-layer tiny
+# model, paper stack) simulated twice, with ``bench.measure.fakeroute``'s routes for the simulated kernels
+# (``_own_kernel``) and barriers (``_WORK_ONLY``) watched, then with both turned off; the answer written to the
+# file ``sys.argv[1]``. (The arguments' ids are kept, not the arguments: holding the barrier's tensor would move
+# the host peak.)
+ROUTES_PROBE = """
+import bench  # noqa: F401 - first: the simulated CUDA device before torch
+import json
+import os
+import sys
+
+import torch
+
+from bench.measure import fakeroute, run
+from bench.measure.config import StepConfig
+from bench.measure.trial import Trial
+
+trial = Trial.make("yc-usp", "tiny-llama", 4096, 4, {"attn_type": "fa3", "ulysses_degree": 1},
+                   step=StepConfig(stack="paper"))
+
+
+def figures():
+    out = run.measure_simulated(trial).to_dict()
+    out.get("allocator", {}).pop("replay_s", None)  # the replay's own wall time
+    return out
+
+
+own, barriers, made = [], [], []
+own_kernel, make = fakeroute._own_kernel, fakeroute.create_fakework
+barrier = torch.ops.c10d.barrier.default
+tensors = fakeroute._WORK_ONLY[barrier]
+fakeroute._own_kernel = lambda *a: own.append(own_kernel(*a)) or own[-1]
+fakeroute._WORK_ONLY[barrier] = lambda args: barriers.append(id(args)) or tensors(args)
+fakeroute.create_fakework = lambda args, **k: made.append(id(args)) or make(args, **k)
+fast = figures()
+answer = {"kernels": len(own), "all_direct": all(own), "barriers": len(barriers),
+          "barriers_direct": set(barriers) <= set(made)}
+fakeroute._own_kernel = lambda *a: False
+del fakeroute._WORK_ONLY[barrier]
+answer["same_figures"] = figures() == fast
+with open(sys.argv[1], "w") as f:
+    json.dump(answer, f)
+os._exit(0)  # as FA3_PROBE: no teardown of the fake process groups
+"""
+
+
+def test_simulated_flash_kernels_and_barriers_are_answered_directly_and_measure_the_same(fresh):
+    """``ROUTES_PROBE``: every simulated flash-attn 3 kernel call (``cpab_sim::fa3_fwd``/``fa3_bwd``) of
+    yunchang's ring runs its fake implementation through ``fakeroute.call``, every barrier after a ring step
+    gets its work handle directly, and every figure is what ``FakeTensorMode``'s own dispatch of them gives."""
+    if not libraries_present("yc-usp"):
+        pytest.skip(methods.get_info("yc-usp").status)
+    got = fresh["routes-probe"]
+    assert got["kernels"] and got["all_direct"], f"a simulated kernel went to FakeTensorMode: {got}"
+    assert got["barriers"] and got["barriers_direct"], f"a barrier went to FakeTensorMode: {got}"
+    assert got["same_figures"], got
