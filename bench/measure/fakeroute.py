@@ -44,7 +44,8 @@ it, through ``FakeTensorMode``'s whole dispatch each time (what that cost: resul
 The priming step also runs DTensor's sharding propagation once per foreach operator, which on a model of
 many layers is mostly ``_propagate_use_strided_shard_flag`` scanning every argument of the operator once
 per tensor of its lists (quadratic in the parameters). ``FastFake`` skips those scans where they can
-change nothing (``_strided_flag_once``).
+change nothing (``_strided_flag_once``), and propagates each distinct element of the lists once
+(``foreachprop``: the parameters of one layer stand for every layer's).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ from torch.distributed._meta_registrations import create_fakework
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..stackmodel.simmode import DEVICE_QUERY, any_dtensor, fake_device
-from . import fakememo, fakeview
+from . import fakememo, fakeview, foreachprop
 from .skipmath import SIM_NAMESPACE
 
 
@@ -167,8 +168,9 @@ class FastFake(TorchDispatchMode):
 
 @contextlib.contextmanager
 def fast_fake() -> Iterator[None]:
-    """``FastFake`` entered, with DTensor's strided-shard flag scanned once per operator (module docstring)."""
-    with _strided_flag_once(), FastFake():
+    """``FastFake`` entered, with DTensor's strided-shard flag scanned once per operator and a foreach operator's
+    sharding propagated once per distinct element (module docstring)."""
+    with _strided_flag_once(), foreachprop.once_per_element(), FastFake():
         yield
 
 
