@@ -42,6 +42,8 @@ import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
+from .fakenew import new_fake
+
 # argument types kept by value (with their type: 1 and 1.0 and True give different dtypes)
 _SCALARS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
                       torch.memory_format})
@@ -160,7 +162,7 @@ def _rebuild(facts: tuple, fake_mode: FakeTensorMode) -> FakeTensor:
         torch._C._set_conj(empty, True)
     if neg:
         torch._C._set_neg(empty, True)
-    return FakeTensor(fake_mode, empty, device)
+    return new_fake(fake_mode, empty, device)
 
 
 def _answer(out: Any, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> tuple | None:

@@ -7,8 +7,8 @@ needs neither: its output is its input's storage seen with other sizes and strid
 meta kernel computes in a few microseconds. ``call`` does for the views in ``VIEWS`` what
 ``FakeTensorMode`` does when its cache misses on one: the meta kernel inside
 ``in_kernel_invocation_manager`` (the fake input taken as the meta tensor it wraps), each output
-wrapped as a ``FakeTensor`` of that mode on the input's fake device. It skips the cache key and the
-entry, not a step of the result.
+wrapped as a ``FakeTensor`` of that mode on the input's fake device (``fakenew.new_fake``). It skips
+the cache key and the entry, not a step of the result.
 
 It applies only where that is exactly what ``FakeTensorMode`` would return: an op of ``VIEWS``
 (out-of-place views whose only tensor argument is the viewed one: no ``inplace_view`` op, no
@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+
+from .fakenew import new_fake
 
 aten = torch.ops.aten
 
@@ -52,6 +54,6 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
                 out = func(*args)
             device = x.fake_device
             if isinstance(out, torch.Tensor):
-                return FakeTensor(fake_mode, out, device)
-            return type(out)(FakeTensor(fake_mode, t, device) for t in out)
+                return new_fake(fake_mode, out, device)
+            return type(out)(new_fake(fake_mode, t, device) for t in out)
     return func(*args, **kwargs)
