@@ -32,6 +32,13 @@ whole uncached dispatch each time, the process group's script object checked on 
 results/speed/README.md). Where every tensor is a fake tensor of the active mode, ``call`` makes the handle as
 that kernel does.
 
+In-place foreach operators (the optimizer's ``_foreach_lerp_``, ``_foreach_addcdiv_``, ...: seven per step over
+every parameter) return nothing, and ``FakeTensorMode`` changes nothing of their tensors: it builds a cache key
+from every tensor of the lists and runs the operator's meta kernel on each index, which only checks that the
+index's tensors broadcast to the written one and that the result's dtype can be written to it. Where every
+list holds, at each index, tensors of the written one's shape, dtype and device (or numbers), and that one is
+floating point, those checks cannot fail, and ``call`` answers None itself (``_answer_nothing``).
+
 A fake tensor's device (``tensor.device``) is answered before ``call`` (``simmode.fake_device``), by both
 modes below.
 
@@ -78,6 +85,7 @@ def active_fake_mode() -> FakeTensorMode | None:
 
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _DECOMPOSED: dict = {}  # operator -> _decomposed_each_time(operator)
+_VOID_FOREACH: dict = {}  # operator -> _writes_lists_only(operator)
 _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 # c10d's operators whose fake kernel makes a work handle and nothing else (module docstring), each with the
@@ -122,6 +130,48 @@ def _plain_call(args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> bool:
             and all(_plain(a, fake_mode) for a in args) and all(_plain(a, fake_mode) for a in kwargs.values()))
 
 
+def _writes_lists_only(func) -> bool:
+    """Whether ``func`` is an in-place foreach operator of aten returning nothing (``_foreach_add_``,
+    ``_foreach_addcdiv_``, ...): its first argument a list of tensors it writes."""
+    known = _VOID_FOREACH.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        first = schema.arguments[0] if schema is not None and schema.arguments else None
+        known = _VOID_FOREACH[func] = (
+            isinstance(func, torch._ops.OpOverload) and func.name().startswith("aten::_foreach_")
+            and not schema.returns and first is not None and str(first.type) == "List[Tensor]"
+            and first.alias_info is not None and first.alias_info.is_write)
+    return known
+
+
+def _alike_lists(args: tuple, kwargs: dict) -> bool:
+    """A foreach call its meta kernel can only accept: the written list of floating-point tensors, every other
+    list as long, of tensors with each index's shape, dtype and device or of numbers, and the rest numbers."""
+    written = args[0]
+    if type(written) not in (list, tuple) or not all(type(t) is FakeTensor and t.dtype.is_floating_point
+                                                     for t in written):
+        return False
+    for arg in (*args[1:], *kwargs.values()):
+        if type(arg) in (list, tuple):
+            if len(arg) != len(written):
+                return False
+            if any(type(a) is FakeTensor for a in arg):
+                if not all(type(a) is FakeTensor and a.shape == t.shape and a.dtype == t.dtype
+                           and a.fake_device == t.fake_device for a, t in zip(arg, written, strict=True)):
+                    return False
+            elif not all(type(a) in (int, float) for a in arg):
+                return False
+        elif type(arg) not in (int, float, bool):
+            return False
+    return True
+
+
+def _answer_nothing(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> bool:
+    """Whether ``call`` answers an in-place foreach operator itself (module docstring)."""
+    return (fake_mode is not None and _writes_lists_only(func) and _alike_lists(args, kwargs)
+            and _plain_call(args, kwargs, fake_mode))
+
+
 def _decompose(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> bool:
     """Whether ``call`` decomposes ``func`` itself (module docstring): ``FakeTensorMode`` would, on a plain call
     (``_plain_call``) with at least one fake tensor."""
@@ -150,6 +200,8 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
     if func in _WORK_ONLY and fake_mode is not None and not kwargs \
             and all(isinstance(t, FakeTensor) and t.fake_mode is fake_mode for t in _WORK_ONLY[func](args)):
         return create_fakework(args, return_first_arg=False)
+    if _answer_nothing(func, args, kwargs, fake_mode):
+        return None
     route = fakeview.call if func in fakeview.VIEWS else fakememo.call
     return route(func, args, kwargs, fake_mode)
 

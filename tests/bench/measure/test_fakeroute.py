@@ -156,3 +156,75 @@ def test_only_views_fake_tensor_mode_decomposes_on_every_call_are_decomposed():
     assert not fakeroute._decomposed_each_time(aten.log_sigmoid.default)
     assert not any(fakeroute._decomposed_each_time(f) for f in list(decomposition_table)[:200])
 
+
+
+def _adam_calls(params: list, grads: list, avgs: list, sqs: list, steps: list) -> list[tuple]:
+    """Adam's in-place foreach operators as its multi-tensor step sends them, each with its arguments."""
+    n = len(params)
+    return [(aten._foreach_add_.Scalar, (steps, 1), {}),
+            (aten._foreach_lerp_.Scalar, (avgs, grads, 0.1), {}),
+            (aten._foreach_mul_.Scalar, (sqs, 0.999), {}),
+            (aten._foreach_addcmul_.Scalar, (sqs, grads, grads, 0.001), {}),
+            (aten._foreach_div_.ScalarList, (sqs, [0.5] * n), {}),
+            (aten._foreach_addcdiv_.ScalarList, (params, avgs, sqs, [-0.01] * n), {}),
+            (aten._foreach_add_.List, (params, grads), {"alpha": -0.1}),
+            (aten._foreach_copy_.default, (params, grads), {"non_blocking": False})]
+
+
+def _lists(shapes: list, dtype: torch.dtype = torch.float32) -> tuple:
+    """Parameters, gradients, both moments (on the simulated GPU) and the steps (host scalars), as fake tensors."""
+    on_gpu = [[torch.empty(s, dtype=dtype, device="cuda") for s in shapes] for _ in range(4)]
+    return (*on_gpu, [torch.zeros((), dtype=torch.float32) for _ in shapes])
+
+
+@pytest.fixture
+def asked(monkeypatch) -> list:
+    """The foreach operators FakeTensorMode is asked for, in order."""
+    seen: list = []
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self, func, *rest):
+        if func.name().startswith("aten::_foreach_"):
+            seen.append(func)
+        return dispatch(self, func, *rest)
+
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    return seen
+
+
+def test_in_place_foreach_operators_are_answered_without_fake_tensor_mode(asked):
+    """The optimizer's in-place foreach operators give None, as FakeTensorMode gives, leave every tensor as it
+    was, and FakeTensorMode is not asked for them."""
+    with FakeTensorMode():
+        lists = _lists([[4, 8], [8], [4, 8], [16, 2]])
+        before = [[facts(t) for t in tl] for tl in lists]
+        for func, args, kwargs in _adam_calls(*lists):
+            assert fakeroute._writes_lists_only(func), func
+            with PassOn():
+                assert func(*args, **kwargs) is None
+            asked.clear()
+            with Through(fakeroute.call):
+                assert func(*args, **kwargs) is None
+            assert asked == [], func
+        assert [[facts(t) for t in tl] for tl in lists] == before
+
+
+def test_foreach_calls_whose_checks_could_fail_go_to_fake_tensor_mode(asked):
+    """Operators that return lists, integer tensors written, tensors that broadcast or do not fit: FakeTensorMode
+    is asked, and what it refuses is refused."""
+    assert not fakeroute._writes_lists_only(aten._foreach_sqrt.default)
+    assert not fakeroute._writes_lists_only(aten._foreach_norm.Scalar)
+    assert not fakeroute._writes_lists_only(aten.add_.Tensor)
+    with FakeTensorMode(), Through(fakeroute.call):
+        params, grads, *_ = _lists([[4, 8], [8]])
+        ints = [torch.zeros([3], dtype=torch.int64, device="cuda")]
+        with pytest.raises(RuntimeError):  # a float result cannot be written to an integer tensor
+            aten._foreach_add_.Scalar(ints, 1.5)
+        complex_grads = [torch.empty(t.shape, dtype=torch.complex64, device="cuda") for t in grads]
+        # nor a complex one to a real tensor: a GPU refuses it, FakeTensorMode's meta kernel does not; it is asked
+        aten._foreach_add_.List(params, complex_grads)
+        rows = [torch.empty([1, 8], device="cuda"), torch.empty([8], device="cuda")]
+        assert aten._foreach_add_.List(params, rows) is None  # a row broadcast: valid, but not alike
+        with pytest.raises(RuntimeError):
+            aten._foreach_add_.List(params, [torch.empty([5], device="cuda"), grads[1]])
+    assert asked == [aten._foreach_add_.Scalar] + [aten._foreach_add_.List] * 3

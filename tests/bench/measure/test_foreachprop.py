@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
@@ -43,6 +44,9 @@ def primed() -> list[tuple[OpSchema, object, object]]:
         finally:
             ShardingPropagator.propagate_op_sharding_non_cached = original
 
+    # DTensor's caches (C++ and Python) may hold these schemas from an earlier simulation in this process
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(foreachprop, "once_per_element", asking_both)
         run.measure_simulated(Trial.make("upipe", "tiny-llama", 4096, 4, step=StepConfig(stack="lean")))
