@@ -70,6 +70,7 @@ chunk FPDT processes in a forward (recompute included) or backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,15 +116,21 @@ def _bshd(t) -> tuple[int, int, int, int]:
     return (b, h, s, d)
 
 
+# torch's SDPA formulas, kept per shape: the same few shapes come back in every layer, pass and ring step, and
+# each call builds its matmuls' counts through FlopCounterMode's shape wrapper (a pytree map per matmul)
+_sdpa_flops = functools.lru_cache(maxsize=4096)(sdpa_flop_count)
+_sdpa_backward_flops = functools.lru_cache(maxsize=4096)(sdpa_backward_flop_count)
+
+
 def _fwd(q, k, v, causal: bool, bottom_right: bool, layout=_bhsd) -> int:
     qs, ks, vs = layout(q), layout(k), layout(v)
-    return int(sdpa_flop_count(qs, ks, vs) * _share(qs[2], ks[2], causal, bottom_right))
+    return int(_sdpa_flops(qs, ks, vs) * _share(qs[2], ks[2], causal, bottom_right))
 
 
 def _bwd(dout, q, k, v, causal: bool, bottom_right: bool, layout=_bhsd) -> int:
     qs, ks, vs, ds = layout(q), layout(k), layout(v), layout(dout)
     ds = (ds[0], ds[1], ds[2], vs[3])  # flash-attn pads dout's head dim to 8: count the real one
-    return int(sdpa_backward_flop_count(ds, qs, ks, vs) * _share(qs[2], ks[2], causal, bottom_right))
+    return int(_sdpa_backward_flops(ds, qs, ks, vs) * _share(qs[2], ks[2], causal, bottom_right))
 
 
 def _raw(fn):
@@ -383,6 +390,27 @@ _SCATTER_OPS = {"index_copy_": (2, 3, False), "index_add_": (2, 3, True), "scatt
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
 
 
+def _tensor_leaves(tree, out: list) -> list:
+    """The tensors among ``tree``'s leaves, in pytree's order: an operator's arguments and outputs hold them in
+    tuples, lists and dicts, which are walked here directly; any other container is given to pytree."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _tensor_leaves(item, out)
+    elif kind is dict:
+        for item in tree.values():
+            _tensor_leaves(item, out)
+    elif isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif kind not in _LEAVES:
+        out.extend(t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+    return out
+
+
+_LEAVES = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
+                     torch.memory_format, torch.Size})
+
+
 def _span_bytes(t: torch.Tensor) -> int:
     """Bytes of the distinct elements a tensor spans (a stride-0, broadcast, dimension once)."""
     n = 1
@@ -422,8 +450,8 @@ class MemoryTraffic(Counter):
         self.calls = 0
 
     def _on_device(self, tree) -> list[torch.Tensor]:
-        return [t for t in torch.utils._pytree.tree_leaves(tree)
-                if isinstance(t, torch.Tensor) and t.device.type == self.accelerator]
+        """The tensors on the accelerator among ``tree``'s leaves (``_tensor_leaves``)."""
+        return [t for t in _tensor_leaves(tree, []) if t.device.type == self.accelerator]
 
     def _indexed_bytes(self, name: str, args: tuple, kwargs: dict, out) -> int | None:
         """The bytes an indexing kernel moves (module docstring): the elements it gathers or scatters, the

@@ -1,0 +1,39 @@
+"""bench.stackmodel.stepcount's own walk of an operator's arguments and outputs (``_tensor_leaves``) finds the
+tensors pytree finds, in its order, and its SDPA formulas kept per shape count what torch's give."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from bench.stackmodel import stepcount
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def _trees() -> list:
+    a, b, c, d = (torch.empty(n) for n in range(1, 5))
+    return [
+        a,
+        (a, 1, None, [b, 2.0, torch.float32], {"out": c, "alpha": 1}),
+        ([], (), {}, torch.Size([2, 3]), "s", torch.device("cpu")),
+        ((a, [b, (c,)]), {"x": [d, {"y": a}]}),
+        (Pair(a, [b]), collections.OrderedDict(k=c), {"z": Pair(d, 3)}),  # containers left to pytree
+    ]
+
+
+@pytest.mark.parametrize("tree", _trees(), ids=range(len(_trees())))
+def test_the_tensor_leaves_are_pytrees(tree):
+    want = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    got = stepcount._tensor_leaves(tree, [])
+    assert len(got) == len(want) and all(g is w for g, w in zip(got, want, strict=True))
+
+
+def test_the_sdpa_formulas_kept_per_shape_count_torchs():
+    q, k, v = (2, 8, 128, 64), (2, 2, 256, 64), (2, 2, 256, 64)
+    for _ in range(2):  # computed, then from the cache
+        assert stepcount._sdpa_flops(q, k, v) == sdpa_flop_count(q, k, v)
+        assert stepcount._sdpa_backward_flops(q, q, k, v) == sdpa_backward_flop_count(q, q, k, v)
