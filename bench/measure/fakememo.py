@@ -142,7 +142,9 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
     answer = _answer(out, args, kwargs, fake_mode) if from_cache else None
     if answer is not None:
         _outputs[key] = answer
-    elif from_cache or bypassed:  # an answer not kept, or one torch does not cache
+    elif from_cache or (bypassed and FakeTensorMode.cache_misses == misses):
+        # an answer not kept, or one torch does not cache: bypassed, with no miss (an operator torch misses, such
+        # as log_sigmoid_forward, may run a decomposition whose own operators bypass; it is kept from its hit)
         _skipped.add(func)
     return out
 

@@ -183,3 +183,28 @@ def test_a_value_answer_and_a_tuple_with_values_are_replayed_as_torch_gives_them
                 w.untyped_storage()._cdata
         else:
             assert g == w and type(g) is type(w)
+
+
+def test_an_operator_whose_first_miss_ran_bypassed_pieces_is_kept_from_its_hit():
+    """Below autograd (as yunchang's ring merges its partial outputs), ``log_sigmoid_forward`` misses torch's cache
+    the first time and runs a decomposition whose composite pieces bypass it; torch caches the operator all the
+    same, so its next call is a hit, which is kept and replayed (it was skipped for good after the first call)."""
+    fakememo.clear()
+    with FakeTensorMode() as mode, torch._C._AutoDispatchBelowAutograd():
+        x = torch.empty(4, 8)
+        with PassOn():
+            want = aten.log_sigmoid_forward.default(x)
+        fakememo.clear()
+        FakeTensorMode.cache_clear()
+        with Through(fakememo.call):
+            bypasses = sum(FakeTensorMode.cache_bypasses.values())
+            aten.log_sigmoid_forward.default(x)  # a miss, its pieces bypassing
+            assert sum(FakeTensorMode.cache_bypasses.values()) > bypasses
+            assert aten.log_sigmoid_forward.default not in fakememo._skipped
+            aten.log_sigmoid_forward.default(x)  # torch's hit: kept
+            hits = FakeTensorMode.cache_hits
+            got = aten.log_sigmoid_forward.default(x)
+            assert FakeTensorMode.cache_hits == hits, "the replay reached FakeTensorMode's cache"
+    assert [kind for kind, _ in fakememo._outputs.values()] == [fakememo._TUPLE]
+    for g, w in zip(got, want, strict=True):
+        assert g.fake_mode is mode and facts(g) == facts(w)
