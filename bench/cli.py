@@ -249,8 +249,8 @@ def build_parser() -> Parser:
     fi.add_argument("--list-anchors", action="store_true", help="print the anchors and exit")
     fi.add_argument("--jobs", type=positive_int, default=min(4, os.cpu_count() or 1),
                     help="trials in parallel (a process pool; default: the CPUs, at most 4; the full run simulates "
-                    "every deciding rank of the ring and mesh anchors, the costliest trials first; its time on 2 "
-                    "cores: docs/fidelity.md)")
+                    "every deciding rank of the ring and mesh anchors, the longest trials first by the committed rows' "
+                    "wall times; its time on 2 cores: docs/fidelity.md)")
     fi.add_argument("--allocator-pools", choices=list(choices("allocator_pools")), default=paper_stack.PAPER_POOLS,
                     help="the paper stack's allocator pools: per-stream (default: a pool per CUDA stream, as the "
                     "caching allocator keeps them; checked on an H100, results/gpu) or shared (one pool for every "

@@ -51,6 +51,7 @@ from . import stack as paper_stack
 
 PAPER_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"
 GPU_DIR = Path(__file__).resolve().parents[2] / "results" / "gpu"  # rows measured on a real GPU
+COMMITTED_ROWS = Path(__file__).resolve().parents[2] / "results" / "fidelity" / "fidelity.jsonl"
 DEVICE = "h100-80g"
 STACKS = ("paper", "lean")
 KINDS = ("memory", "boundary")
@@ -331,6 +332,25 @@ def cost(trial: Trial) -> tuple[int, bool, int]:
             trial.seq_len // trial.world_size * min(trial.config().n_layers, 4))
 
 
+def committed_seconds(path: Path = COMMITTED_ROWS) -> dict[tuple, float]:
+    """Each committed fidelity row's wall time by its trial's key (the last run's own measure of what a trial
+    costs, for ordering a pool); empty where there is no such file or a row cannot be read."""
+    if not path.is_file():
+        return {}
+    try:
+        rows = read_rows(path, on_error="raise")
+    except (OSError, ValueError):
+        return {}
+    return {trial_key(row): row.figures.wall_s for row in rows if row.figures.wall_s}
+
+
+def pool_order(trials: dict[tuple, Trial], seconds: dict[tuple, float]) -> list[tuple]:
+    """The longest first (so that no long trial starts last and runs alone while the other workers idle): by
+    the wall time its committed row took (``committed_seconds``), a trial without one before all of those,
+    by ``cost``."""
+    return sorted(trials, key=lambda k: (k not in seconds, seconds.get(k, 0.0), cost(trials[k])), reverse=True)
+
+
 def run_one(trial: Trial) -> Row:
     """One trial through the layer-extrapolating runner (one per process)."""
     global _RUNNER
@@ -352,8 +372,8 @@ def run_anchors(anchors: list[Anchor], jobs: int = 1, log: Callable[[str], None]
             trial = a.trial(stack, pools)
             trial.validate(here=False)
             todo.setdefault(trial.key(), (trial, []))[1].append(a.name)
-    # a pool gets the costliest trials first so that none starts last and runs alone (serial: as listed)
-    keys = list(todo) if jobs <= 1 else sorted(todo, key=lambda k: cost(todo[k][0]), reverse=True)
+    # a pool gets the longest trials first (serial: as listed)
+    keys = list(todo) if jobs <= 1 else pool_order({k: t for k, (t, _) in todo.items()}, committed_seconds())
     rows: dict[tuple, Row] = {}
     t0, cpu0 = time.perf_counter(), cpu_seconds()
 

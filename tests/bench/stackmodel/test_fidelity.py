@@ -220,6 +220,22 @@ def test_pool_order_puts_costly_trials_first(monkeypatch):
     assert len(deciding_ranks(trials[3])) > 1 == len(deciding_ranks(trials[2]))
     assert sorted(trials, key=fidelity.cost, reverse=True) == [trials[3], trials[2], trials[1], trials[0]]
     assert fidelity.cpu_seconds() > 0
+    # with the committed rows' wall times: the longest first, a trial without a row before them all
+    keyed = {t.key(): t for t in trials}
+    seconds = {trials[0].key(): 9.0, trials[3].key(): 2.0, trials[1].key(): 5.0}
+    assert fidelity.pool_order(keyed, seconds) == [t.key() for t in (trials[2], trials[0], trials[1], trials[3])]
+    assert fidelity.pool_order(keyed, {}) == [t.key() for t in sorted(trials, key=fidelity.cost, reverse=True)]
+
+
+def test_the_committed_rows_give_every_anchors_trial_its_wall_time(tmp_path):
+    """``committed_seconds`` reads results/fidelity's rows: every trial of the full run has one (a pool ordered
+    by them); a missing or unreadable file gives none, and the pool falls back on ``cost``."""
+    seconds = fidelity.committed_seconds()
+    trials = {a.trial(stack).key() for a in fidelity.load_anchors() for stack in fidelity.STACKS}
+    assert trials <= set(seconds) and all(seconds[k] > 0 for k in trials)
+    assert fidelity.committed_seconds(tmp_path / "none.jsonl") == {}
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert fidelity.committed_seconds(tmp_path / "bad.jsonl") == {}
 
 
 def test_the_paper_stack_keeps_a_pool_per_stream_by_default(tiny_results):
