@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 from torch._subclasses import fake_tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .fakenew import new_fake
 
@@ -157,7 +157,7 @@ def _facts(out: FakeTensor) -> tuple:
 def _rebuild(facts: tuple, fake_mode: FakeTensorMode) -> FakeTensor:
     """A new fake tensor as torch's cache hit builds one from its entry's metadata."""
     shape, stride, dtype, layout, requires_grad, conj, neg, device = facts
-    with in_kernel_invocation_manager(fake_mode):
+    with torch._C._DisableTorchDispatch():  # a meta tensor made below the modes (torch: in its kernel invocation)
         empty = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
                                     requires_grad=requires_grad)
     if conj:

@@ -412,7 +412,10 @@ _LEAVES = frozenset({int, float, bool, type(None), str, torch.dtype, torch.devic
 
 
 def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes of the distinct elements a tensor spans (a stride-0, broadcast, dimension once)."""
+    """Bytes of the distinct elements a tensor spans (a stride-0, broadcast, dimension once). A contiguous tensor
+    with elements spans them all (its only strides that can be 0 are those of dimensions of size 1)."""
+    if t.is_contiguous() and t.numel():
+        return t.numel() * t.element_size()
     n = 1
     for size, stride in zip(t.shape, t.stride(), strict=False):
         if stride != 0:

@@ -37,3 +37,29 @@ def test_the_sdpa_formulas_kept_per_shape_count_torchs():
     for _ in range(2):  # computed, then from the cache
         assert stepcount._sdpa_flops(q, k, v) == sdpa_flop_count(q, k, v)
         assert stepcount._sdpa_backward_flops(q, q, k, v) == sdpa_backward_flop_count(q, q, k, v)
+
+
+def _spanned(t: torch.Tensor) -> int:
+    """The elements a tensor spans, a stride-0 dimension once, by definition."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        n *= size if stride else 1
+    return n * t.element_size()
+
+
+SPANS = {
+    "contiguous": lambda: torch.empty(4, 6),
+    "bf16": lambda: torch.empty(3, 5, dtype=torch.bfloat16),
+    "transposed": lambda: torch.empty(4, 6).t(),
+    "broadcast": lambda: torch.empty(1, 6).expand(4, 6),
+    "size-1 dim, odd stride": lambda: torch.empty_strided((4, 1, 6), (6, 99, 1)),
+    "empty": lambda: torch.empty(0, 6),
+    "empty, broadcast": lambda: torch.empty(6).expand(0, 6),
+    "scalar": lambda: torch.empty(()),
+}
+
+
+@pytest.mark.parametrize("make", list(SPANS.values()), ids=list(SPANS))
+def test_span_bytes_counts_each_distinct_element_once(make):
+    t = make()
+    assert stepcount._span_bytes(t) == _spanned(t)
