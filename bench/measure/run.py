@@ -183,6 +183,20 @@ def replay_with_reserve(result: Measurement, reserve: int) -> tuple[int, Allocat
     return _replayed(kept.trial, kept.trace, kept.device_key, result.step_counts, reserve)
 
 
+def _set_aside_the_heap() -> None:
+    """Before a simulated trial: an earlier trial's garbage collected (FSDP's modules hold reference cycles),
+    then every object the process holds (its modules: torch's, DeepSpeed's; caches) frozen out of the cyclic
+    collector's generations. A simulation makes many short-lived containers (fake tensors, tuples, weak
+    references), so the collector runs often, and each full collection scanned the whole heap of imported
+    modules again (about a tenth of a lean 1M trial). Nothing of the trial's own is frozen and no tracker is
+    active yet. The full collections during the step come at other times: a storage the step tracks that died
+    only at a collection (in a reference cycle) would be freed at another time. None does in the trials checked
+    (the golden figures of tests/bench/stackmodel/test_sim_equality.py, the 68 fidelity rows, 1M trials of both
+    stacks: every figure identical)."""
+    gc.collect()
+    gc.freeze()
+
+
 def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> Measurement:
     """Rank ``rank``'s peak under FakeTensorMode with a fake process group (nothing allocated).
 
@@ -193,6 +207,7 @@ def measure_simulated(trial: Trial, keep_trace: bool = False, rank: int = 0) -> 
     resolution = trial.resolved()  # what runs: the levers after the presets (bench.resolve)
     stack_notes = list(resolution.notes)
     trial = dataclasses.replace(trial, step=resolution.step)
+    _set_aside_the_heap()
     device = simulated_device(trial)
     on_gpu_path = device.type == "cuda"
     if on_gpu_path:
