@@ -183,17 +183,26 @@ def replay_with_reserve(result: Measurement, reserve: int) -> tuple[int, Allocat
     return _replayed(kept.trial, kept.trace, kept.device_key, result.step_counts, reserve)
 
 
+_heap_set_aside = False  # whether this process has simulated a trial before
+
+
 def _set_aside_the_heap() -> None:
-    """Before a simulated trial: an earlier trial's garbage collected (FSDP's modules hold reference cycles),
-    then every object the process holds (its modules: torch's, DeepSpeed's; caches) frozen out of the cyclic
-    collector's generations. A simulation makes many short-lived containers (fake tensors, tuples, weak
-    references), so the collector runs often, and each full collection scanned the whole heap of imported
-    modules again (about a tenth of a lean 1M trial). Nothing of the trial's own is frozen and no tracker is
-    active yet. The full collections during the step come at other times: a storage the step tracks that died
-    only at a collection (in a reference cycle) would be freed at another time. None does in the trials checked
-    (the golden figures of tests/bench/stackmodel/test_sim_equality.py, the 68 fidelity rows, 1M trials of both
-    stacks: every figure identical)."""
-    gc.collect()
+    """Before a simulated trial: the garbage of the trials before it collected (FSDP's modules hold reference
+    cycles), then every object the process holds (its modules: torch's, DeepSpeed's; caches) frozen out of the
+    cyclic collector's generations. The first trial of a process skips the collection: a fresh process has
+    little garbage, which is frozen with the rest, and the full scan of its heap costs a few percent of a trial.
+
+    Why: a simulation makes many short-lived containers (fake tensors, tuples, weak references), so the collector
+    runs often, and each full collection scanned the whole heap of imported modules again (about a tenth of a
+    lean 1M trial). Nothing of the trial's own is frozen and no tracker is active yet. The full collections during
+    the step come at other times: a storage the step tracks that died only at a collection (in a reference
+    cycle) would be freed at another time. None does in the trials checked (the golden figures of
+    tests/bench/stackmodel/test_sim_equality.py, the 68 fidelity rows, 1M trials of both stacks: every figure
+    identical)."""
+    global _heap_set_aside
+    if _heap_set_aside:
+        gc.collect()
+    _heap_set_aside = True
     gc.freeze()
 
 
