@@ -78,8 +78,8 @@ def _arg_key(arg: Any, fake_mode: FakeTensorMode, out: list) -> bool:
     if kind is FakeTensor:
         if arg.fake_mode is not fake_mode or arg.constant is not None or arg.layout is not torch.strided:
             return False
-        out.append((tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.untyped_storage().nbytes(),
-                    arg.dtype, arg.fake_device, arg.requires_grad, arg.is_conj(), arg.is_neg(),
+        out.append((arg.shape, arg.stride(), arg.storage_offset(), arg.untyped_storage().nbytes(),  # Size: a tuple
+                    arg.dtype, arg._fake_device, arg.requires_grad, arg.is_conj(), arg.is_neg(),  # fake_device's
                     arg.is_inference()))
         return True
     if isinstance(arg, torch.Stream):  # record_stream's: torch's key holds it by value (its id and device)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.init as init
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType, _WeakRefInfo
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
 from torch.utils._pytree import tree_leaves
 
@@ -167,6 +167,27 @@ class PeakTracker(SimulationMode, MemTracker):
         if self._depth == 1:
             tape.unregister(self)
         super().__exit__(*args)
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        """``MemTracker._track`` for a fake tensor, whose one storage is its own (``get_untyped_storages`` looks
+        through wrapper subclasses, building a set, for every output): a storage seen before has its size
+        checked, a new one is recorded in ``reftype``. Any other tensor as ``MemTracker`` tracks it."""
+        if type(t) is not FakeTensor:
+            return super()._track(reftype, t)
+        storage = t.untyped_storage()
+        seen = self._WINFO.get(storage)
+        if seen is not None:
+            winfo = seen[0]
+            if winfo.size != storage.size():
+                old = winfo.mem_consumed
+                winfo.update_mem_consumed(storage)
+                self._update_snap(_SIZE, winfo, old_mem_consumed=old)
+            return None
+        winfo, ref = _WeakRefInfo.create_winfo(storage, t.device, reftype, self._delete_callback)
+        self._WINFO[storage] = (winfo, ref)
+        if winfo.mem_consumed > 0:
+            self._update_snap(_ADD, winfo)
+        return None
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         """``MemTracker._update_snap``'s accounting, with a device's snapshot created only when it is missing
