@@ -78,8 +78,10 @@ def _arg_key(arg: Any, fake_mode: FakeTensorMode, out: list) -> bool:
     if kind is FakeTensor:
         if arg.fake_mode is not fake_mode or arg.constant is not None or arg.layout is not torch.strided:
             return False
-        out.append((arg.shape, arg.stride(), arg.storage_offset(), arg.untyped_storage().nbytes(),  # Size: a tuple
-                    arg.dtype, arg._fake_device, arg.requires_grad, arg.is_conj(), arg.is_neg(),  # fake_device's
+        # the shape as the torch.Size it is (a tuple: equal to, and hashed as, the tuple of its sizes); the
+        # fake device as the attribute the fake_device property returns
+        out.append((arg.shape, arg.stride(), arg.storage_offset(), arg.untyped_storage().nbytes(),
+                    arg.dtype, arg._fake_device, arg.requires_grad, arg.is_conj(), arg.is_neg(),
                     arg.is_inference()))
         return True
     if isinstance(arg, torch.Stream):  # record_stream's: torch's key holds it by value (its id and device)
