@@ -4,8 +4,8 @@ The simulator's own routes (``fakeview``'s views, ``fakememo``'s replayed answer
 step's fake tensors, each from a meta tensor and the device of a fake tensor that exists. ``FakeTensor.__new__``
 spends most of its time on what such a call does not need: its keyword-argument checks, normalising the device
 (``torch.device(value)``, an index for an indexed device, a GPU context made if an accelerator is present), and
-five memo descriptors set through ``SymNumberMemoDescriptor.__set__``, three attributes each (a tenth of the
-slowest fidelity anchors' time, results/speed/README.md). ``new_fake`` does what remains, in torch's order: the
+five memo descriptors set through ``SymNumberMemoDescriptor.__set__``, three attributes each (what it cost:
+results/speed/README.md). ``new_fake`` does what remains, in torch's order: the
 subclass made with the device's dispatch keys, its mutable data pointer guarded as the mode says, and the
 attributes ``__new__`` sets, set directly to the same values.
 

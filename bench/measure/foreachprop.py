@@ -5,9 +5,9 @@ The optimizer's priming step (``bench.measure.step.maybe_prime_optimizer``) send
 propagation of an operator it has not seen expands a strategy for each element of the lists, one after the
 other, with new ``DTensorSpec``s and a fake run of the whole operator for the output's metadata
 (``ShardingPropagator.propagate_op_sharding_non_cached``; its foreach strategy,
-``single_dim_strategy._expand_single_dim_strategy_to_mesh``, asks each index alone). On Llama3-8B's 291
-parameters that is a fifth of a simulated trial, for six distinct elements (the parameters of one layer's
-shapes, repeated per layer).
+``single_dim_strategy._expand_single_dim_strategy_to_mesh``, asks each index alone). A model's parameters have
+few distinct elements (one layer's shapes, repeated per layer), so most of that work is repeated (what it cost:
+results/speed/README.md).
 
 Each element's answer depends on that element alone: its strategy is built from the index's own specs and
 scalars. ``once_per_element`` therefore propagates a schema whose lists hold each distinct element once (the
@@ -68,19 +68,23 @@ def reduced_schema(op_schema: Any) -> tuple[Any, list[int]] | None:
         return None
     if any(isinstance(a, (DTensorSpec, torch.Tensor)) for i, a in enumerate(args) if i not in lists):
         return None
+    position: dict[tuple, int] = {}  # an element's key -> its place in the reduced lists
+    firsts: list[int] = []  # the first index of each distinct element, in order
+    index: list[int] = []
     try:
-        keys = [tuple(_key(args[i][j]) for i in lists) for j in range(length)]
-        position: dict[tuple, int] = {}
-        for key in keys:
-            position.setdefault(key, len(position))
+        for j in range(length):
+            key = tuple(_key(args[i][j]) for i in lists)
+            if key not in position:
+                position[key] = len(firsts)
+                firsts.append(j)
+            index.append(position[key])
     except TypeError:  # an element that cannot be a key
         return None
-    if len(position) == length:
+    if len(firsts) == length:
         return None
-    firsts = [keys.index(key) for key in position]
     reduced = tuple(type(a)(a[j] for j in firsts) if i in lists else a for i, a in enumerate(args))
     schema = OpSchema(op, reduced, op_schema.kwargs_schema, schema_info=op_schema.schema_info)
-    return schema, [position[key] for key in keys]
+    return schema, index
 
 
 def expanded(sharding: Any, index: list[int], distinct: int) -> Any | None:
@@ -103,8 +107,7 @@ def propagated(original: Any, propagator: Any, op_schema: Any) -> Any:
     reduced = reduced_schema(op_schema)
     if reduced is not None:
         schema, index = reduced
-        distinct = len(next(a for a in schema.args_schema if isinstance(a, (list, tuple))))
-        answer = expanded(original(propagator, schema), index, distinct)
+        answer = expanded(original(propagator, schema), index, max(index) + 1)
         if answer is not None:
             return answer
     return original(propagator, op_schema)

@@ -190,17 +190,17 @@ def _set_aside_the_heap() -> None:
     """Before a simulated trial: the garbage of the trials before it collected (FSDP's modules hold reference
     cycles), then every object the process holds (its modules: torch's, DeepSpeed's; caches) frozen out of the
     cyclic collector's generations. The first trial of a process skips the collection: a fresh process has
-    little garbage, which is frozen with the rest, and the full scan of its heap costs a few percent of a trial.
+    little garbage, which is frozen with the rest, and the full scan of its heap is not needed.
 
     Why: a simulation makes many short-lived containers (fake tensors, tuples, weak references), so the collector
-    runs often, and each full collection scanned the whole heap of imported modules again (about a tenth of a
-    lean 1M trial). Nothing of the trial's own is frozen and no tracker is active yet. The full collections during
-    the step come at other times: a storage the step tracks that died only at a collection (in a reference
-    cycle) would be freed at another time. None does in the trials checked (the golden figures of
-    tests/bench/stackmodel/test_sim_equality.py, the 68 fidelity rows, 1M trials of both stacks: every figure
+    runs often, and each full collection scanned the whole heap of imported modules again (what it cost:
+    results/speed/README.md). Nothing of the trial's own is frozen and no tracker is active yet. The full
+    collections during the step come at other times: a storage the step tracks that died only at a collection
+    (in a reference cycle) would be freed at another time. None does in the trials checked (the golden figures
+    of tests/bench/stackmodel/test_sim_equality.py, the 68 fidelity rows, 1M trials of both stacks: every figure
     identical). The heap stays frozen after the trial: an object frozen then that later dies in a cycle is not
     collected. Unfreezing it after each trial instead made every later trial's collection scan the whole heap, a
-    worker's caches included, and took the gain back (``python -m bench fidelity``: 197 s against 129 s)."""
+    worker's caches included, and took the gain back (results/speed/README.md)."""
     global _heap_set_aside
     if _heap_set_aside:
         gc.collect()
