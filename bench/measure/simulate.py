@@ -24,12 +24,11 @@ import torch.nn.init as init
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType, _WeakRefInfo
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
-from torch.utils._pytree import tree_leaves
 
 from methods.core.hostmem import simulated_host
 from methods.core.tiling import compressing_repeats
 
-from ..stackmodel.simmode import SimulationMode
+from ..stackmodel.simmode import SimulationMode, tensor_leaves
 from . import fakeroute, tape
 from .fakeroute import active_fake_mode
 
@@ -259,9 +258,8 @@ class PeakTracker(SimulationMode, MemTracker):
             if type(res) in _PLAIN_TENSORS:
                 self._track(reftype, res)
             else:
-                for leaf in tree_leaves(res):
-                    if isinstance(leaf, torch.Tensor):
-                        self._track(reftype, leaf)
+                for leaf in tensor_leaves(res, []):
+                    self._track(reftype, leaf)
             self._update_peak_stats(None)
         return res
 

@@ -68,6 +68,28 @@ def any_dtensor(types) -> bool:
     return module is not None and any(issubclass(t, module.DTensor) for t in types)
 
 
+def tensor_leaves(tree, out: list) -> list:
+    """The tensors among ``tree``'s leaves, appended to ``out`` in pytree's order: an operator's arguments and
+    outputs hold them in tuples, lists and dicts, which are walked here directly (pytree's ``tree_leaves`` costs
+    more per operator than the hooks that read them); any other container is given to pytree."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            tensor_leaves(item, out)
+    elif kind is dict:
+        for item in tree.values():
+            tensor_leaves(item, out)
+    elif isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif kind not in _LEAVES:
+        out.extend(t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+    return out
+
+
+_LEAVES = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
+                     torch.memory_format, torch.Size})
+
+
 class Counter(TorchDispatchMode):
     """A per-operator counter: a dispatch mode of its own, or a hook of the ``SimulationMode`` it
     joins when entered inside one (module docstring).

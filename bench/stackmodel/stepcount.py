@@ -85,7 +85,7 @@ from methods.core.tiling import counted_as
 
 from . import varlencount
 from .counts import COUNTS_VERSION, KERNEL_CLASSES, HostCopy, StepCounts, Traffic
-from .simmode import Counter, SimulationMode, any_dtensor
+from .simmode import Counter, SimulationMode, any_dtensor, tensor_leaves
 
 aten = torch.ops.aten
 
@@ -390,27 +390,6 @@ _SCATTER_OPS = {"index_copy_": (2, 3, False), "index_add_": (2, 3, True), "scatt
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor")
 
 
-def _tensor_leaves(tree, out: list) -> list:
-    """The tensors among ``tree``'s leaves, in pytree's order: an operator's arguments and outputs hold them in
-    tuples, lists and dicts, which are walked here directly; any other container is given to pytree."""
-    kind = type(tree)
-    if kind is tuple or kind is list:
-        for item in tree:
-            _tensor_leaves(item, out)
-    elif kind is dict:
-        for item in tree.values():
-            _tensor_leaves(item, out)
-    elif isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif kind not in _LEAVES:
-        out.extend(t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
-    return out
-
-
-_LEAVES = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
-                     torch.memory_format, torch.Size})
-
-
 def _span_bytes(t: torch.Tensor) -> int:
     """Bytes of the distinct elements a tensor spans (a stride-0, broadcast, dimension once). A contiguous tensor
     with elements spans them all (its only strides that can be 0 are those of dimensions of size 1)."""
@@ -453,8 +432,8 @@ class MemoryTraffic(Counter):
         self.calls = 0
 
     def _on_device(self, tree) -> list[torch.Tensor]:
-        """The tensors on the accelerator among ``tree``'s leaves (``_tensor_leaves``)."""
-        return [t for t in _tensor_leaves(tree, []) if t.device.type == self.accelerator]
+        """The tensors on the accelerator among ``tree``'s leaves (``tensor_leaves``)."""
+        return [t for t in tensor_leaves(tree, []) if t.device.type == self.accelerator]
 
     def _indexed_bytes(self, name: str, args: tuple, kwargs: dict, out) -> int | None:
         """The bytes an indexing kernel moves (module docstring): the elements it gathers or scatters, the

@@ -1,5 +1,6 @@
-"""bench.stackmodel.stepcount's own walk of an operator's arguments and outputs (``_tensor_leaves``) finds the
-tensors pytree finds, in its order, and its SDPA formulas kept per shape count what torch's give."""
+"""bench.stackmodel.simmode's walk of an operator's arguments and outputs (``tensor_leaves``: the traffic
+counter's and the memory tracker's) finds the tensors pytree finds, in its order; stepcount's SDPA formulas kept
+per shape count what torch's give; and a tensor's span counts each distinct element once."""
 from __future__ import annotations
 
 import collections
@@ -9,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from bench.stackmodel import stepcount
+from bench.stackmodel import simmode, stepcount
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -28,7 +29,7 @@ def _trees() -> list:
 @pytest.mark.parametrize("tree", _trees(), ids=range(len(_trees())))
 def test_the_tensor_leaves_are_pytrees(tree):
     want = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-    got = stepcount._tensor_leaves(tree, [])
+    got = simmode.tensor_leaves(tree, [])
     assert len(got) == len(want) and all(g is w for g, w in zip(got, want, strict=True))
 
 
