@@ -1,10 +1,11 @@
 """Where an operator under simulation goes: FakeTensorMode's known answers made without its dispatch.
 
-``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a composite
-view decomposed (below), a simulated flash-attention kernel's fake implementation run (below), a view of
-``fakeview.VIEWS`` made directly (``fakeview``), a point-to-point send or receive, an all-to-all or a barrier
-answered with its work handle (``_WORK_ONLY``), else an answer ``FakeTensorMode`` gave from its cache replayed
-from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what ``FakeTensorMode`` would.
+``call`` is what a dispatch mode right above the active ``FakeTensorMode`` runs for an operator: a lifted host
+tensor or a constant's value (``fakelift``), a composite view decomposed (below), a simulated flash-attention
+kernel's fake implementation run (below), a view of ``fakeview.VIEWS`` made directly (``fakeview``), a
+point-to-point send or receive, an all-to-all or a barrier answered with its work handle (``_WORK_ONLY``), else
+an answer ``FakeTensorMode`` gave from its cache replayed from a cheaper key (``fakememo``), else the operator
+itself. Each returns exactly what ``FakeTensorMode`` would.
 
 Composite views. Code running below autograd (torch's ring attention, which DTensor's handler for
 scaled-dot-product attention runs on the local tensors) sends CompositeImplicitAutograd views to the dispatch
@@ -38,6 +39,10 @@ from every tensor of the lists and runs the operator's meta kernel on each index
 index's tensors broadcast to the written one and that the result's dtype can be written to it. Where every
 list holds, at each index, tensors of the written one's shape, dtype and device (or numbers), and that one is
 floating point, those checks cannot fail, and ``call`` answers None itself (``_answer_nothing``).
+
+Host data: a plain host tensor lifted into the simulation (``torch.tensor(values)``, UPipe's and FPDT's index
+tensors) is made as ``FakeTensorMode``'s converter makes it, and a constant's value read back (``.item()``,
+Adam's step counts) is read from the constant as its constant propagation does (``fakelift``).
 
 A fake tensor's device (``tensor.device``) is answered before ``call`` (``simmode.fake_device``), by both
 modes below.
@@ -73,7 +78,7 @@ from torch.distributed._meta_registrations import create_fakework
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..stackmodel.simmode import DEVICE_QUERY, any_dtensor, fake_device
-from . import fakememo, fakeview, foreachprop
+from . import fakelift, fakememo, fakeview, foreachprop
 from .skipmath import SIM_NAMESPACE
 
 
@@ -188,6 +193,12 @@ def _own_kernel(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> 
 
 def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
     """``func(*args, **kwargs)`` below a dispatch mode whose next mode is ``fake_mode`` (module docstring)."""
+    if func is fakelift.LIFT:
+        if (made := fakelift.lifted(args, kwargs, fake_mode)) is not None:
+            return made
+    elif func is fakelift.ITEM:
+        if (value := fakelift.constant_item(args, kwargs, fake_mode)) is not fakelift.NOT_HERE:
+            return value
     if _decompose(func, args, kwargs, fake_mode):
         with FastFake():
             return func.decompose(*args, **kwargs)

@@ -1,0 +1,96 @@
+"""Host data under simulation, answered as ``FakeTensorMode`` answers it: a tensor made from Python data, and a
+constant's value read back.
+
+A tensor made from Python data (``torch.tensor(values)``) is made real on the host below the dispatch modes and
+then lifted (``aten.lift_fresh``) into them. UPipe's and FPDT's index tensors (``methods.core.base.index_tensor``:
+one per stage, layer and pass, a thousand per simulated Llama3-8B step) are made this way. ``FakeTensorMode``
+refuses to cache a lift and converts the real tensor with ``FakeTensorConverter.from_real_tensor``, whose
+``MetaConverter`` first describes every property of the tensor (``describe_tensor``) and then walks the cases of
+its conversion. For a plain host tensor (strided, dense, not a view, no gradient, not conjugate or negative, no
+functorch or functionalization around it) the answer is a fake tensor of the real one's sizes, strides and dtype
+on its device, over a meta storage of its own, recorded in the converter's memos of tensors and storages.
+``lifted`` makes exactly that: the converter's own memo is looked up first, and where the real tensor's storage
+is already known (another fake shares it) the conversion is left to ``FakeTensorMode``. A tensor of at most
+``CONSTANT_NUMEL_LIMIT`` elements becomes a constant (its value kept, ``.item()`` answered from it) and is left
+to ``FakeTensorMode`` too.
+
+A constant's value read back (``.item()``: ``aten._local_scalar_dense``; Adam reads every parameter's step
+count each step) goes through ``FakeTensorMode``'s whole dispatch, its cache refused ("data dependent output"),
+to its constant propagation, which runs the operator on the constant with dispatch disabled. ``constant_item``
+does that directly, where the mode would reach that branch: a fake tensor of the mode with a constant and no
+symbolic size.
+
+``bench.measure.fakeroute.call`` sends both here; tests compare every answer with ``FakeTensorMode``'s.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import CONSTANT_NUMEL_LIMIT, FakeTensor, FakeTensorMode
+
+from .fakenew import new_fake
+
+LIFT = torch.ops.aten.lift_fresh.default
+ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+def _plain_mode(fake_mode: FakeTensorMode) -> bool:
+    """Nothing that changes a conversion: no shape environment, no real data copied, no functorch transform or
+    functionalization active, not in inference mode, and that mode the only one below."""
+    return (fake_mode.shape_env is None and not fake_mode.propagate_real_tensors
+            and torch._C._len_torch_dispatch_stack() == 1
+            and torch._C._functorch.peek_interpreter_stack() is None
+            and not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Functionalize)
+            and not torch.is_inference_mode_enabled())
+
+
+def _plain_host(t: Any) -> bool:
+    """A plain dense host tensor too large to be a constant, which ``MetaConverter`` converts by its
+    dense, non-view case."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout is torch.strided
+            and t.numel() > CONSTANT_NUMEL_LIMIT and not t.requires_grad and t.grad is None
+            and not t.is_quantized and not t.is_nested and not t.is_mkldnn and not t._is_view()
+            and t.storage_offset() == 0 and not t.is_conj() and not t.is_neg() and not t.is_inference()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+            and not torch._C._functorch.is_legacy_batchedtensor(t)
+            and not getattr(t, "_is_buffer", False))
+
+
+def lifted(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> FakeTensor | None:
+    """``FakeTensorMode``'s answer to ``lift_fresh(t)`` for a plain host tensor ``t`` (module docstring), or
+    None where it is not made here."""
+    if fake_mode is None or kwargs or len(args) != 1 or not _plain_host(args[0]) or not _plain_mode(fake_mode):
+        return None
+    t = args[0]
+    converter = fake_mode.fake_tensor_converter
+    known = converter._get_memo(t)
+    if known is not None:
+        return known
+    metas = converter.meta_converter
+    storage_id = metas.describer.get_storage_id(t.untyped_storage())
+    if storage_id in metas.storage_memo:  # another fake tensor shares its storage: torch's conversion
+        return None
+    with torch._C._DisableTorchDispatch():  # a meta tensor made below the modes (torch: with no_dispatch)
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    out = new_fake(fake_mode, meta, t.device)
+    metas.storage_memo[storage_id] = out.untyped_storage()
+    converter.set_tensor_memo(t, out)
+    return out
+
+
+NOT_HERE = object()  # constant_item's answer where the value is not read here
+
+
+def constant_item(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> Any:
+    """``FakeTensorMode``'s answer to ``_local_scalar_dense(t)`` for a fake tensor with a constant (module
+    docstring), or ``NOT_HERE``."""
+    if fake_mode is None or kwargs or len(args) != 1:
+        return NOT_HERE
+    t = args[0]
+    if (type(t) is not FakeTensor or t.fake_mode is not fake_mode or t.constant is None
+            or t._has_symbolic_sizes_strides or fake_mode.shape_env is not None):
+        return NOT_HERE
+    with torch._C._DisableTorchDispatch():
+        return ITEM(t.constant)
+
