@@ -228,3 +228,75 @@ def test_foreach_calls_whose_checks_could_fail_go_to_fake_tensor_mode(asked):
         with pytest.raises(RuntimeError):
             aten._foreach_add_.List(params, [torch.empty([5], device="cuda"), grads[1]])
     assert asked == [aten._foreach_add_.Scalar] + [aten._foreach_add_.List] * 3
+
+
+def _fsdp_calls() -> list[tuple]:
+    """FSDP2's custom operators as its all-gather and reduce-scatter send them (one parameter group of three
+    parameters on 4 ranks, rank 1), each with its arguments, made under the active fake mode."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp operators)
+
+    fsdp = torch.ops.fsdp
+    shards = [torch.empty([6], dtype=torch.bfloat16, device="cuda"), torch.empty([2], dtype=torch.bfloat16,
+                                                                               device="cuda")]
+    gathered = torch.empty([32], dtype=torch.bfloat16, device="cuda")
+    unsharded = [torch.empty([4, 6], dtype=torch.bfloat16, device="cuda"),  # each parameter viewed per rank
+                 torch.empty([4, 2], dtype=torch.bfloat16, device="cuda")]
+    grads = [torch.empty([4, 6], device="cuda"), torch.empty([4, 2], device="cuda")]
+    flat = torch.empty([4, 8], device="cuda")  # the reduce-scatter's input viewed per rank
+    return [(fsdp.all_gather_copy_in.default, (shards, gathered, [6, 2], 8, 1), {}),
+            (fsdp.split_with_sizes_copy.default, (gathered.view(4, 8), [6, 2]), {"dim": 1, "out": unsharded}),
+            (fsdp.chunk_cat.default, (grads, 0, 4), {"out": flat})]
+
+
+def test_fsdp_operators_run_their_meta_kernel_as_fake_tensor_mode_runs_it():
+    """FSDP2's copy-in, split and chunk-cat: ``call`` runs each one's Meta kernel itself and answers what
+    FakeTensorMode answers (the same facts, the same tensor returned where it returns an argument, a view of the
+    same storage), without asking FakeTensorMode; a call whose arguments do not fit raises as it does."""
+    seen: list = []
+    dispatch = FakeTensorMode.dispatch
+    with FakeTensorMode():
+        for func, args, kwargs in _fsdp_calls():
+            assert fakeroute._meta_kernel_only(func), func
+            with PassOn():
+                want = func(*args, **kwargs)
+            FakeTensorMode.dispatch = lambda self, f, *rest: seen.append(f) or dispatch(self, f, *rest)
+            try:
+                with Through(fakeroute.call):
+                    got = func(*args, **kwargs)
+            finally:
+                FakeTensorMode.dispatch = dispatch
+            assert seen == [], func
+            wants = list(want) if isinstance(want, tuple) else [want]
+            gots = list(got) if isinstance(got, tuple) else [got]
+            assert type(got) is type(want) and len(gots) == len(wants)
+            for g, w in zip(gots, wants, strict=True):
+                if w is None:
+                    assert g is None
+                    continue
+                assert facts(g) == facts(w)
+                flat_args = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                assert [g is a for a in flat_args] == [w is a for a in flat_args]
+                assert g.untyped_storage()._cdata == w.untyped_storage()._cdata
+        func, (shards, gathered, sizes, numel, rank), _ = _fsdp_calls()[0]
+        for above in (PassOn(), Through(fakeroute.call)):
+            with above, pytest.raises(IndexError, match="start out of range"):
+                func(shards, gathered, sizes, 40, rank)  # a shard past the gathered tensor's end
+
+
+def test_only_operators_fake_tensor_mode_answers_by_their_meta_kernel_run_it_here():
+    """torch's own operators (cached), a composite one, and a custom operator with a fake implementation of its
+    own are not; nor a call with a process group, which is not a plain argument."""
+    assert not fakeroute._meta_kernel_only(aten.mm.default)
+    assert not fakeroute._meta_kernel_only(aten._foreach_copy_.default)
+    assert not fakeroute._meta_kernel_only(aten.reshape.default)
+    lib = torch.library.Library("cpab_test_meta", "FRAGMENT")
+    try:
+        lib.define("twice(Tensor x) -> Tensor")
+        lib.impl("twice", lambda x: x * 2, "CPU")
+        lib.impl("twice", lambda x: torch.empty_like(x), "Meta")
+        assert fakeroute._meta_kernel_only(torch.ops.cpab_test_meta.twice.default)
+        lib.define("thrice(Tensor x) -> Tensor")
+        torch.library.register_fake("cpab_test_meta::thrice", lambda x: torch.empty_like(x), lib=lib)
+        assert not fakeroute._meta_kernel_only(torch.ops.cpab_test_meta.thrice.default)
+    finally:
+        lib._destroy()
