@@ -4,7 +4,7 @@
 tensor or a constant's value (``fakelift``), a composite view decomposed (below), a simulated flash-attention
 kernel's fake implementation run (below), a view of ``fakeview.VIEWS`` made directly (``fakeview``), a
 point-to-point send or receive, an all-to-all or a barrier answered with its work handle (``_WORK_ONLY``), an
-operator ``FakeTensorMode`` answers by its Meta kernel run (below), else an answer ``FakeTensorMode`` gave from
+operator ``FakeTensorMode`` answers only by its last routes (below), else an answer ``FakeTensorMode`` gave from
 its cache replayed from a cheaper key (``fakememo``), else the operator itself. Each returns exactly what
 ``FakeTensorMode`` would.
 
@@ -41,12 +41,14 @@ index's tensors broadcast to the written one and that the result's dtype can be 
 list holds, at each index, tensors of the written one's shape, dtype and device (or numbers), and that one is
 floating point, those checks cannot fail, and ``call`` answers None itself (``_answer_nothing``).
 
-Meta kernels. FSDP2's custom operators (``fsdp::all_gather_copy_in``, ``split_with_sizes_copy``, ``chunk_cat``:
-one each per parameter group, all-gather and reduce-scatter) have a Meta kernel and nothing else
-``FakeTensorMode`` would use: it builds their key, refuses it ("non-builtin"), tries each of its other routes in
-turn and at last runs that kernel in its kernel invocation and wraps the tensors returned with its device
-logic. ``call`` does that last step itself (``_run_meta_kernel``), where no earlier route could apply
-(``_meta_kernel_only``) and the call is plain.
+Last routes. FSDP2's custom operators (``fsdp::all_gather_copy_in``, ``split_with_sizes_copy``, ``chunk_cat``:
+one each per parameter group, all-gather and reduce-scatter) and the profiler's ``_record_function_enter_new``
+(FSDP2 and the optimizer mark their steps with ``record_function``) are answered by what ``FakeTensorMode``
+tries last: it builds their key, refuses it ("non-builtin"), tries each of its other routes in turn and at
+last runs its own fake-tensor implementation of the operator (the profiler's: the real operator run) or the
+operator's Meta kernel in its kernel invocation, the tensors returned wrapped by its device logic. ``call``
+does those last steps itself (``_run_last_routes``), where no earlier route could apply (``_last_routes``) and
+the call is plain.
 
 Host data: a plain host tensor lifted into the simulation (``torch.tensor(values)``, UPipe's and FPDT's index
 tensors) is made as ``FakeTensorMode``'s converter makes it, and a constant's value read back (``.item()``,
@@ -102,7 +104,7 @@ def active_fake_mode() -> FakeTensorMode | None:
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _DECOMPOSED: dict = {}  # operator -> _decomposed_each_time(operator)
 _VOID_FOREACH: dict = {}  # operator -> _writes_lists_only(operator)
-_META_ONLY: dict = {}  # operator -> _meta_kernel_only(operator)
+_LAST: dict = {}  # operator -> _last_routes(operator)
 _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 # c10d's operators whose fake kernel makes a work handle and nothing else (module docstring), each with the
@@ -189,17 +191,18 @@ def _answer_nothing(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode |
             and _plain_call(args, kwargs, fake_mode))
 
 
-def _meta_kernel_only(func) -> bool:
-    """Whether ``FakeTensorMode``, on a plain call (``_plain_call``) with no operator profiles, answers ``func``
-    by running its Meta kernel and wrapping what it returns, with nothing before that which could apply: an
-    operator outside torch's own namespaces (its cache refuses it, "non-builtin"), not answered before its
-    cache, not a lift, no meta function, Python decomposition, CompositeImplicitAutograd kernel, C++ meta
-    support, fake implementation or fake-tensor implementation of its own, and a Meta kernel (FSDP2's
-    ``fsdp::all_gather_copy_in``, ``split_with_sizes_copy`` and ``chunk_cat``)."""
-    known = _META_ONLY.get(func)
-    if known is None:
-        known = _META_ONLY[func] = (
-            isinstance(func, torch._ops.OpOverload) and not torch._library.utils.is_builtin(func)
+def _last_routes(func) -> tuple | None:
+    """FakeTensorMode's fake-tensor implementations that apply to ``func``, in its order, where on a plain call
+    (``_plain_call``) with no operator profiles it reaches them and its Meta kernel with nothing before that
+    which could apply; else None. Nothing before: an operator outside torch's own namespaces (its cache refuses
+    it, "non-builtin"), not answered before its cache, not a lift, no meta function, Python decomposition,
+    CompositeImplicitAutograd kernel, C++ meta support or fake implementation of its own; and a Meta kernel, so
+    that nothing after them could apply either (FSDP2's ``fsdp::all_gather_copy_in``, ``split_with_sizes_copy``
+    and ``chunk_cat``, the profiler's ``_record_function_enter_new``)."""
+    if func in _LAST:
+        return _LAST[func]
+    last = None
+    if (isinstance(func, torch._ops.OpOverload) and not torch._library.utils.is_builtin(func)
             and func not in _DISPATCH_META_HANDLERS and func not in _DISPATCH_HANDLE_DIRECTLY
             and func not in FakeTensorMode.lift_fns and func not in meta_table and func not in decomposition_table
             and torch.Tag.view_copy not in func.tags and func not in FakeTensorMode._cpp_meta_supports_symint
@@ -207,22 +210,27 @@ def _meta_kernel_only(func) -> bool:
             and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE)
             and "prims::" not in func._schema.name
             and simple_registry.singleton.find(func.name()).fake_impl.kernel is None
-            and not any(check(func) for check, _ in op_implementations_checks)
-            and has_meta(func))
-    return known
+            and has_meta(func)):
+        last = tuple(impl for check, impl in op_implementations_checks if check(func))
+    _LAST[func] = last
+    return last
 
 
-def _run_meta_kernel(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> Any:
-    """What ``FakeTensorMode`` does last for such an operator: its Meta kernel run on the fake tensors as the meta
-    tensors they wrap, with the mode out of its slot as within its own dispatch, and every tensor returned
-    wrapped by the mode's own device logic."""
-    flat_args = pytree.tree_leaves((args, kwargs))
+def _run_last_routes(func, impls: tuple, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> Any:
+    """What ``FakeTensorMode`` does last for such an operator, with the mode out of its slot as within its own
+    dispatch: each fake-tensor implementation in turn until one answers, else its Meta kernel run on the fake
+    tensors as the meta tensors they wrap, every tensor returned wrapped by the mode's own device logic."""
     mode = torch._C._unset_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     try:
+        for impl in impls:
+            out = impl(fake_mode, func, *args, **kwargs)
+            if out is not NotImplemented:
+                return out
         with in_kernel_invocation_manager(fake_mode):
             out = func(*args, **kwargs)
     finally:
         torch._C._set_dispatch_mode(mode)
+    flat_args = pytree.tree_leaves((args, kwargs))
     return fake_mode.wrap_meta_outputs_with_default_device_logic(out, func, flat_args, device=kwargs.get("device"))
 
 
@@ -262,8 +270,8 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
         return create_fakework(args, return_first_arg=False)
     if _answer_nothing(func, args, kwargs, fake_mode):
         return None
-    if _meta_kernel_only(func) and _own_kernel(args, kwargs, fake_mode):
-        return _run_meta_kernel(func, args, kwargs, fake_mode)
+    if (impls := _last_routes(func)) is not None and _own_kernel(args, kwargs, fake_mode):
+        return _run_last_routes(func, impls, args, kwargs, fake_mode)
     route = fakeview.call if func in fakeview.VIEWS else fakememo.call
     return route(func, args, kwargs, fake_mode)
 

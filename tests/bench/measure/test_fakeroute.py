@@ -256,7 +256,7 @@ def test_fsdp_operators_run_their_meta_kernel_as_fake_tensor_mode_runs_it():
     dispatch = FakeTensorMode.dispatch
     with FakeTensorMode():
         for func, args, kwargs in _fsdp_calls():
-            assert fakeroute._meta_kernel_only(func), func
+            assert fakeroute._last_routes(func) == (), func  # no fake-tensor implementation: the Meta kernel
             with PassOn():
                 want = func(*args, **kwargs)
             FakeTensorMode.dispatch = lambda self, f, *rest: seen.append(f) or dispatch(self, f, *rest)
@@ -283,20 +283,46 @@ def test_fsdp_operators_run_their_meta_kernel_as_fake_tensor_mode_runs_it():
                 func(shards, gathered, sizes, 40, rank)  # a shard past the gathered tensor's end
 
 
-def test_only_operators_fake_tensor_mode_answers_by_their_meta_kernel_run_it_here():
-    """torch's own operators (cached), a composite one, and a custom operator with a fake implementation of its
-    own are not; nor a call with a process group, which is not a plain argument."""
-    assert not fakeroute._meta_kernel_only(aten.mm.default)
-    assert not fakeroute._meta_kernel_only(aten._foreach_copy_.default)
-    assert not fakeroute._meta_kernel_only(aten.reshape.default)
+def test_only_operators_fake_tensor_mode_answers_by_its_last_routes_are_answered_so_here():
+    """torch's own operators (cached) and a composite one are not, nor a custom operator with a fake
+    implementation of its own; one with only a Meta kernel is."""
+    assert fakeroute._last_routes(aten.mm.default) is None
+    assert fakeroute._last_routes(aten._foreach_copy_.default) is None
+    assert fakeroute._last_routes(aten.reshape.default) is None
     lib = torch.library.Library("cpab_test_meta", "FRAGMENT")
     try:
         lib.define("twice(Tensor x) -> Tensor")
         lib.impl("twice", lambda x: x * 2, "CPU")
         lib.impl("twice", lambda x: torch.empty_like(x), "Meta")
-        assert fakeroute._meta_kernel_only(torch.ops.cpab_test_meta.twice.default)
+        assert fakeroute._last_routes(torch.ops.cpab_test_meta.twice.default) == ()
         lib.define("thrice(Tensor x) -> Tensor")
         torch.library.register_fake("cpab_test_meta::thrice", lambda x: torch.empty_like(x), lib=lib)
-        assert not fakeroute._meta_kernel_only(torch.ops.cpab_test_meta.thrice.default)
+        assert fakeroute._last_routes(torch.ops.cpab_test_meta.thrice.default) is None
     finally:
         lib._destroy()
+
+
+def test_record_function_is_entered_as_fake_tensor_mode_enters_it():
+    """The profiler's ``_record_function_enter_new`` (FSDP2's and the optimizer's ``record_function``): answered
+    by FakeTensorMode's own implementation of it, run here without asking FakeTensorMode: the real operator's
+    handle, which the exit operator accepts, and recorded by a profiler as FakeTensorMode's is."""
+    enter = torch.ops.profiler._record_function_enter_new.default
+    assert len(fakeroute._last_routes(enter)) == 1
+    seen: list = []
+    dispatch = FakeTensorMode.dispatch
+    with FakeTensorMode(), torch.profiler.profile() as prof:
+        with PassOn():
+            theirs = enter("cpab::theirs", None)
+            torch.ops.profiler._record_function_exit._RecordFunction(theirs)
+        FakeTensorMode.dispatch = lambda self, f, *rest: seen.append(f) or dispatch(self, f, *rest)
+        try:
+            with Through(fakeroute.call):
+                ours = enter("cpab::ours", None)
+        finally:
+            FakeTensorMode.dispatch = dispatch
+        with Through(fakeroute.call):
+            torch.ops.profiler._record_function_exit._RecordFunction(ours)
+    assert seen == []
+    assert type(ours) is type(theirs) and ours._type().qualified_name() == theirs._type().qualified_name()
+    names = {e.name for e in prof.events()}
+    assert {"cpab::ours", "cpab::theirs"} <= names
