@@ -280,6 +280,11 @@ class FastFake(TorchDispatchMode):
     """Every operator through ``call`` (module docstring). An operator on DTensors goes back to DTensor
     (``NotImplemented``), whose local operators come through again, as under the memory tracker."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False, as ``SimulationMode`` says (its docstring): no ``torch._disable_dynamo`` around the handler."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE_QUERY and (device := fake_device(func, args, kwargs)) is not None:
             return device

@@ -154,6 +154,14 @@ class SimulationMode(TorchDispatchMode):
 
     declines_dtensor = False  # whether the mode's own innermost call (``_call``) declines DTensor ops
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: ``__torch_dispatch__`` is not wrapped in ``torch._disable_dynamo``, which ``TorchDispatchMode``
+        puts around a subclass's handler (``__init_subclass__``) unless it says so here. That wrapper keeps
+        TorchDynamo from compiling the handler's frames and costs a few calls per operator; a simulation never
+        compiles (nothing here calls ``torch.compile``)."""
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self._init_counters()

@@ -118,3 +118,20 @@ def test_a_fake_tensors_device_is_answered_as_fake_tensor_mode_answers_it_and_no
         assert t.grad.device == t.device
     assert device not in seen.ops
     assert {torch.ops.aten.mul.Tensor, torch.ops.aten.sum.default} <= set(seen.ops)
+
+
+def test_the_simulations_dispatch_handlers_are_not_wrapped_by_dynamos_guard():
+    """``TorchDispatchMode`` wraps a subclass's handler in ``torch._disable_dynamo`` unless the subclass says not
+    to; the simulation's modes (the tracker, the fast fake route) say so, and their handlers are their own."""
+    from bench.measure.fakeroute import FastFake
+
+    for mode in (SimulationMode, PeakTracker, FastFake):
+        handler = mode.__torch_dispatch__
+        assert not hasattr(handler, "__wrapped__"), mode
+        assert handler.__qualname__.endswith(".__torch_dispatch__"), mode
+
+    class Plain(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert hasattr(Plain.__torch_dispatch__, "__wrapped__")  # what the check above would see, wrapped
