@@ -105,7 +105,10 @@ _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 _DECOMPOSED: dict = {}  # operator -> _decomposed_each_time(operator)
 _VOID_FOREACH: dict = {}  # operator -> _writes_lists_only(operator)
 _LAST: dict = {}  # operator -> _last_routes(operator)
-_PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format})
+# values FakeTensorMode passes through untouched: numbers, strings, torch's enums, and TorchScript objects (a c10d
+# operator's process group and reduce operation)
+_PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format,
+                    torch.ScriptObject})
 
 # c10d's operators whose fake kernel makes a work handle and nothing else (module docstring), each with the
 # arguments that hold its tensors: a send's or receive's list, an all-to-all's output and input, a barrier's
@@ -132,7 +135,8 @@ def _decomposed_each_time(func) -> bool:
 
 
 def _plain(arg: Any, fake_mode: FakeTensorMode) -> bool:
-    """A fake tensor of ``fake_mode`` with no constant and no symbolic size, or a plain value (or a list of them)."""
+    """A fake tensor of ``fake_mode`` with no constant and no symbolic size, or a plain value (``_PLAIN``), or a
+    list of them."""
     kind = type(arg)
     if kind is FakeTensor:
         return arg.fake_mode is fake_mode and arg.constant is None and not arg._has_symbolic_sizes_strides

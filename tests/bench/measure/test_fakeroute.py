@@ -68,6 +68,32 @@ def test_work_only_collectives_get_their_work_handle_directly_and_measure_the_sa
     assert _figures(trial) == fast
 
 
+LAST_ROUTED = ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "fsdp::all_gather_copy_in",
+               "fsdp::split_with_sizes_copy", "fsdp::chunk_cat", "profiler::_record_function_enter_new")
+
+
+@pytest.mark.parametrize("stack", ["paper", "lean"])
+def test_fsdp_collectives_take_the_last_routes_and_measure_the_same(stack, monkeypatch):
+    """On 4 ranks (two-layer tiny model): FSDP2's all-gathers and reduce-scatters (process groups among their
+    arguments), its copy-in, split and chunk-cat operators and the profiler's marks are answered by
+    ``_run_last_routes``, ``FakeTensorMode`` asked for none of them, and every figure is what its own dispatch of
+    them gives."""
+    trial = Trial.make("upipe", "tiny-llama", 4096, 4, step=StepConfig(stack=stack))
+    asked: list = []
+    dispatch = FakeTensorMode.dispatch
+    monkeypatch.setattr(FakeTensorMode, "dispatch",
+                        lambda self, func, *rest: asked.append(func.name()) or dispatch(self, func, *rest))
+    ran: list = []
+    original = fakeroute._run_last_routes
+    monkeypatch.setattr(fakeroute, "_run_last_routes", lambda func, *a: ran.append(func.name()) or original(func, *a))
+    fast = _figures(trial)
+    assert set(ran) == set(LAST_ROUTED) and not set(asked) & set(LAST_ROUTED)
+    monkeypatch.setattr(fakeroute, "_last_routes", lambda func: None)
+    asked.clear()
+    assert _figures(trial) == fast
+    assert set(LAST_ROUTED) <= set(asked)
+
+
 class _Schema:
     """An operator's schema as the flag's scan reads it (``args_spec``), counting the scans."""
 
