@@ -11,8 +11,10 @@ functorch or functionalization around it) the answer is a fake tensor of the rea
 on its device, over a meta storage of its own, recorded in the converter's memos of tensors and storages.
 ``lifted`` makes exactly that: the converter's own memo is looked up first, and where the real tensor's storage
 is already known (another fake shares it) the conversion is left to ``FakeTensorMode``. A tensor of at most
-``CONSTANT_NUMEL_LIMIT`` elements becomes a constant (its value kept, ``.item()`` answered from it) and is left
-to ``FakeTensorMode`` too.
+``CONSTANT_NUMEL_LIMIT`` elements (Adam's step counts, ``torch.tensor(0.0)``, one per parameter) the mode lifts as
+a constant: it copies the real tensor, converts the copy the same way and keeps it as the fake tensor's
+``constant`` (``.item()`` is answered from it, an operator that writes to it unknowably drops it), registered in
+the converter's map of constant storages; ``lifted`` does the same.
 
 A constant's value read back (``.item()``: ``aten._local_scalar_dense``; Adam reads every parameter's step
 count each step) goes through ``FakeTensorMode``'s whole dispatch, its cache refused ("data dependent output"),
@@ -46,10 +48,9 @@ def _plain_mode(fake_mode: FakeTensorMode) -> bool:
 
 
 def _plain_host(t: Any) -> bool:
-    """A plain dense host tensor too large to be a constant, which ``MetaConverter`` converts by its
-    dense, non-view case."""
+    """A plain dense host tensor, which ``MetaConverter`` converts by its dense, non-view case."""
     return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout is torch.strided
-            and t.numel() > CONSTANT_NUMEL_LIMIT and not t.requires_grad and t.grad is None
+            and not t.requires_grad and t.grad is None
             and not t.is_quantized and not t.is_nested and not t.is_mkldnn and not t._is_view()
             and t.storage_offset() == 0 and not t.is_conj() and not t.is_neg() and not t.is_inference()
             and not torch._C._functorch.is_functorch_wrapped_tensor(t)
@@ -63,10 +64,20 @@ def lifted(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> FakeT
     if fake_mode is None or kwargs or len(args) != 1 or not _plain_host(args[0]) or not _plain_mode(fake_mode):
         return None
     t = args[0]
+    if t.numel() <= CONSTANT_NUMEL_LIMIT:  # the mode lifts a copy of it, kept as the fake tensor's constant
+        with torch._C._DisableTorchDispatch():  # the lift run on the real tensor, then copied (torch: no_dispatch)
+            constant = LIFT(t).clone()
+        return _fake_of(constant, fake_mode, constant=constant)
+    known = fake_mode.fake_tensor_converter._get_memo(t)
+    return known if known is not None else _fake_of(t, fake_mode)
+
+
+def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode, constant: torch.Tensor | None = None) -> FakeTensor | None:
+    """``from_real_tensor(fake_mode, t, make_constant=constant is not None)`` for a plain host tensor not yet
+    converted: a fake tensor of its sizes, strides and dtype on its device over a meta storage of its own,
+    recorded in the converter's memos of storages and tensors (and its constants, for one); None where another
+    fake tensor shares its storage."""
     converter = fake_mode.fake_tensor_converter
-    known = converter._get_memo(t)
-    if known is not None:
-        return known
     metas = converter.meta_converter
     storage_id = metas.describer.get_storage_id(t.untyped_storage())
     if storage_id in metas.storage_memo:  # another fake tensor shares its storage: torch's conversion
@@ -76,6 +87,9 @@ def lifted(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> FakeT
     out = new_fake(fake_mode, meta, t.device)
     metas.storage_memo[storage_id] = out.untyped_storage()
     converter.set_tensor_memo(t, out)
+    if constant is not None:
+        out.constant = constant  # FakeTensor(..., constant=constant) sets it in the same place
+        converter.add_constant_storage_mapping(out)
     return out
 
 

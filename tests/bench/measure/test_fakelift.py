@@ -29,6 +29,9 @@ def _lift_both(make):
 
 PLAIN = {
     "int64 indices": lambda: torch.tensor([3, 1, 2, 0, 7, 5, 4, 6]),
+    "a constant (one element)": lambda: torch.tensor([5]),
+    "a float scalar constant (Adam's step)": lambda: torch.tensor(0.0, dtype=torch.float32),
+    "an int scalar constant": lambda: torch.tensor(3),
     "int32 offsets": lambda: torch.tensor([0, 128, 512], dtype=torch.int32),
     "float matrix": lambda: torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
     "bfloat16": lambda: torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16),
@@ -43,6 +46,27 @@ def test_a_plain_host_tensor_is_lifted_as_fake_tensor_mode_lifts_it(make):
     replaced = [(k, v if v is not ours_mode else "mode") for k, v in ours.__dict__.items()]
     assert replaced == [(k, v if v is not theirs_mode else "mode") for k, v in theirs.__dict__.items()]
     assert _facts_but_the_mode(ours) == _facts_but_the_mode(theirs)
+    if theirs.constant is not None:  # a copy of the data, its own, and registered as the mode registers it
+        assert ours.constant is not None and torch.equal(ours.constant, theirs.constant)
+        for mode, fake in ((ours_mode, ours), (theirs_mode, theirs)):
+            mapping = mode.fake_tensor_converter.constant_storage_mapping
+            assert [[ref() for ref in refs] for refs in mapping.values()] == [[fake]]
+
+
+def test_a_constant_is_lifted_here_and_invalidated_by_a_write_as_fake_tensor_modes_is():
+    """A one-element tensor is made here too, with its constant; written to by an operator whose result cannot
+    be known (a random fill), the constant is dropped, as the mode drops its own; added to, it is propagated."""
+    mode = FakeTensorMode()
+    real = torch.tensor([2.0])
+    with mode:
+        made = fakelift.lifted((real,), {}, mode)
+    assert made is not None and made.constant is not None and made.constant is not real
+    with mode, Through(fakeroute.call):
+        step = torch.tensor(1.0)
+        step.add_(1)
+        assert step.item() == 2.0
+        step.uniform_()
+        assert step.constant is None
 
 
 def test_the_lift_is_made_here_and_recorded_in_the_converters_memos():
@@ -62,8 +86,6 @@ def test_the_lift_is_made_here_and_recorded_in_the_converters_memos():
 
 
 LEFT = {
-    "a constant (one element)": lambda: torch.tensor([5]),
-    "a scalar": lambda: torch.tensor(2.5),
     "requires grad": lambda: torch.tensor([1.0, 2.0], requires_grad=True),
     "a view": lambda: torch.arange(8)[2:],
     "conjugate": lambda: torch.tensor([1 + 2j, 3 - 1j]).conj(),
