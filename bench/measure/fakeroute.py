@@ -39,7 +39,9 @@ every parameter) return nothing, and ``FakeTensorMode`` changes nothing of their
 from every tensor of the lists and runs the operator's meta kernel on each index, which only checks that the
 index's tensors broadcast to the written one and that the result's dtype can be written to it. Where every
 list holds, at each index, tensors of the written one's shape, dtype and device (or numbers), and that one is
-floating point, those checks cannot fail, and ``call`` answers None itself (``_answer_nothing``).
+floating point, those checks cannot fail, and ``call`` answers None itself (``_answer_nothing``). An out-of-place
+foreach operator (Adam's ``_foreach_sqrt``), which ``FakeTensorMode`` never caches, is asked of it once per
+distinct element of the lists (``foreachnew``).
 
 Last routes. FSDP2's custom operators (``fsdp::all_gather_copy_in``, ``split_with_sizes_copy``, ``chunk_cat``:
 one each per parameter group, all-gather and reduce-scatter) and the profiler's ``_record_function_enter_new``
@@ -91,7 +93,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..stackmodel.simmode import DEVICE_QUERY, any_dtensor, fake_device
-from . import fakelift, fakememo, fakeview, foreachprop
+from . import fakelift, fakememo, fakeview, foreachnew, foreachprop
 from .skipmath import SIM_NAMESPACE
 
 
@@ -274,6 +276,9 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
         return create_fakework(args, return_first_arg=False)
     if _answer_nothing(func, args, kwargs, fake_mode):
         return None
+    if fake_mode is not None and foreachnew._returns_new_list(func) and _plain_call(args, kwargs, fake_mode) \
+            and (made := foreachnew.answer(func, args, kwargs)) is not None:
+        return made
     if (impls := _last_routes(func)) is not None and _own_kernel(args, kwargs, fake_mode):
         return _run_last_routes(func, impls, args, kwargs, fake_mode)
     route = fakeview.call if func in fakeview.VIEWS else fakememo.call
