@@ -103,7 +103,8 @@ def constant_item(args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -
         return NOT_HERE
     t = args[0]
     if (type(t) is not FakeTensor or t.fake_mode is not fake_mode or t.constant is None
-            or t._has_symbolic_sizes_strides or fake_mode.shape_env is not None):
+            or t._has_symbolic_sizes_strides or fake_mode.shape_env is not None
+            or torch._C._len_torch_dispatch_stack() != 1):  # another mode below would see the operator
         return NOT_HERE
     with torch._C._DisableTorchDispatch():
         return ITEM(t.constant)

@@ -146,3 +146,5 @@ def test_a_constants_value_is_read_here_and_a_tensor_without_one_is_left():
         assert fakelift.constant_item((step,), {}, mode) == 4.0
         assert fakelift.constant_item((plain,), {}, mode) is fakelift.NOT_HERE
         assert fakelift.constant_item((step,), {}, FakeTensorMode()) is fakelift.NOT_HERE  # another mode's
+        with PassOn():  # a second mode below the caller
+            assert fakelift.constant_item((step,), {}, mode) is fakelift.NOT_HERE
