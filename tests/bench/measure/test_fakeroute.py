@@ -74,7 +74,7 @@ LAST_ROUTED = ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_", "fsdp::a
 
 @pytest.mark.parametrize("stack", ["paper", "lean"])
 def test_fsdp_collectives_take_the_last_routes_and_measure_the_same(stack, monkeypatch):
-    """On 4 ranks (two-layer tiny model): FSDP2's all-gathers and reduce-scatters (process groups among their
+    """On 4 ranks (tiny-llama, both stacks): FSDP2's all-gathers and reduce-scatters (process groups among their
     arguments), its copy-in, split and chunk-cat operators and the profiler's marks are answered by
     ``_run_last_routes``, ``FakeTensorMode`` asked for none of them, and every figure is what its own dispatch of
     them gives."""
@@ -257,7 +257,7 @@ def test_foreach_calls_whose_checks_could_fail_go_to_fake_tensor_mode(asked):
 
 
 def _fsdp_calls() -> list[tuple]:
-    """FSDP2's custom operators as its all-gather and reduce-scatter send them (one parameter group of three
+    """FSDP2's custom operators as its all-gather and reduce-scatter send them (one parameter group of two
     parameters on 4 ranks, rank 1), each with its arguments, made under the active fake mode."""
     import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers the fsdp operators)
 
