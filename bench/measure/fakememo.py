@@ -130,12 +130,12 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
     if kept is not None:
         kind, facts = kept
         if kind is _NEW:
-            return _rebuild(facts, fake_mode)
+            return rebuild(facts, fake_mode)
         if kind is _INPUT:
             return args[facts]
         if kind is _VALUE:
             return facts
-        return tuple(f if isinstance(f, _VALUES) else _rebuild(f, fake_mode) for f in facts)
+        return tuple(f if isinstance(f, _VALUES) else rebuild(f, fake_mode) for f in facts)
     hits, misses = FakeTensorMode.cache_hits, FakeTensorMode.cache_misses
     bypasses = sum(FakeTensorMode.cache_bypasses.values())
     out = func(*args, **kwargs)
@@ -151,13 +151,15 @@ def call(func, args: tuple, kwargs: dict, fake_mode: FakeTensorMode | None) -> A
     return out
 
 
-def _facts(out: FakeTensor) -> tuple:
+def metadata(out: FakeTensor) -> tuple:
+    """What ``rebuild`` needs of a fake tensor: sizes, strides, dtype, layout, ``requires_grad``, conjugate and
+    negative bits, fake device."""
     return (tuple(out.shape), out.stride(), out.dtype, out.layout, out.requires_grad, out.is_conj(), out.is_neg(),
             out.fake_device)
 
 
-def _rebuild(facts: tuple, fake_mode: FakeTensorMode) -> FakeTensor:
-    """A new fake tensor as torch's cache hit builds one from its entry's metadata."""
+def rebuild(facts: tuple, fake_mode: FakeTensorMode) -> FakeTensor:
+    """A new fake tensor as torch's cache hit builds one from its entry's metadata (``metadata``'s tuple)."""
     shape, stride, dtype, layout, requires_grad, conj, neg, device = facts
     with torch._C._DisableTorchDispatch():  # a meta tensor made below the modes (torch: in its kernel invocation)
         empty = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta",
@@ -177,7 +179,7 @@ def _answer(out: Any, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> t
     constant value torch's entry returns); or a tuple of new tensors, each on a storage of its own, and values
     (``_TUPLE``: torch builds each tensor from its entry's metadata and returns each value)."""
     if _fresh(out, args, kwargs, fake_mode):
-        return _NEW, _facts(out)
+        return _NEW, metadata(out)
     if type(out) is FakeTensor:
         at = [i for i, a in enumerate(args) if a is out]
         if len(at) == 1 and not any(v is out for v in kwargs.values()):
@@ -189,5 +191,5 @@ def _answer(out: Any, args: tuple, kwargs: dict, fake_mode: FakeTensorMode) -> t
         new = [t for t in out if not isinstance(t, _VALUES)]
         if all(_fresh(t, args, kwargs, fake_mode) for t in new) \
                 and len({t.untyped_storage()._cdata for t in new}) == len(new):
-            return _TUPLE, tuple(t if isinstance(t, _VALUES) else _facts(t) for t in out)
+            return _TUPLE, tuple(t if isinstance(t, _VALUES) else metadata(t) for t in out)
     return None

@@ -9,7 +9,7 @@ and the numbers of a list of scalars. A model's parameters have a few distinct s
 
 ``answer`` asks ``FakeTensorMode`` for the operator on the first index of each distinct element (every list
 reduced alike, so any check across the lists sees the same distinct elements) and makes every index's tensor
-as torch makes a cached output from its metadata (``fakememo._rebuild``), from its representative's answer.
+as torch makes a cached output from its metadata (``fakememo.rebuild``), from its representative's answer.
 It takes an aten foreach operator that returns a new list and writes nothing, on a plain call whose arguments
 are lists of one length (fake tensors or numbers) and numbers; it checks that each answer is a tensor of its own
 over a storage of exactly its span, which a rebuilt tensor has; otherwise, or where every element is distinct,
@@ -21,9 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .fakememo import _facts, _rebuild
+from .fakememo import metadata, rebuild
+from .foreachprop import representatives
 
 _NEW_LIST: dict = {}  # operator -> _returns_new_list(operator)
 
@@ -59,33 +61,27 @@ def answer(func, args: tuple, kwargs: dict) -> list | None:
     lists = [a for a in (*args, *kwargs.values()) if type(a) in (list, tuple)]
     if not lists or any(len(a) != len(lists[0]) for a in lists):
         return None
-    first: dict = {}  # each distinct element, across the lists, -> its first index
-    keys = []
-    for index, elements in enumerate(zip(*lists, strict=True)):
-        key = tuple(_element(e) for e in elements)
-        if None in key:
-            return None
-        keys.append(key)
-        first.setdefault(key, index)
-    if len(first) == len(keys):
+    keys = [tuple(_element(e) for e in elements) for elements in zip(*lists, strict=True)]
+    if any(None in key for key in keys):
         return None
-    keep = list(first.values())
+    firsts, index = representatives(keys)
+    if len(firsts) == len(keys):
+        return None
 
     def reduced(a: Any) -> Any:
-        return [a[i] for i in keep] if type(a) in (list, tuple) else a
+        return [a[i] for i in firsts] if type(a) in (list, tuple) else a
 
     asked = func(*[reduced(a) for a in args], **{k: reduced(a) for k, a in kwargs.items()})
-    if type(asked) is not list or len(asked) != len(keep) or not all(_own_span(t) for t in asked):
+    if type(asked) is not list or len(asked) != len(firsts) or not all(_own_span(t) for t in asked):
         return None
-    facts = {key: _facts(t) for key, t in zip(first, asked, strict=True)}
-    mode = asked[0].fake_mode
-    return [_rebuild(facts[key], mode) for key in keys]
+    made = [metadata(t) for t in asked]
+    return [rebuild(made[place], asked[0].fake_mode) for place in index]
 
 
 def _own_span(t: Any) -> bool:
     """A fake tensor at offset 0 of a storage of exactly its span, as a tensor rebuilt from its metadata has."""
     if type(t) is not FakeTensor or t.storage_offset() != 0:
         return False
-    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    span = compute_required_storage_length(t.shape, t.stride(), 0)
     return t.untyped_storage().nbytes() == span * t.element_size()
 

@@ -48,6 +48,20 @@ def _returns_one_list_or_nothing(op: torch._ops.OpOverload) -> bool:
     return not returns or (len(returns) == 1 and str(returns[0].type) == "List[Tensor]")
 
 
+def representatives(keys: list) -> tuple[list[int], list[int]]:
+    """For each index's key: the first index of each distinct key, in order, and for every index the place of its
+    key's first index among them (where its element sits in lists reduced to the first indices)."""
+    position: dict = {}  # a key -> its place in the reduced lists
+    firsts: list[int] = []
+    index: list[int] = []
+    for j, key in enumerate(keys):
+        if key not in position:
+            position[key] = len(firsts)
+            firsts.append(j)
+        index.append(position[key])
+    return firsts, index
+
+
 def reduced_schema(op_schema: Any) -> tuple[Any, list[int]] | None:
     """The schema with each distinct element of its lists once, and for each index of the original lists the
     position of its representative; None where the operator must be propagated whole (module docstring)."""
@@ -68,16 +82,8 @@ def reduced_schema(op_schema: Any) -> tuple[Any, list[int]] | None:
         return None
     if any(isinstance(a, (DTensorSpec, torch.Tensor)) for i, a in enumerate(args) if i not in lists):
         return None
-    position: dict[tuple, int] = {}  # an element's key -> its place in the reduced lists
-    firsts: list[int] = []  # the first index of each distinct element, in order
-    index: list[int] = []
     try:
-        for j in range(length):
-            key = tuple(_key(args[i][j]) for i in lists)
-            if key not in position:
-                position[key] = len(firsts)
-                firsts.append(j)
-            index.append(position[key])
+        firsts, index = representatives([tuple(_key(args[i][j]) for i in lists) for j in range(length)])
     except TypeError:  # an element that cannot be a key
         return None
     if len(firsts) == length:
