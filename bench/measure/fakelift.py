@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import CONSTANT_NUMEL_LIMIT, FakeTensor, FakeTensorMode
 
-from .fakenew import new_fake
+from .fakememo import rebuild
 
 LIFT = torch.ops.aten.lift_fresh.default
 ITEM = torch.ops.aten._local_scalar_dense.default
@@ -82,9 +82,8 @@ def _fake_of(t: torch.Tensor, fake_mode: FakeTensorMode, constant: torch.Tensor 
     storage_id = metas.describer.get_storage_id(t.untyped_storage())
     if storage_id in metas.storage_memo:  # another fake tensor shares its storage: torch's conversion
         return None
-    with torch._C._DisableTorchDispatch():  # a meta tensor made below the modes (torch: with no_dispatch)
-        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    out = new_fake(fake_mode, meta, t.device)
+    # not conjugate or negative, no gradient (_plain_host)
+    out = rebuild((t.shape, t.stride(), t.dtype, torch.strided, False, False, False, t.device), fake_mode)
     metas.storage_memo[storage_id] = out.untyped_storage()
     converter.set_tensor_memo(t, out)
     if constant is not None:
