@@ -129,11 +129,17 @@ def _decomposed_each_time(func) -> bool:
         known = _DECOMPOSED[func] = (
             isinstance(func, torch._ops.OpOverload) and func.is_view
             and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE)
-            and func not in meta_table and func not in decomposition_table
-            and torch.Tag.view_copy not in func.tags and func not in FakeTensorMode._cpp_meta_supports_symint
-            and func not in FakeTensorMode.lift_fns and func not in _DISPATCH_META_HANDLERS
-            and func not in _DISPATCH_HANDLE_DIRECTLY)
+            and _nothing_before_decomposing(func))
     return known
+
+
+def _nothing_before_decomposing(func: torch._ops.OpOverload) -> bool:
+    """What ``FakeTensorMode`` could do for ``func`` before it decomposes it or goes past its decomposition (both
+    routes below depend on it doing neither): answer it before its cache, lift it, run a meta function or a Python
+    decomposition, or prefer a C++ meta kernel. None of these applies."""
+    return (func not in _DISPATCH_META_HANDLERS and func not in _DISPATCH_HANDLE_DIRECTLY
+            and func not in FakeTensorMode.lift_fns and func not in meta_table and func not in decomposition_table
+            and torch.Tag.view_copy not in func.tags and func not in FakeTensorMode._cpp_meta_supports_symint)
 
 
 def _plain(arg: Any, fake_mode: FakeTensorMode) -> bool:
@@ -209,9 +215,7 @@ def _last_routes(func) -> tuple | None:
         return _LAST[func]
     last = None
     if (isinstance(func, torch._ops.OpOverload) and not torch._library.utils.is_builtin(func)
-            and func not in _DISPATCH_META_HANDLERS and func not in _DISPATCH_HANDLE_DIRECTLY
-            and func not in FakeTensorMode.lift_fns and func not in meta_table and func not in decomposition_table
-            and torch.Tag.view_copy not in func.tags and func not in FakeTensorMode._cpp_meta_supports_symint
+            and _nothing_before_decomposing(func)
             and torch._C.DispatchKey.CompositeImplicitAutograd not in func.py_kernels
             and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE)
             and "prims::" not in func._schema.name
