@@ -1,20 +1,20 @@
 """Host data under simulation, answered as ``FakeTensorMode`` answers it: a tensor made from Python data, and a
 constant's value read back.
 
-A tensor made from Python data (``torch.tensor(values)``) is made real on the host below the dispatch modes and
-then lifted (``aten.lift_fresh``) into them. UPipe's and FPDT's index tensors (``methods.core.base.index_tensor``:
-one per stage, layer and pass, a thousand per simulated Llama3-8B step) are made this way. ``FakeTensorMode``
-refuses to cache a lift and converts the real tensor with ``FakeTensorConverter.from_real_tensor``, whose
-``MetaConverter`` first describes every property of the tensor (``describe_tensor``) and then walks the cases of
-its conversion. For a plain host tensor (strided, dense, not a view, no gradient, not conjugate or negative, no
-functorch or functionalization around it) the answer is a fake tensor of the real one's sizes, strides and dtype
-on its device, over a meta storage of its own, recorded in the converter's memos of tensors and storages.
-``lifted`` makes exactly that: the converter's own memo is looked up first, and where the real tensor's storage
-is already known (another fake shares it) the conversion is left to ``FakeTensorMode``. A tensor of at most
-``CONSTANT_NUMEL_LIMIT`` elements (Adam's step counts, ``torch.tensor(0.0)``, one per parameter) the mode lifts as
-a constant: it copies the real tensor, converts the copy the same way and keeps it as the fake tensor's
-``constant`` (``.item()`` is answered from it, an operator that writes to it unknowably drops it), registered in
-the converter's map of constant storages; ``lifted`` does the same.
+A tensor made from Python data (``torch.tensor(values)``) is made real on the host below the dispatch modes and then
+lifted (``aten.lift_fresh``) into them. UPipe's and FPDT's index tensors (``methods.core.base.index_tensor``: one
+per stage, layer and pass) are made this way (how many, and what they cost: results/speed/README.md).
+``FakeTensorMode`` refuses to cache a lift and converts the real tensor with
+``FakeTensorConverter.from_real_tensor``, whose ``MetaConverter`` first describes every property of the tensor
+(``describe_tensor``) and then walks the cases of its conversion. For a plain host tensor (strided, dense, not a
+view, no gradient, not conjugate or negative, no functorch or functionalization around it) the answer is a fake
+tensor of the real one's sizes, strides and dtype on its device, over a meta storage of its own, recorded in the
+converter's memos of tensors and storages. ``lifted`` makes exactly that: the converter's own memo is looked up
+first, and where the real tensor's storage is already known (another fake shares it) the conversion is left to
+``FakeTensorMode``. A tensor of at most ``CONSTANT_NUMEL_LIMIT`` elements (Adam's step counts,
+``torch.tensor(0.0)``, one per parameter) the mode lifts as a constant: it copies the real tensor, converts the copy
+the same way and keeps it as the fake tensor's ``constant`` (``.item()`` is answered from it, an operator that
+writes to it unknowably drops it), registered in the converter's map of constant storages; ``lifted`` does the same.
 
 A constant's value read back (``.item()``: ``aten._local_scalar_dense``; Adam reads every parameter's step
 count each step) goes through ``FakeTensorMode``'s whole dispatch, its cache refused ("data dependent output"),

@@ -1,11 +1,11 @@
 """An out-of-place foreach operator's new tensors, asked of ``FakeTensorMode`` once per distinct element.
 
-Adam's multi-tensor step sends ``_foreach_sqrt`` over every parameter's second moment (291 tensors for
-Llama3-8B). ``FakeTensorMode`` never caches an operator that returns a list ("non-FakeTensor output"): each
-call builds a cache key over every tensor of the lists, runs the operator's meta kernel on each index and makes
+Adam's multi-tensor step sends ``_foreach_sqrt`` over every parameter's second moment (what it cost:
+results/speed/README.md). ``FakeTensorMode`` never caches an operator that returns a list ("non-FakeTensor output"):
+each call builds a cache key over every tensor of the lists, runs the operator's meta kernel on each index and makes
 each output a fake tensor on the device of that index's tensors (``foreach_run_and_map_input_device``). What it
-makes at an index depends only on the lists' elements at that index: their sizes, strides, dtypes and devices,
-and the numbers of a list of scalars. A model's parameters have a few distinct shapes, repeated per layer.
+makes at an index depends only on the lists' elements at that index: their sizes, strides, dtypes and devices, and
+the numbers of a list of scalars. A model's parameters have a few distinct shapes, repeated per layer.
 
 ``answer`` asks ``FakeTensorMode`` for the operator on the first index of each distinct element (every list
 reduced alike, so any check across the lists sees the same distinct elements) and makes every index's tensor
